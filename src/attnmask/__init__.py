@@ -1,0 +1,3 @@
+"""attnmask: masked attention done right and fast."""
+
+__version__ = "0.1.0"

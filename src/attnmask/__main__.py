@@ -1,0 +1,5 @@
+import sys
+
+from attnmask.cli import main
+
+sys.exit(main())

@@ -1,0 +1,472 @@
+"""Transformer models: encoder-decoder (translation) and decoder-only (language models).
+
+One config, one implementation. Every mask comes from :mod:`attnmask.masks`:
+
+- encoder self-attention: key padding over the source;
+- decoder self-attention: look-ahead (causal) + key padding (seed 004's ``M_total``);
+- cross-attention: key padding over the encoder's positions.
+
+The prediction head ``W_pred`` (``lm_head``) maps hidden states ``(B, T, C)`` to logits
+``(B, T, V)``; :func:`lm_loss` averages cross-entropy over real tokens only (seed 000, eq. 11).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnmask import masks
+from attnmask.attention import MultiHeadAttention, prepare_mask
+
+IGNORE_INDEX = -100
+
+ARCHS = ("encoder_decoder", "decoder")
+POSITIONS = ("sinusoidal", "learned", "rotary")
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("pre", "post")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of an attnmask Transformer. Checked in ``__post_init__``."""
+
+    vocab_size: int  # target (or only) vocabulary, V
+    arch: str = "decoder"  # "encoder_decoder" or "decoder"
+    src_vocab_size: int | None = None  # encoder vocabulary; None = shared with the decoder
+    dim: int = 256  # model width C
+    n_layers: int = 4  # decoder layers
+    n_encoder_layers: int | None = None  # encoder layers; None = n_layers
+    n_heads: int = 4  # query heads H
+    n_kv_heads: int | None = None  # key/value heads Hkv (grouped-query when < n_heads); None = n_heads
+    head_dim: int | None = None  # None = dim // n_heads
+    ffn_dim: int | None = None  # None = 4 * dim
+    max_seq_len: int = 512  # longest sequence for learned/sinusoidal positions and decoding
+    positions: str = "sinusoidal"  # "sinusoidal" | "learned" | "rotary"
+    rope_theta: float = 10000.0  # rotary base
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_position: str = "pre"  # "pre" (GPT-2/Llama) or "post" (original Transformer, Marian)
+    final_norm: bool = True  # a norm after the last layer (pre-norm models)
+    activation: str = "gelu"  # "relu" | "gelu" | "gelu_tanh" | "silu" | "swiglu"
+    bias: bool = True  # biases in linear layers
+    dropout: float = 0.0
+    tie_embeddings: bool = True  # lm_head shares the (target) embedding matrix
+    embed_scale: bool = False  # multiply embeddings by sqrt(dim) (original Transformer, Marian)
+    lm_head_bias: bool = False  # a bias on the logits (Marian's final_logits_bias)
+    pad_id: int = 0
+    attn_backend: str = "auto"
+    extra: dict = field(default_factory=dict)  # free-form notes (e.g. where weights came from)
+
+    def __post_init__(self):
+        for name, val, allowed in (
+            ("arch", self.arch, ARCHS),
+            ("positions", self.positions, POSITIONS),
+            ("norm", self.norm, NORMS),
+            ("norm_position", self.norm_position, NORM_POSITIONS),
+            ("activation", self.activation, ACTIVATIONS),
+        ):
+            if val not in allowed:
+                raise ValueError(f"ModelConfig.{name}={val!r}, expected one of {allowed}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_heads % self.kv_heads != 0:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
+        if self.head_dim is None and self.dim % self.n_heads != 0:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads} (or set head_dim)")
+        if self.positions == "rotary" and self.d_head % 2:
+            raise ValueError(f"rotary positions need an even head dim, got {self.d_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def d_head(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def d_ffn(self) -> int:
+        return self.ffn_dim or 4 * self.dim
+
+    @property
+    def encoder_layers(self) -> int:
+        return self.n_layers if self.n_encoder_layers is None else self.n_encoder_layers
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; expected some of {sorted(known)}")
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # normalize in float32 for bfloat16 stability (as Llama does)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.dim, cfg.norm_eps)
+    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: ``down(act(up(x)))`` or SwiGLU ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.activation = cfg.activation
+        if cfg.activation == "swiglu":
+            self.gate_proj = nn.Linear(cfg.dim, cfg.d_ffn, bias=cfg.bias)
+        self.up_proj = nn.Linear(cfg.dim, cfg.d_ffn, bias=cfg.bias)
+        self.down_proj = nn.Linear(cfg.d_ffn, cfg.dim, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.activation == "swiglu":
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = self.up_proj(x)
+            if self.activation == "relu":
+                h = F.relu(h)
+            elif self.activation == "gelu":
+                h = F.gelu(h)
+            elif self.activation == "gelu_tanh":
+                h = F.gelu(h, approximate="tanh")
+            else:
+                h = F.silu(h)
+        return self.down_proj(self.dropout(h))
+
+
+def sinusoidal_table(n_pos: int, dim: int) -> Tensor:
+    """``(n_pos, dim)``: sines in the first half, cosines in the second (Marian's layout)."""
+    half = (dim + 1) // 2
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # (ceil(C/2),)
+    ang = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv_freq[None]  # (n_pos, ceil(C/2))
+    table = torch.zeros(n_pos, dim, dtype=torch.float64)
+    table[:, :half] = ang.sin()
+    table[:, half:] = ang[:, : dim - half].cos()
+    return table.float()
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding, Hugging Face Llama's "rotate half" layout."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions ``(B, T)`` -> cos, sin ``(B, 1, T, D)``."""
+        ang = positions.float()[..., None] * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat([ang, ang], dim=-1)[:, None]  # (B, 1, T, D)
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Block(nn.Module):
+    """One Transformer layer: self-attention, optional cross-attention, feed-forward."""
+
+    def __init__(self, cfg: ModelConfig, *, cross: bool):
+        super().__init__()
+        self.pre = cfg.norm_position == "pre"
+
+        def mha():
+            return MultiHeadAttention(
+                dim=cfg.dim,
+                num_heads=cfg.n_heads,
+                num_kv_heads=cfg.kv_heads,
+                head_dim=cfg.d_head,
+                bias=cfg.bias,
+                dropout=cfg.dropout,
+                backend=cfg.attn_backend,
+            )
+
+        self.self_attn = mha()
+        self.self_norm = make_norm(cfg)
+        self.cross_attn = mha() if cross else None
+        self.cross_norm = make_norm(cfg) if cross else None
+        self.mlp = MLP(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def _sublayer(self, x: Tensor, norm: nn.Module, fn) -> Tensor:
+        if self.pre:
+            return x + self.dropout(fn(norm(x)))
+        return norm(x + self.dropout(fn(x)))
+
+    def forward(
+        self,
+        x: Tensor,
+        self_mask,
+        *,
+        rope=None,
+        kv_cache=None,
+        q_offset: int = 0,
+        cross_kv: tuple[Tensor, Tensor] | None = None,
+        cross_mask=None,
+    ) -> Tensor:
+        x = self._sublayer(
+            x,
+            self.self_norm,
+            lambda h: self.self_attn(h, mask=self_mask, rope=rope, kv_cache=kv_cache, q_offset=q_offset),
+        )
+        if self.cross_attn is not None:
+            x = self._sublayer(x, self.cross_norm, lambda h: self.cross_attn(h, mask=cross_mask, static_kv=cross_kv))
+        return self._sublayer(x, self.mlp_norm, self.mlp)
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor  # (B, T, V), or (B, 1, V) with last_only
+    loss: Tensor | None = None  # mean cross-entropy over real tokens
+    num_tokens: int = 0  # real (non-ignored) label tokens
+
+
+def lm_loss(
+    logits: Tensor, labels: Tensor, *, label_smoothing: float = 0.0, reduction: str = "mean"
+) -> tuple[Tensor, int]:
+    """Cross-entropy over real tokens only: labels equal to ``IGNORE_INDEX`` (-100) are skipped.
+
+    ``reduction="mean"`` averages over the real tokens (seed 000, eq. 11); ``"sum"`` returns the
+    sum, for averaging across batches or processes. Returns ``(loss, num_real_tokens)``.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree; expected (B, T, V) and (B, T)"
+        )
+    n = int((labels != IGNORE_INDEX).sum())
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+    if reduction == "sum":
+        return total, n
+    return total / max(n, 1), n
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+class Transformer(nn.Module):
+    """Encoder-decoder or decoder-only Transformer (see :class:`ModelConfig`).
+
+    - ``encode(src_ids) -> memory (B, S, C)`` (encoder-decoder only), run once per source;
+    - ``decode(ids, memory, ...) -> logits (B, T, V)``, with an optional KV cache;
+    - ``forward(input_ids, src_ids=None, labels=None)`` for teacher forcing.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.is_encoder_decoder = cfg.arch == "encoder_decoder"
+        if self.is_encoder_decoder:
+            shared = cfg.src_vocab_size is None or cfg.src_vocab_size == cfg.vocab_size
+            self.src_embed = self.embed if shared else nn.Embedding(cfg.src_vocab_size, cfg.dim)
+            self.encoder_layers = nn.ModuleList(Block(cfg, cross=False) for _ in range(cfg.encoder_layers))
+            self.encoder_norm = make_norm(cfg) if cfg.final_norm else nn.Identity()
+        self.layers = nn.ModuleList(Block(cfg, cross=self.is_encoder_decoder) for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg) if cfg.final_norm else nn.Identity()
+        if cfg.positions == "learned":
+            self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim)
+            if self.is_encoder_decoder:
+                self.src_pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        elif cfg.positions == "sinusoidal":
+            self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.dim), persistent=False)
+        else:
+            self.rotary = Rotary(cfg.d_head, cfg.rope_theta)
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=cfg.lm_head_bias)  # W_pred
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # -- masks (all from attnmask.masks) -----------------------------------------------------
+    def source_mask(self, src_ids: Tensor) -> masks.KeyPadding:
+        """Key padding over the source: encoder self-attention and cross-attention."""
+        return masks.padding(token_ids=src_ids, pad_id=self.config.pad_id)
+
+    def target_mask(self, ids: Tensor) -> masks.Mask:
+        """Seed 004's ``M_total``: look-ahead & key padding over the decoder input."""
+        return masks.causal() & masks.padding(token_ids=ids, pad_id=self.config.pad_id)
+
+    # -- embeddings ----------------------------------------------------------------------------
+    def _embed(self, ids: Tensor, positions: Tensor, *, source: bool) -> Tensor:
+        cfg = self.config
+        table = self.src_embed if source else self.embed
+        x = table(ids)  # (B, T, C)
+        if cfg.embed_scale:
+            x = x * math.sqrt(cfg.dim)
+        if cfg.positions == "learned":
+            x = x + (self.src_pos_embed if source else self.pos_embed)(positions)
+        elif cfg.positions == "sinusoidal":
+            x = x + self.pos_table[positions].to(x.dtype)
+        return self.emb_dropout(x)
+
+    def _check_positions(self, positions: Tensor) -> None:
+        if self.config.positions != "rotary" and positions.numel() and int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(
+                f"position {int(positions.max())} exceeds the model's max_seq_len={self.config.max_seq_len}"
+            )
+
+    def _rope(self, positions: Tensor):
+        if self.config.positions != "rotary":
+            return None
+        cos, sin = self.rotary.cos_sin(positions)  # (B, 1, T, D)
+
+        def rope(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+            return Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin)
+
+        return rope
+
+    # -- encoder ------------------------------------------------------------------------------
+    def encode(self, src_ids: Tensor, src_mask: masks.Mask | None = None) -> Tensor:
+        """``src_ids (B, S)`` -> memory ``(B, S, C)``. Padding is masked as keys."""
+        if not self.is_encoder_decoder:
+            raise ValueError("encode() needs an encoder-decoder model (ModelConfig.arch='encoder_decoder')")
+        B, S = src_ids.shape
+        positions = torch.arange(S, device=src_ids.device).expand(B, S)  # (B, S)
+        self._check_positions(positions)
+        x = self._embed(src_ids, positions, source=True)
+        src_mask = self.source_mask(src_ids) if src_mask is None else src_mask
+        pm = prepare_mask(src_mask, B, self.config.n_heads, S, S, device=x.device)
+        rope = self._rope(positions)
+        for layer in self.encoder_layers:
+            x = layer(x, pm, rope=rope)
+        return self.encoder_norm(x)
+
+    # -- decoder ------------------------------------------------------------------------------
+    def decode(
+        self,
+        ids: Tensor,
+        memory: Tensor | None = None,
+        *,
+        memory_mask: masks.Mask | None = None,
+        mask: masks.Mask | None = None,
+        positions: Tensor | None = None,
+        cache=None,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ) -> Tensor:
+        """Decoder stack and prediction head.
+
+        Args:
+            ids: ``(B, T)`` decoder input (the new tokens only when ``cache`` is given).
+            memory: encoder output ``(B, S, C)`` for encoder-decoder models (may be None when the
+                cache already holds the cross-attention keys/values).
+            memory_mask: key padding over ``memory`` (``source_mask(src_ids)``).
+            mask: self-attention mask over ``(T, past + T)``; default look-ahead & key padding
+                from ``ids`` (without cache) or look-ahead alone (with cache: pass padding
+                explicitly, :mod:`attnmask.decode` does).
+            positions: ``(B, T)`` absolute positions; default ``past + arange(T)``.
+            cache: a :class:`attnmask.cache.KVCache`; advanced by T in place.
+            last_only: only the last position goes through ``W_pred`` (decoding).
+        Returns logits ``(B, T|1, V)`` (hidden states ``(B, T, C)`` with ``return_hidden``).
+        """
+        B, T = ids.shape
+        past = cache.pos if cache is not None else 0
+        if positions is None:
+            positions = (past + torch.arange(T, device=ids.device)).expand(B, T)  # (B, T)
+        self._check_positions(positions)
+        if mask is None:
+            mask = masks.causal() if cache is not None else self.target_mask(ids)
+        x = self._embed(ids, positions, source=False)
+        pm = prepare_mask(mask, B, self.config.n_heads, T, past + T, device=x.device)
+        cross_pm = None
+        if self.is_encoder_decoder:
+            S = memory.shape[1] if memory is not None else cache.cross_len
+            cross_pm = prepare_mask(memory_mask, B, self.config.n_heads, T, S, device=x.device)
+        rope = self._rope(positions)
+        for i, layer in enumerate(self.layers):
+            cross_kv = None
+            if self.is_encoder_decoder:
+                cross_kv = (
+                    cache.cross_kv(i, layer.cross_attn, memory)
+                    if cache is not None
+                    else (layer.cross_attn.project_kv(memory))
+                )
+            x = layer(
+                x,
+                pm,
+                rope=rope,
+                kv_cache=cache.layer(i) if cache is not None else None,
+                cross_kv=cross_kv,
+                cross_mask=cross_pm,
+            )
+        if cache is not None:
+            cache.advance(T)
+        x = self.norm(x)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C)
+        return x if return_hidden else self.lm_head(x)  # (B, T|1, V)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        src_ids: Tensor | None = None,
+        *,
+        labels: Tensor | None = None,
+        label_smoothing: float = 0.0,
+    ) -> ModelOutput:
+        """Teacher forcing: all positions in parallel. ``input_ids (B, T)`` is the decoder input
+        (``<sos>`` + target), ``labels (B, T)`` the target + ``<eos>`` with -100 at pads."""
+        memory = memory_mask = None
+        if self.is_encoder_decoder:
+            if src_ids is None:
+                raise ValueError("an encoder-decoder model needs src_ids (B, S)")
+            memory_mask = self.source_mask(src_ids)
+            memory = self.encode(src_ids, memory_mask)
+        logits = self.decode(input_ids, memory, memory_mask=memory_mask)
+        if labels is None:
+            return ModelOutput(logits=logits)
+        loss, n = lm_loss(logits, labels, label_smoothing=label_smoothing)
+        return ModelOutput(logits=logits, loss=loss, num_tokens=n)
