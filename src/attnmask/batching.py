@@ -35,8 +35,7 @@ def _normalise_lengths(lengths: Lengths) -> list[tuple[int, int]]:
         pair = tuple(int(x) for x in item) if isinstance(item, (tuple, list)) else (int(item), 0)
         if len(pair) != 2 or min(pair) < 0 or max(pair) < 1:
             raise DataError(
-                f"example {i} has length {item!r}; expected a positive int or a (src, tgt) pair "
-                f"of non-negative ints"
+                f"example {i} has length {item!r}; expected a positive int or a (src, tgt) pair of non-negative ints"
             )
         out.append(pair)
     return out
@@ -154,9 +153,7 @@ class TokenBucketBatcher:
         batches: list[list[int]] = []
         for start in range(0, n, chunk_size):
             # Ties broken by (src, tgt, index) so the plan does not depend on sort stability.
-            chunk = sorted(
-                order[start : start + chunk_size], key=lambda i: (self._cost[i], self._pairs[i], i)
-            )
+            chunk = sorted(order[start : start + chunk_size], key=lambda i: (self._cost[i], self._pairs[i], i))
             batches.extend(self._pack(chunk))
         if gen is not None:
             batches = [batches[j] for j in torch.randperm(len(batches), generator=gen).tolist()]
@@ -281,9 +278,7 @@ class LMStream:
         if token_ids.dim() != 1:
             raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}; expected a 1-D stream")
         if block_size < 1 or batch_size < 1:
-            raise ValueError(
-                f"block_size={block_size}, batch_size={batch_size}; expected positive ints"
-            )
+            raise ValueError(f"block_size={block_size}, batch_size={batch_size}; expected positive ints")
         if token_ids.numel() <= block_size:
             raise ValueError(
                 f"token stream has {token_ids.numel()} tokens; expected more than "
@@ -329,9 +324,7 @@ class LMStream:
         for key in ("block_size", "batch_size", "num_tokens"):
             saved, now = state.get(key), self.state_dict()[key]
             if saved != now:
-                raise ValueError(
-                    f"LMStream state has {key}={saved!r}, this stream has {now!r}; expected equal"
-                )
+                raise ValueError(f"LMStream state has {key}={saved!r}, this stream has {now!r}; expected equal")
         self._gen.set_state(state["rng_state"])
         self.steps = int(state["steps"])
 
@@ -351,8 +344,7 @@ def iter_eval_blocks(
     token_ids = torch.as_tensor(token_ids, dtype=torch.long)
     if token_ids.dim() != 1 or token_ids.numel() <= block_size:
         raise ValueError(
-            f"token stream has shape {tuple(token_ids.shape)}; expected 1-D and longer than "
-            f"block_size={block_size}"
+            f"token stream has shape {tuple(token_ids.shape)}; expected 1-D and longer than block_size={block_size}"
         )
     num_blocks = (token_ids.numel() - 1) // block_size
     offsets = torch.arange(block_size)  # (T,)

@@ -77,8 +77,7 @@ def _open_binary(path: Path):
 def _utf8_error(path: Path, line: int, offset: int, byte: int) -> DataError:
     where = " of the decompressed data" if path.suffix == ".gz" else ""
     return DataError(
-        f"{path}: invalid UTF-8 at line {line}, byte offset {offset}{where} "
-        f"(byte 0x{byte:02x}); expected UTF-8 text"
+        f"{path}: invalid UTF-8 at line {line}, byte offset {offset}{where} (byte 0x{byte:02x}); expected UTF-8 text"
     )
 
 
@@ -199,9 +198,7 @@ class _BatchMixin:
 
     def to(self, device: torch.device | str, non_blocking: bool = False):
         """A copy with every tensor moved to ``device``."""
-        return type(self)(
-            **{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)}
-        )
+        return type(self)(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -285,22 +282,16 @@ def make_translation_batch(
         ValueError: ``src_ids`` and ``tgt_ids`` differ in length, or the batch is empty.
     """
     if len(src_ids) != len(tgt_ids):
-        raise ValueError(
-            f"got {len(src_ids)} source and {len(tgt_ids)} target sequences; expected equal numbers"
-        )
+        raise ValueError(f"got {len(src_ids)} source and {len(tgt_ids)} target sequences; expected equal numbers")
     if not src_ids:
         raise ValueError("cannot build an empty batch; expected at least one sequence pair")
     src, src_lengths = _pad_rows([list(s) + [eos_id] for s in src_ids], pad_id)  # (B, S), (B,)
     tgt_in, tgt_lengths = _pad_rows([[sos_id] + list(t) for t in tgt_ids], pad_id)  # (B, T), (B,)
     labels, _ = _pad_rows([list(t) + [eos_id] for t in tgt_ids], IGNORE_INDEX)  # (B, T)
-    return TranslationBatch(
-        src=src, src_lengths=src_lengths, tgt_in=tgt_in, tgt_lengths=tgt_lengths, labels=labels
-    )
+    return TranslationBatch(src=src, src_lengths=src_lengths, tgt_in=tgt_in, tgt_lengths=tgt_lengths, labels=labels)
 
 
-def translation_lengths(
-    src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]]
-) -> list[tuple[int, int]]:
+def translation_lengths(src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     """Padded-tensor lengths ``(len(src) + 1, len(tgt) + 1)`` that :func:`make_translation_batch`
     will produce: the +1 is the added ``<eos>`` / ``<sos>``. Feed these to the token batcher."""
     return [(len(s) + 1, len(t) + 1) for s, t in zip(src_ids, tgt_ids, strict=True)]
@@ -318,9 +309,7 @@ def make_lm_batch(seqs: Sequence[Sequence[int]], *, pad_id: int) -> LMBatch:
         raise ValueError("cannot build an empty batch; expected at least one sequence")
     for i, seq in enumerate(seqs):
         if len(seq) < 2:
-            raise ValueError(
-                f"sequence {i} has {len(seq)} tokens; expected at least 2 (one input, one label)"
-            )
+            raise ValueError(f"sequence {i} has {len(seq)} tokens; expected at least 2 (one input, one label)")
     input_ids, lengths = _pad_rows([list(s[:-1]) for s in seqs], pad_id)  # (B, T), (B,)
     labels, _ = _pad_rows([list(s[1:]) for s in seqs], IGNORE_INDEX)  # (B, T)
     return LMBatch(input_ids=input_ids, lengths=lengths, labels=labels)

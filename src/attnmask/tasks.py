@@ -23,7 +23,7 @@ SPLITS = ("train", "valid", "test")
 # Percent of the hash space per split: 80 / 10 / 10.
 _SPLIT_BUCKETS = {"train": range(0, 80), "valid": range(80, 90), "test": range(90, 100)}
 
-# Two-digit years are read with a pivot (as POSIX strptime's %y does, shifted): 50-99 → 1950-1999,
+# Two-digit years are read with a pivot (like strptime's %y, which pivots at 69): 50-99 → 1950-1999,
 # 00-49 → 2000-2049. Dates outside that window are never written with two digits, so every
 # source has exactly one correct target.
 TWO_DIGIT_YEAR_WINDOW = (1950, 2049)
@@ -84,7 +84,7 @@ def ordinal_suffix(day: int) -> str:
     """``1`` → ``"1st"``, ``2`` → ``"2nd"``, ``11`` → ``"11th"``, ``22`` → ``"22nd"``."""
     if 11 <= day % 100 <= 13:
         return f"{day}th"
-    return f"{day}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(day % 10, 'th')}"
+    return f"{day}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(day % 10, 'th') }"
 
 
 def ordinal_words(day: int) -> str:
@@ -176,9 +176,7 @@ def make_date_pairs(
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; expected one of {SPLITS}")
     if not 1 <= min_year <= max_year <= 9999:
-        raise ValueError(
-            f"min_year={min_year}, max_year={max_year}; expected 1 <= min_year <= max_year <= 9999"
-        )
+        raise ValueError(f"min_year={min_year}, max_year={max_year}; expected 1 <= min_year <= max_year <= 9999")
     # A string seed is hashed with SHA-512 by random.Random, so it is stable across processes.
     rng = random.Random(f"attnmask.tasks.dates:{seed}:{split}")
     first = datetime.date(min_year, 1, 1).toordinal()

@@ -47,9 +47,7 @@ class Tokenizer:
             ValueError: a special token is missing or has another id than the fixed one.
         """
         if not isinstance(hf_tokenizer, HFTokenizer):
-            raise TypeError(
-                f"expected a tokenizers.Tokenizer, got {type(hf_tokenizer).__name__}"
-            )
+            raise TypeError(f"expected a tokenizers.Tokenizer, got {type(hf_tokenizer).__name__}")
         for expected_id, token in enumerate(SPECIAL_TOKENS):
             actual_id = hf_tokenizer.token_to_id(token)
             if actual_id != expected_id:
@@ -112,9 +110,7 @@ class Tokenizer:
             _check_str(text)
             chars.update(text)
         if not chars:
-            raise ValueError(
-                "cannot build a character tokenizer: expected at least one non-empty text"
-            )
+            raise ValueError("cannot build a character tokenizer: expected at least one non-empty text")
         vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
         for char in sorted(chars):
             vocab.setdefault(char, len(vocab))
@@ -134,9 +130,7 @@ class Tokenizer:
             ValueError: the fixed special tokens (``<pad>``=0 ... ``<unk>``=3) are missing.
         """
         if not isinstance(hf_tokenizer, HFTokenizer):
-            raise TypeError(
-                f"expected a tokenizers.Tokenizer, got {type(hf_tokenizer).__name__}"
-            )
+            raise TypeError(f"expected a tokenizers.Tokenizer, got {type(hf_tokenizer).__name__}")
         return cls(HFTokenizer.from_str(hf_tokenizer.to_str()))
 
     @classmethod
@@ -215,9 +209,7 @@ class Tokenizer:
             ids = [i for i in ids if i >= len(SPECIAL_TOKENS)]
         return self._hf.decode(ids, skip_special_tokens=False)
 
-    def decode_batch(
-        self, batch: Iterable[Iterable[int]] | torch.Tensor, skip_special: bool = True
-    ) -> list[str]:
+    def decode_batch(self, batch: Iterable[Iterable[int]] | torch.Tensor, skip_special: bool = True) -> list[str]:
         """:meth:`decode` for each row of a list of id lists or of a 2-D tensor."""
         if isinstance(batch, torch.Tensor):
             if batch.dim() != 2:
@@ -276,9 +268,7 @@ class Tokenizer:
         vocab_size = self.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
-            raise ValueError(
-                f"token ids {bad[:5]} are out of range, expected 0 <= id < {vocab_size}"
-            )
+            raise ValueError(f"token ids {bad[:5]} are out of range, expected 0 <= id < {vocab_size}")
         return ids
 
 
