@@ -11,7 +11,16 @@ additive form of a boolean mask (True = may attend, see :mod:`attnmask.masks`). 
 attend to nothing give **zero output and zero gradient**, never NaN, on every backend and dtype.
 
 Backends live in a registry (:data:`BACKENDS`); models never name a kernel, so a faster one can
-be added with :func:`register_backend` without touching them.
+be added with :func:`register_backend` without touching them:
+
+- ``reference``: the seeds' formula written out, with an additive 0/-inf mask; returns weights;
+- ``sdpa``: PyTorch's fused kernel, ``is_causal=True`` only when exactly right (pure causal,
+  ``Tq == Tk``, query row i at position i), the materialized bool mask otherwise;
+- ``sdpa_blocks``: a causal / contiguous-padding mask run as unmasked SDPA calls over the real
+  tokens (see :class:`Block`), no ``Tq x Tk`` mask; other masks as ``sdpa``;
+- ``auto``: the fastest correct choice: ``reference`` for weights, ``sdpa_blocks`` when a cost
+  model says the blocks are cheaper than one dense call (measured in docs/benchmarks.md), else
+  ``sdpa``.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ __all__ = [
     "attention",
     "prepare_mask",
     "PreparedMask",
+    "Block",
     "MultiHeadAttention",
     "BACKENDS",
     "register_backend",
@@ -39,21 +49,70 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # Masks as a kernel sees them
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class PreparedMask:
-    """A mask resolved for one problem size, built once per forward and shared by every layer.
+@dataclass(frozen=True)
+class Block:
+    """One unmasked (or simply causal) SDPA call that a structured mask decomposes into.
 
-    Exactly one of: ``allowed`` is None and ``is_causal`` False (no mask); ``is_causal`` True (pure
-    top-left causal, Tq == Tk, nothing else masked: SDPA's fast path); ``allowed`` a bool tensor
-    broadcastable to ``(B, H, Tq, Tk)``. ``empty_rows`` is a bool ``(B, 1|H, Tq, 1)`` of query rows
-    that may attend to nothing, or None when there are none.
+    Batch rows ``rows``, query rows ``[q0, q1)`` and keys ``[k0, k1)``. ``diag=None``: every query
+    of the block sees every key of the block; ``diag=c >= 0``: the block's query ``t`` sees its first
+    ``t + c + 1`` keys (``c == 0`` is SDPA's top-left ``is_causal``). Query rows covered by no
+    block attend to nothing and get zero output.
     """
 
-    allowed: Tensor | None = None
-    is_causal: bool = False
-    empty_rows: Tensor | None = None
-    q_len: int = 0
-    kv_len: int = 0
+    rows: tuple[int, ...]
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    diag: int | None
+
+
+_UNSET = object()
+
+
+class PreparedMask:
+    """A mask resolved for one ``(B, H, Tq, Tk)`` problem: built once per forward, shared by layers.
+
+    What kernels read:
+
+    - ``is_causal``: pure causal with ``Tq == Tk``, query row ``i`` at position ``i`` and nothing
+      else masked -- exactly SDPA's ``is_causal=True`` (``allowed`` is then None);
+    - ``allowed``: bool, broadcastable to ``(B, H, Tq, Tk)``, True = may attend; None when nothing
+      is masked or ``is_causal``. For a structured mask it is materialized on first use only;
+    - ``empty_rows``: bool ``(B|1, H|1, Tq, 1)``, query rows that may attend to nothing, or None;
+    - ``blocks``: the mask as :class:`Block` calls needing no mask tensor, or None when the mask is
+      not of that form (only causal and contiguous padding are).
+    """
+
+    def __init__(
+        self,
+        allowed: Tensor | None = None,
+        is_causal: bool = False,
+        empty_rows: Tensor | None = _UNSET,  # type: ignore[assignment]
+        q_len: int = 0,
+        kv_len: int = 0,
+        *,
+        blocks: tuple[Block, ...] | None = None,
+        build: Callable[[], Tensor] | None = None,
+    ):
+        if is_causal and (allowed is not None or build is not None):
+            raise ValueError("PreparedMask: is_causal=True takes no allowed tensor (the causal mask is implied)")
+        self.is_causal, self.q_len, self.kv_len, self.blocks = is_causal, q_len, kv_len, blocks
+        self._allowed, self._build, self._empty = allowed, build, empty_rows
+
+    @property
+    def allowed(self) -> Tensor | None:
+        if self._build is not None:
+            self._allowed, self._build = self._build(), None
+        return self._allowed
+
+    @property
+    def empty_rows(self) -> Tensor | None:
+        if self._empty is _UNSET:
+            allowed = self.allowed
+            empty = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Tq|1, 1)
+            self._empty = empty if empty is not None and bool(empty.any()) else None
+        return self._empty
 
     def dense(self, device=None) -> Tensor | None:
         """The bool mask as a tensor (materializing the causal fast path if needed)."""
@@ -62,8 +121,13 @@ class PreparedMask:
                 torch.ones(self.q_len, self.kv_len, dtype=torch.bool, device=device)
                 .tril()
                 .view(1, 1, self.q_len, self.kv_len)
-            )
+            )  # (1, 1, Tq, Tk)
         return self.allowed
+
+    def __repr__(self) -> str:
+        kind = "causal" if self.is_causal else "none" if self._allowed is None and self._build is None else "dense"
+        blocks = "" if self.blocks is None else f", {len(self.blocks)} blocks"
+        return f"PreparedMask({kind}, Tq={self.q_len}, Tk={self.kv_len}{blocks})"
 
 
 def prepare_mask(
@@ -77,28 +141,80 @@ def prepare_mask(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> PreparedMask:
-    """Lint and resolve ``mask`` (None, a :class:`~attnmask.masks.Mask`, a bool tensor with
-    True = may attend, or an additive float tensor of 0/-inf) for a ``(B, H, Tq, Tk)`` problem."""
+    """Lint and resolve ``mask`` for a ``(B, H, Tq, Tk)`` problem.
+
+    ``mask`` is None, a :class:`~attnmask.masks.Mask`, a bool tensor (True = may attend) or an
+    additive float tensor (0 / -inf), broadcastable to ``(B, H, Tq, Tk)``; ``dtype`` is the dtype of
+    the scores (an additive value it cannot hold is an error). Raises ValueError/TypeError.
+    """
     if isinstance(mask, PreparedMask):
         return mask
     if mask is None:
         return PreparedMask(q_len=q_len, kv_len=kv_len)
     if isinstance(mask, M.Mask):
+        q_start = mask.validate(batch_size, q_len, kv_len, q_offset, device=device)
         parts = mask.parts()
-        if len(parts) == 1 and isinstance(parts[0], M.Causal) and q_len == kv_len and q_offset == 0:
+        if all(isinstance(p, M.Causal) for p in parts) and q_len == kv_len and q_start == 0:
             return PreparedMask(is_causal=True, q_len=q_len, kv_len=kv_len)
-        allowed = mask.to_bool(batch_size, q_len, kv_len, q_offset, device=device)  # (B, 1, Tq, Tk)
-    elif isinstance(mask, Tensor):
-        allowed = _lint_tensor(mask, batch_size, num_heads, q_len, kv_len, device, dtype)
-    else:
-        raise TypeError(
-            f"mask must be None, an attnmask Mask, or a tensor (bool True = may attend, or additive float), "
-            f"got {type(mask).__name__}"
+        return PreparedMask(
+            q_len=q_len,
+            kv_len=kv_len,
+            blocks=_plan_blocks(parts, batch_size, q_len, kv_len, q_start),
+            build=lambda: mask.to_bool(batch_size, q_len, kv_len, q_offset, device=device),  # (B, 1, Tq, Tk)
         )
-    if device is not None and allowed.device != torch.device(device):
-        allowed = allowed.to(device)
-    empty = ~allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Tq|1, 1)
-    return PreparedMask(allowed=allowed, empty_rows=empty if bool(empty.any()) else None, q_len=q_len, kv_len=kv_len)
+    if isinstance(mask, Tensor):
+        allowed = _lint_tensor(mask, batch_size, num_heads, q_len, kv_len, device, dtype)
+        return PreparedMask(allowed, q_len=q_len, kv_len=kv_len)
+    raise TypeError(
+        f"mask must be None, an attnmask Mask, or a tensor (bool True = may attend, or additive float), "
+        f"got {type(mask).__name__}"
+    )
+
+
+def _plan_blocks(parts: list[M.Mask], B: int, Tq: int, Tk: int, q_start: int) -> tuple[Block, ...] | None:
+    """Decompose ``causal & key padding & query padding`` (contiguous padding) into blocks.
+
+    Each batch row keeps one interval of queries and one of keys; with a causal factor, query row
+    ``i`` (position ``q_start + i``) sees keys ``[k_lo, min(k_hi, q_start + i + 1))``. Rows with the
+    same blocks are grouped so that they share one call.
+    """
+    q_lo, q_hi, k_lo, k_hi = [0] * B, [Tq] * B, [0] * B, [Tk] * B
+    causal = False
+    for p in parts:
+        if isinstance(p, M.Causal):
+            causal = True
+        elif isinstance(p, (M.KeyPadding, M.QueryPadding)):
+            is_key = isinstance(p, M.KeyPadding)
+            spans = p.spans(B, Tk if is_key else Tq)
+            if spans is None:
+                return None
+            lo, hi = (k_lo, k_hi) if is_key else (q_lo, q_hi)
+            for b, (a, z) in enumerate(zip(*spans)):
+                lo[b], hi[b] = max(lo[b], a), min(hi[b], z)
+        else:
+            return None
+    groups: dict[tuple[int, int, int, int, int | None], list[int]] = {}
+    for b in range(B):
+        for key in _row_blocks(q_lo[b], q_hi[b], k_lo[b], k_hi[b], q_start if causal else None):
+            groups.setdefault(key, []).append(b)
+    return tuple(Block(tuple(rows), *key) for key, rows in groups.items())
+
+
+def _row_blocks(q0: int, q1: int, k0: int, k1: int, start: int | None) -> list[tuple[int, int, int, int, int | None]]:
+    """The blocks of one batch row whose queries ``[q0, q1)`` see keys ``[k0, k1)``, causally from
+    position ``start`` when it is not None (see :func:`_plan_blocks`)."""
+    if q0 >= q1 or k0 >= k1:
+        return []  # every query row is empty
+    if start is None:
+        return [(q0, q1, k0, k1, None)]
+    e = min(max(q0, k0 - start), q1)  # rows before e see no key
+    f = min(max(e, k1 - start), q1)  # rows from f on see all of [k0, k1), so does row f - 1
+    out = []
+    if e < f:  # row e + t sees keys [k0, k0 + t + c + 1)
+        out.append((e, f, k0, start + f, e + start - k0))
+    if f < q1:
+        out.append((f, q1, k0, k1, None))
+    return out
 
 
 def _lint_tensor(t: Tensor, B: int, H: int, Tq: int, Tk: int, device, dtype) -> Tensor:
@@ -119,12 +235,9 @@ def _lint_tensor(t: Tensor, B: int, H: int, Tq: int, Tk: int, device, dtype) -> 
     if t.dtype == torch.bool:
         allowed = t
     elif t.dtype.is_floating_point:
-        allowed = M.from_additive(t, dtype).tensor if t.dim() != 4 or t.shape[1] == 1 else None
-        if allowed is None:  # per-head additive: check values the same way, keep heads
-            M.check_additive(t, dtype)
-            allowed = t == 0
+        allowed = M.additive_to_bool(t, dtype)
     else:
-        M._lint_bool_tensor(t, "mask")  # raises the polarity error
+        M._lint_bool_tensor(t, "mask")  # raises the polarity / dtype error
         raise AssertionError("unreachable")
     return allowed.view(shape4)
 
@@ -156,16 +269,19 @@ def _reference(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     """The seeds' formula written out: ``softmax(QKᵀ/√D + M) V`` with an additive 0/-inf mask."""
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)  # (B, H, Tk, D)
-    scores = (q @ k.transpose(-2, -1)).float() * scale  # (B, H, Tq, Tk), softmax in float32
+    # Softmax in at least float32 (half types lose too much in exp and the row sum); float64 stays.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = (q @ k.transpose(-2, -1)).to(acc) * scale  # (B, H, Tq, Tk)
     allowed = pm.dense(q.device)
+    empty = pm.empty_rows
     if allowed is not None:
-        if pm.empty_rows is not None:
-            allowed = allowed | pm.empty_rows  # keep the softmax finite; rows zeroed below
-        additive = torch.zeros(allowed.shape, dtype=scores.dtype, device=q.device)
+        if empty is not None:
+            allowed = allowed | empty  # keep the softmax finite; the rows are zeroed below
+        additive = torch.zeros(allowed.shape, dtype=acc, device=q.device)  # (B|1, H|1, Tq, Tk)
         scores = scores + additive.masked_fill_(~allowed, float("-inf"))
-    weights = scores.softmax(dim=-1)
-    if pm.empty_rows is not None:
-        weights = weights.masked_fill(pm.empty_rows, 0.0)
+    weights = scores.softmax(dim=-1)  # (B, H, Tq, Tk)
+    if empty is not None:
+        weights = weights.masked_fill(empty, 0.0)  # zero output and, through masked_fill, zero gradient
     weights = weights.to(q.dtype)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = dropped @ v  # (B, H, Tq, D)
@@ -175,11 +291,11 @@ def _reference(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
 def _sdpa(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     """PyTorch's fused kernel; ``is_causal`` only when exactly right (pure causal, Tq == Tk)."""
     if return_weights:
-        raise ValueError("backend 'sdpa' cannot return attention weights; use backend='reference'")
+        raise ValueError("backend 'sdpa' cannot return attention weights; use backend='reference' (or 'auto')")
     groups = q.shape[1] // k.shape[1]
-    attn_mask = pm.allowed
-    if attn_mask is not None and pm.empty_rows is not None:
-        attn_mask = attn_mask | pm.empty_rows
+    attn_mask, empty = pm.allowed, pm.empty_rows
+    if attn_mask is not None and empty is not None:
+        attn_mask = attn_mask | empty  # SDPA would give NaN for rows with nothing to attend to
     out = F.scaled_dot_product_attention(
         q,
         k,
@@ -190,20 +306,94 @@ def _sdpa(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
         scale=scale,
         enable_gqa=groups > 1,
     )  # (B, H, Tq, D)
-    if pm.empty_rows is not None:
-        out = out.masked_fill(pm.empty_rows, 0.0)
+    if empty is not None:
+        out = out.masked_fill(empty, 0.0)  # zero output, and zero gradient into those rows
     return out, None
 
 
+def _blocks(q, k, v, blocks: tuple[Block, ...], *, scale, dropout_p) -> Tensor:
+    """Run a mask decomposed into :class:`Block` s: one SDPA call per block, no ``Tq x Tk`` mask.
+
+    Padding is sliced away instead of masked, and causal blocks use SDPA's ``is_causal`` path, so
+    the work shrinks with the padding; rows in no block stay zero (zero output, zero gradient).
+    """
+    B, H, Tq, D = q.shape
+    gqa = q.shape[1] != k.shape[1]
+
+    def run(blk: Block, rows) -> Tensor:
+        qb, kb, vb = q[rows, :, blk.q0 : blk.q1], k[rows, :, blk.k0 : blk.k1], v[rows, :, blk.k0 : blk.k1]
+        tril = None
+        if blk.diag:  # query t sees its first t + diag + 1 keys: a small (n, Tk') mask, not SDPA's is_causal
+            tril = torch.ones(blk.q1 - blk.q0, blk.k1 - blk.k0, dtype=torch.bool, device=q.device).tril(blk.diag)
+        return F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=tril, dropout_p=dropout_p, is_causal=blk.diag == 0, scale=scale, enable_gqa=gqa
+        )  # (len(rows), H, q1 - q0, D)
+
+    if len(blocks) == 1 and len(blocks[0].rows) == B and (blocks[0].q0, blocks[0].q1) == (0, Tq):
+        return run(blocks[0], slice(None))  # one call covers everything: no scatter
+    out = q.new_zeros(B, H, Tq, v.shape[-1])  # (B, H, Tq, D); rows in no block stay zero
+    for blk in blocks:
+        first, last = blk.rows[0], blk.rows[-1]
+        contiguous = last - first + 1 == len(blk.rows)
+        rows = slice(first, last + 1) if contiguous else torch.tensor(blk.rows, device=q.device)
+        out[rows, :, blk.q0 : blk.q1] = run(blk, rows)
+    return out
+
+
+# Cost model of the block plan, in units of one (batch row, head, query, key) score. Calibrated on a
+# 2-core AVX2 CPU with torch 2.13 (benchmarks/attention.py, docs/benchmarks.md): one SDPA call costs
+# about as much as 8k scores forward and forward+backward; 16k keeps a margin for the scatter.
+_CALL_COST = 16384
+_MIN_SAVING = 0.9  # take the blocks only when they cost at most 90% of the dense call
+
+
+def _causal_cost(n: int, device: torch.device) -> float:
+    """Fraction of an ``n x n`` block that SDPA's ``is_causal`` kernel actually computes.
+
+    PyTorch's CPU flash kernel skips key chunks of 512 above the diagonal (query chunks of 256), so it
+    saves nothing below ~600 keys and tends to one half; GPU kernels skip at a fine grain.
+    """
+    if device.type == "cpu":
+        return min(1.0, 0.5 + 256 / max(n, 1))
+    return 0.5
+
+
+def _use_blocks(q: Tensor, k: Tensor, pm: PreparedMask) -> bool:
+    """Whether the block plan beats one SDPA call with the dense mask: the blocks skip padding (and,
+    for long causal blocks, half the scores) but each costs a kernel call."""
+    if not pm.blocks:  # no plan, or every row empty: the dense path keeps the autograd graph
+        return False
+    B, H, Tq, _ = q.shape
+    dense = B * H * Tq * k.shape[2]
+    work = 0.0
+    for blk in pm.blocks:
+        rect = len(blk.rows) * H * (blk.q1 - blk.q0) * (blk.k1 - blk.k0)
+        work += rect * (_causal_cost(blk.k1 - blk.k0, q.device) if blk.diag == 0 else 1.0) + _CALL_COST
+    return work <= _MIN_SAVING * dense
+
+
+def _sdpa_blocks(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
+    """:func:`_blocks` whenever the mask has a block plan (causal / contiguous padding), else ``sdpa``."""
+    if return_weights:
+        raise ValueError("backend 'sdpa_blocks' cannot return attention weights; use backend='reference' (or 'auto')")
+    if pm.is_causal or not pm.blocks:
+        return _sdpa(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=False)
+    return _blocks(q, k, v, pm.blocks, scale=scale, dropout_p=dropout_p), None
+
+
 def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
-    """The fastest correct choice: the fused kernel, unless weights are asked for."""
+    """The fastest correct choice: weights need the reference kernel; a causal / contiguous padding
+    mask runs as unmasked SDPA blocks when that is cheaper; anything else is SDPA with the mask."""
     if return_weights:
         return _reference(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=True)
+    if not pm.is_causal and _use_blocks(q, k, pm):
+        return _blocks(q, k, v, pm.blocks, scale=scale, dropout_p=dropout_p), None
     return _sdpa(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=False)
 
 
 register_backend("reference", _reference)
 register_backend("sdpa", _sdpa)
+register_backend("sdpa_blocks", _sdpa_blocks)
 register_backend("auto", _auto)
 
 
@@ -226,7 +416,11 @@ def attention(
         mask: None, an :class:`attnmask.masks.Mask`, a :class:`PreparedMask`, a bool tensor
             (True = may attend) or an additive float tensor (0 / -inf), broadcastable to
             ``(B, H, Tq, Tk)``.
-        q_offset: absolute position of the first query (see masks' "Positions and causal alignment").
+        q_offset: absolute position of query row 0 for top-left aligned masks (e.g. a preallocated
+            cache's write position); bottom-right masks place the queries at the last Tq keys and
+            need 0 (see :mod:`attnmask.masks`, "Positions and causal alignment").
+        backend: a name in :data:`BACKENDS`: ``"reference"`` (the seeds' formula, returns weights),
+            ``"sdpa"`` (PyTorch's fused kernel with the mask) or ``"auto"`` (the fastest correct one).
         return_weights: also return the ``(B, H, Tq, Tk)`` attention weights (reference kernel).
 
     Returns:
@@ -296,12 +490,18 @@ class MultiHeadAttention(nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
-        num_kv_heads = num_kv_heads or num_heads
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, val in (("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"MultiHeadAttention {name} must be an int >= 1, got {val!r}")
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-        head_dim = head_dim or dim // num_heads
-        if head_dim * num_heads != dim and head_dim == dim // num_heads:
-            raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}; pass head_dim explicitly")
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}; pass head_dim explicitly")
+            head_dim = dim // num_heads
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; expected one of {sorted(BACKENDS)}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dropout, self.backend = dropout, backend
         self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=bias)

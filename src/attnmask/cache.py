@@ -1,10 +1,20 @@
 """Key/value cache for incremental decoding.
 
-Preallocated per-layer buffers ``(B, Hkv, Tmax, D)``; one shared position ``pos`` advanced in
-place after each forward. A layer's ``update(k, v)`` writes the new keys/values at
-``[pos, pos + T)`` and returns the valid prefix ``[0, pos + T)``, so the self-attention mask is
-the *bottom-right* aligned causal mask (queries are the last T keys) plus key padding.
-Cross-attention keys/values are computed once per source and kept.
+Seed 000 observes that the logits of positions already decoded never change as the output grows:
+the look-ahead mask stops them from seeing later tokens. So their keys and values never change
+either, and each step only has to compute the new token's.
+
+Layout: preallocated per-layer buffers ``(B, Hkv, Tmax, D)`` and one shared position ``pos``,
+advanced in place after each forward. A layer's ``update(k, v)`` writes the new keys/values at
+``[pos, pos + T)`` and returns the valid prefix ``[0, pos + T)``; the queries are therefore the
+*last* T keys, and the self-attention mask is the bottom-right aligned ``masks.causal()`` plus key
+padding over all ``pos + T`` keys. Cross-attention keys/values are projected from the encoder
+output once per source and kept.
+
+``batch_size`` and ``max_len`` are capacities: a batch of up to ``batch_size`` rows may use the
+cache (after :meth:`KVCache.reset` it may be a different one), and a bigger batch or a sequence
+longer than ``max_len`` raises ``ValueError``. :meth:`KVCache.reorder` selects and permutes rows
+in place: beam search reorders hypotheses with it, and batch decoding drops finished rows.
 """
 
 from __future__ import annotations
@@ -14,6 +24,10 @@ from torch import Tensor
 
 
 class LayerCache:
+    """One layer's self-attention keys and values; a view into its :class:`KVCache`."""
+
+    __slots__ = ("parent", "k", "v")
+
     def __init__(self, parent: KVCache, k: Tensor, v: Tensor):
         self.parent, self.k, self.v = parent, k, v
 
@@ -21,17 +35,21 @@ class LayerCache:
         """Write ``(B, Hkv, T, D)`` at the current position; return keys/values ``(B, Hkv, pos+T, D)``."""
         B, _, T, _ = k_new.shape
         pos = self.parent.pos
-        if self.k.shape[0] != B:
-            raise ValueError(f"KV cache holds batch {self.k.shape[0]}, got keys for batch {B}")
-        if pos + T > self.k.shape[2]:
-            raise ValueError(f"KV cache overflow: {pos} cached + {T} new tokens > capacity {self.k.shape[2]} (max_len)")
-        self.k[:, :, pos : pos + T] = k_new
-        self.v[:, :, pos : pos + T] = v_new
-        return self.k[:, :, : pos + T], self.v[:, :, : pos + T]
+        self.parent._claim(B, T)
+        self.k[:B, :, pos : pos + T] = k_new
+        self.v[:B, :, pos : pos + T] = v_new
+        return self.k[:B, :, : pos + T], self.v[:B, :, : pos + T]
 
 
 class KVCache:
-    """Per-layer self-attention buffers plus cross-attention keys/values (encoder-decoder)."""
+    """Per-layer self-attention buffers plus cross-attention keys/values (encoder-decoder).
+
+    Args:
+        n_layers: decoder layers.
+        batch_size: most rows decoded at once (capacity).
+        max_len: most positions (prompt + generated) per row (capacity).
+        n_kv_heads, head_dim: ``Hkv`` and ``D`` of the model's attention.
+    """
 
     def __init__(
         self,
@@ -46,20 +64,20 @@ class KVCache:
     ):
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"KV cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.batch_size, self.max_len = batch_size, max_len
-        self.pos = 0
+        shape = (batch_size, n_kv_heads, max_len, head_dim)  # (B, Hkv, Tmax, D)
+        self.capacity, self.max_len = batch_size, max_len
+        # uninitialized: only positions already written ([0, pos)) are ever read
         self.layers = [
             LayerCache(
-                self, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+                self, torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
             )
             for _ in range(n_layers)
         ]
-        self._cross: list[tuple[Tensor, Tensor] | None] = [None] * n_layers
-        self.cross_len = 0
+        self.reset()
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
+        """A cache shaped for ``model``'s decoder; ``max_len`` defaults to ``config.max_seq_len``."""
         cfg = model.config
         p = next(model.parameters())
         return cls(
@@ -72,17 +90,74 @@ class KVCache:
             device=device or p.device,
         )
 
+    @property
+    def batch_size(self) -> int:
+        """Rows in use (0 before the first forward after :meth:`reset`)."""
+        return self.rows or 0
+
+    def reset(self) -> None:
+        """Forget everything cached, so a new batch (of any size up to the capacity) can start."""
+        self.pos = 0
+        self.rows: int | None = None  # rows in use, fixed by the first update
+        self._cross: list[tuple[Tensor, Tensor] | None] = [None] * len(self.layers)
+        self.cross_len = 0
+
+    def _claim(self, rows: int, T: int) -> None:
+        if self.rows is None:
+            if rows > self.capacity:
+                raise ValueError(
+                    f"KV cache overflow: batch of {rows} rows > capacity {self.capacity} (batch_size); "
+                    "allocate a bigger cache or decode in smaller batches"
+                )
+            self.rows = rows
+        elif rows != self.rows:
+            raise ValueError(
+                f"KV cache holds a batch of {self.rows} rows, got keys for {rows}; call reset() before a new batch"
+            )
+        if self.pos + T > self.max_len:
+            raise ValueError(
+                f"KV cache overflow: {self.pos} cached + {T} new tokens > capacity {self.max_len} (max_len)"
+            )
+
     def layer(self, i: int) -> LayerCache:
         return self.layers[i]
 
     def advance(self, n: int) -> None:
+        """Move the position past the ``n`` tokens every layer has just written."""
         self.pos += n
 
     def cross_kv(self, i: int, attn, memory: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Cross-attention keys/values of layer ``i``: computed from ``memory`` once, then reused."""
-        if self._cross[i] is None:
+        """Cross-attention keys/values ``(B, Hkv, S, D)`` of layer ``i``: from ``memory`` once, then reused."""
+        kv = self._cross[i]
+        if kv is None:
             if memory is None:
                 raise ValueError("the cache holds no encoder keys/values yet: pass memory on the first step")
-            self._cross[i] = attn.project_kv(memory)
+            kv = self._cross[i] = attn.project_kv(memory)
             self.cross_len = memory.shape[1]
-        return self._cross[i]
+        return kv
+
+    def reorder(self, index: Tensor, *, cross: bool = True) -> None:
+        """Keep rows ``index`` (B',) in that order: row ``r`` becomes old row ``index[r]``.
+
+        Beam search passes each surviving hypothesis's parent; batch decoding passes the rows still
+        running (``B' < B``). Only the ``pos`` filled positions are copied. ``cross=False`` leaves
+        the encoder keys/values alone — correct when ``index`` maps every row to a row of the same
+        source (beams of one sentence) and ``B' == B``.
+        """
+        if self.rows is None:
+            raise ValueError("reorder() on an empty KV cache; run a forward pass first")
+        index = torch.as_tensor(index, device=self.layers[0].k.device)
+        if index.dim() != 1 or (index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.rows)):
+            raise ValueError(f"reorder index must be 1-D with values in [0, {self.rows}), got {index.tolist()}")
+        n, pos = index.numel(), self.pos
+        if n > self.capacity:
+            raise ValueError(f"KV cache overflow: reorder to {n} rows > capacity {self.capacity}")
+        if not cross and n != self.rows:
+            raise ValueError(f"reorder(cross=False) must keep the batch size {self.rows}, got {n} rows")
+        for layer in self.layers:
+            # advanced indexing copies first, so overlapping source and destination rows are safe
+            layer.k[:n, :, :pos] = layer.k[index, :, :pos]  # (B', Hkv, pos, D)
+            layer.v[:n, :, :pos] = layer.v[index, :, :pos]  # (B', Hkv, pos, D)
+        if cross:
+            self._cross = [None if kv is None else (kv[0][index], kv[1][index]) for kv in self._cross]
+        self.rows = n

@@ -11,11 +11,19 @@ bottom of this module.
 Positions and causal alignment
 ------------------------------
 Masks are predicates ``(b, h, q_idx, kv_idx) -> bool`` over absolute positions. Key column ``j``
-is position ``j``. Query row ``i`` is position ``q_offset + i + shift`` where ``shift`` is
-``Tk - Tq`` for a bottom-right aligned mask (the queries are the *last* ``Tq`` keys, as with a KV
-cache, FlashAttention >= 2.1) and ``0`` for a top-left aligned one (PyTorch's ``is_causal``).
-With ``Tq == Tk`` the two agree. Masks that do not care about order (padding, document,
-tensors) take the alignment of what they are combined with.
+is position ``j``. Query row ``i`` is position ``start + i``, where ``start`` depends on the
+mask's alignment:
+
+- ``bottom_right`` (the default): ``start = Tk - Tq``, the queries are the *last* ``Tq`` keys, as
+  with a KV cache that returns the filled prefix (FlashAttention >= 2.1). ``q_offset`` must be 0:
+  the alignment already says where the queries are.
+- ``top_left`` (PyTorch's ``is_causal``): ``start = q_offset``, the absolute position of query
+  row 0 -- e.g. the write position of a preallocated cache whose unfilled slots are also keys.
+
+With ``Tq == Tk`` and ``q_offset == 0`` the two agree. Masks without an opinion (padding, document,
+predicates without ``align``, tensors) take the alignment of what they are combined with; alone,
+they are ``bottom_right`` when ``q_offset == 0`` and ``top_left`` (``start = q_offset``) otherwise.
+Padding is indexed by row and column, never by position, so it is the same under any alignment.
 
 Structured masks keep what they are (``Causal``, ``KeyPadding`` with lengths, ``SlidingWindow``,
 ``Document``), so attention can pick a kernel without building a ``Tq x Tk`` tensor. Predicates
@@ -52,6 +60,7 @@ __all__ = [
     "from_predicate",
     "from_tensor",
     "from_additive",
+    "additive_to_bool",
     "to_mha",
     "from_mha",
     "from_hf",
@@ -60,6 +69,7 @@ __all__ = [
     "from_tf_padding",
     "to_tf",
     "check_additive",
+    "query_start",
     "BLOCK_THRESHOLD",
 ]
 
@@ -94,8 +104,14 @@ class Mask:
     def __and__(self, other: Mask) -> Mask:
         return And(_as_mask(self), _as_mask(other))
 
+    def __rand__(self, other) -> Mask:
+        return And(_as_mask(other), self)
+
     def __or__(self, other: Mask) -> Mask:
         return Or(_as_mask(self), _as_mask(other))
+
+    def __ror__(self, other) -> Mask:
+        return Or(_as_mask(other), self)
 
     def __invert__(self) -> Mask:
         return Not(self)
@@ -114,6 +130,31 @@ class Mask:
     def _check(self, batch_size: int, q_len: int, kv_len: int) -> None:
         """Raise ValueError when the mask cannot describe a (batch_size, q_len, kv_len) problem."""
 
+    def validate(
+        self, batch_size: int, q_len: int, kv_len: int, q_offset: int = 0, *, device: torch.device | str | None = None
+    ) -> int:
+        """Run the linter for a ``(B, Tq, Tk)`` problem on ``device`` without materializing anything.
+
+        Returns the absolute position of query row 0 (see "Positions and causal alignment").
+        Raises ValueError/TypeError naming what is wrong.
+        """
+        for name, val in (("batch_size", batch_size), ("q_len", q_len), ("kv_len", kv_len)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {val!r}")
+        if not isinstance(q_offset, int) or isinstance(q_offset, bool) or q_offset < 0:
+            raise ValueError(f"q_offset must be a non-negative int, got {q_offset!r}")
+        for p in _walk(self):
+            p._check(batch_size, q_len, kv_len)
+            # A literal (Tq, Tk) tensor is moved by nobody behind the user's back: a silent copy per
+            # layer is a performance trap, and across devices usually a mistake. Small index tensors
+            # (lengths, keep, segment ids) are moved, as Hugging Face does.
+            if isinstance(p, TensorMask) and device is not None and p.tensor.device != torch.device(device):
+                raise ValueError(
+                    f"mask tensor is on {p.tensor.device} but is needed on {torch.device(device)} (the queries' "
+                    "device); move it with .to() before wrapping it"
+                )
+        return query_start(self, q_len, kv_len, q_offset)
+
     def to_bool(
         self,
         batch_size: int,
@@ -123,7 +164,10 @@ class Mask:
         *,
         device: torch.device | str | None = None,
     ) -> Tensor:
-        """Materialize as a bool tensor of shape ``(B, 1, Tq, Tk)``, True = may attend."""
+        """Materialize as a bool tensor of shape ``(B, 1, Tq, Tk)``, True = may attend.
+
+        The result may be a broadcast (expanded) view: copy it before writing into it.
+        """
         return _materialize(self, batch_size, q_len, kv_len, q_offset, device)
 
     def to_additive(
@@ -142,8 +186,8 @@ class Mask:
         ``finite=True`` uses ``torch.finfo(dtype).min`` instead of ``-inf`` (what Hugging Face
         models expect); never a magic ``-1e9``, which overflows float16.
         """
-        if not dtype.is_floating_point:
-            raise TypeError(f"to_additive needs a floating dtype, got {dtype}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"to_additive needs a floating dtype (e.g. torch.float32), got {dtype}")
         allowed = self.to_bool(batch_size, q_len, kv_len, q_offset, device=device)
         blocked = torch.finfo(dtype).min if finite else float("-inf")
         out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -161,14 +205,28 @@ def _as_mask(m) -> Mask:
     raise TypeError(f"cannot combine a mask with {type(m).__name__}; expected an attnmask Mask or bool tensor")
 
 
-def _resolve_align(mask: Mask) -> str:
+def query_start(mask: Mask, q_len: int, kv_len: int, q_offset: int = 0) -> int:
+    """Absolute position of query row 0 for ``mask`` in a ``(Tq, Tk)`` problem.
+
+    ``Tk - Tq`` for bottom-right alignment, ``q_offset`` for top-left (see the module docstring).
+    Raises ValueError when the mask mixes alignments, or combines bottom-right with ``q_offset``.
+    """
     aligns = {p.align for p in _walk(mask) if p.align is not None}
     if len(aligns) > 1:
         raise ValueError(
             "mask combines bottom_right and top_left causal alignments; pick one "
-            "(bottom_right: queries are the last Tq keys; top_left: query i is position i)"
+            "(bottom_right: queries are the last Tq keys; top_left: query i is position q_offset + i)"
         )
-    return aligns.pop() if aligns else "bottom_right"
+    align = aligns.pop() if aligns else ("top_left" if q_offset else "bottom_right")
+    if align == "top_left":
+        return q_offset
+    if q_offset:
+        raise ValueError(
+            f"q_offset={q_offset} with a bottom_right aligned mask: bottom_right already places the "
+            f"Tq={q_len} queries at the last Tq of the Tk={kv_len} keys, expected q_offset=0; for queries "
+            "at absolute positions q_offset.. (e.g. a preallocated cache) build the mask with align='top_left'"
+        )
+    return kv_len - q_len
 
 
 def _walk(mask: Mask):
@@ -179,18 +237,10 @@ def _walk(mask: Mask):
 
 def _materialize(mask: Mask, batch_size: int, q_len: int, kv_len: int, q_offset: int = 0, device=None) -> Tensor:
     """The one place where predicates become tensors: broadcast index ranges, never loop."""
-    for name, val in (("batch_size", batch_size), ("q_len", q_len), ("kv_len", kv_len)):
-        if not isinstance(val, int) or val < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {val!r}")
-    if not isinstance(q_offset, int) or q_offset < 0:
-        raise ValueError(f"q_offset must be a non-negative int, got {q_offset!r}")
     if device is None:
         device = next((d for d in (p._device() for p in _walk(mask)) if d is not None), torch.device("cpu"))
     device = torch.device(device)
-    for p in _walk(mask):
-        p._check(batch_size, q_len, kv_len)
-    shift = kv_len - q_len if _resolve_align(mask) == "bottom_right" else 0
-    q_start = q_offset + shift
+    q_start = mask.validate(batch_size, q_len, kv_len, q_offset, device=device)
     ctx = _Ctx(batch_size, q_len, kv_len, q_start, device)
     b = torch.arange(batch_size, device=device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
     h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)  # (1, 1, 1, 1)
@@ -200,6 +250,11 @@ def _materialize(mask: Mask, batch_size: int, q_len: int, kv_len: int, q_offset:
     if not isinstance(out, Tensor) or out.dtype != torch.bool:
         got = out.dtype if isinstance(out, Tensor) else type(out).__name__
         raise TypeError(f"mask predicate must return a bool tensor, got {got}")
+    if out.dim() > 4:
+        raise ValueError(
+            f"mask predicate returned shape {tuple(out.shape)}, expected broadcastable to "
+            f"(B={batch_size}, 1, Tq={q_len}, Tk={kv_len})"
+        )
     try:
         return out.to(device).expand(batch_size, 1, q_len, kv_len)  # (B, 1, Tq, Tk)
     except RuntimeError as e:
@@ -280,7 +335,7 @@ class SlidingWindow(Mask):
     """Causal local attention: query at position p sees keys ``p - size < j <= p``."""
 
     def __init__(self, size: int, align: str = "bottom_right"):
-        if not isinstance(size, int) or size < 1:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"sliding window size must be an int >= 1, got {size!r}")
         self.size = size
         self.align = _check_align(align)
@@ -350,6 +405,29 @@ class _Padding(Mask):
             raise ValueError(
                 f"{self.axis_name} padding keep has shape {tuple(self.keep.shape)}, expected (B={batch_size}, T={n})"
             )
+
+    def spans(self, batch_size: int, n: int) -> tuple[list[int], list[int]] | None:
+        """Each row's real tokens as one interval ``[lo, hi)`` along the padded axis of length ``n``.
+
+        Returns ``(lo, hi)`` lists of ``batch_size`` ints, or None when some row's real tokens are
+        not contiguous (a ``keep`` with holes). Attention uses this to slice instead of masking.
+        """
+        if self.lengths is not None:
+            lengths = self.lengths.expand(batch_size).tolist()
+            if self.side == "right":
+                return [0] * batch_size, lengths
+            return [n - L for L in lengths], [n] * batch_size
+        if n == 0:
+            return [0] * batch_size, [0] * batch_size
+        keep = self.keep.expand(batch_size, n)  # (B, n)
+        count = keep.sum(dim=1)  # (B,)
+        lo = keep.to(torch.uint8).argmax(dim=1)  # (B,) first real token (0 when there is none)
+        pos = torch.arange(n, device=keep.device)  # (n,)
+        interval = (pos >= lo[:, None]) & (pos < (lo + count)[:, None])  # (B, n)
+        if not torch.equal(interval, keep):
+            return None
+        lo, count = lo.tolist(), count.tolist()
+        return lo, [a + c for a, c in zip(lo, count)]
 
     def _real(self, ctx: _Ctx, pos: Tensor, n: int, start: int) -> Tensor:
         """Whether absolute positions ``pos`` (any shape, last dims broadcast) are real tokens."""
@@ -432,9 +510,13 @@ class Document(Mask):
 
     def _eval(self, ctx, b, h, q, kv):
         seg = self.segment_ids.to(ctx.device)
-        if (q.max() if q.numel() else 0) >= ctx.kv_len:
+        # A query's segment is the segment of the key at its position, so every query must sit on a key.
+        first, last = ctx.q_start, ctx.q_start + ctx.q_len - 1
+        if ctx.q_len and (first < 0 or last >= ctx.kv_len):
             raise ValueError(
-                f"document mask: query positions reach {int(q.max())} but segment_ids cover {ctx.kv_len} keys"
+                f"document mask: queries sit at positions {first}..{last} but segment_ids cover keys "
+                f"0..{ctx.kv_len - 1}; expected every query position to be a key position (Tq <= Tk, and "
+                "with align='top_left' q_offset + Tq <= Tk)"
             )
         seg_q = seg[:, q.reshape(-1)].view(seg.shape[0], 1, -1, 1)  # (B, 1, Tq, 1)
         seg_k = seg.view(seg.shape[0], 1, 1, -1)  # (B, 1, 1, Tk)
@@ -465,7 +547,8 @@ class Predicate(Mask):
 
 
 class TensorMask(Mask):
-    """A literal bool tensor ``(Tq, Tk)`` or ``(B|1, 1, Tq, Tk)``; it ignores positions."""
+    """A literal bool tensor ``(Tq, Tk)`` or ``(B, 1, Tq, Tk)`` (any of B, Tq, Tk may be 1 to
+    broadcast, e.g. a ``(B, 1, 1, Tk)`` padding mask); it ignores positions."""
 
     def __init__(self, t: Tensor):
         self.tensor = _lint_bool_tensor(t, "mask")
@@ -475,7 +558,8 @@ class TensorMask(Mask):
 
     def _check(self, batch_size, q_len, kv_len):
         t = self.tensor
-        if t.shape[-2:] != (q_len, kv_len) or (t.dim() == 4 and t.shape[0] not in (1, batch_size)):
+        shape4 = t.shape if t.dim() == 4 else (1, 1, *t.shape)
+        if any(got not in (1, want) for got, want in zip(shape4, (batch_size, 1, q_len, kv_len))):
             raise ValueError(
                 f"mask has shape {tuple(t.shape)}, expected broadcastable to "
                 f"(B={batch_size}, 1, Tq={q_len}, Tk={kv_len})"
@@ -596,49 +680,83 @@ def check_additive(t: Tensor, dtype: torch.dtype | None = None, name: str = "add
         raise ValueError(f"{name} contains NaN")
 
 
-def from_additive(t: Tensor, dtype: torch.dtype | None = None) -> TensorMask:
-    """From an additive mask (0 = attend; -inf, finfo.min or <= -1e4 = blocked).
-
-    ``dtype`` is the dtype the scores will have; a value that overflows it is an error.
-    """
+def additive_to_bool(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The bool form (True = may attend) of an additive mask of 0 (attend) and -inf, finfo.min or
+    anything <= ``BLOCK_THRESHOLD`` (blocked), any shape. ``dtype`` is the dtype the scores will
+    have; a value that overflows it is an error, and so is any other value (a soft bias, 0/1)."""
     check_additive(t, dtype)
     odd = (t != 0) & (t > BLOCK_THRESHOLD)
     if odd.any():
-        val = t[odd][0].item()
+        if bool(((t == 0) | (t == 1)).all()):
+            raise ValueError(
+                "additive mask holds only 0 and 1: a 0/1 mask of unknown polarity, not an additive one "
+                "(expected 0 = attend, -inf / finfo.min = blocked). Use masks.from_hf(t) if 1 = attend, "
+                "masks.from_tf(t) if 1 = blocked"
+            )
         raise ValueError(
-            f"additive mask holds {val:g}: expected only 0 (attend) and -inf / finfo.min (blocked); "
-            "a soft bias is not a mask"
+            f"additive mask holds {t[odd][0].item():g}: expected only 0 (attend) and -inf / finfo.min "
+            "(blocked); a soft bias is not a mask"
         )
-    return TensorMask(_squeeze3(t == 0))
+    return t == 0
 
 
-def _squeeze3(t: Tensor) -> Tensor:
-    return t.unsqueeze(1) if t.dim() == 3 else t
+def from_additive(t: Tensor, dtype: torch.dtype | None = None) -> TensorMask:
+    """From an additive mask ``(Tq, Tk)`` or ``(B, 1, Tq, Tk)`` (0 = attend; -inf, finfo.min or
+    <= -1e4 = blocked). ``dtype`` is the dtype the scores will have; a value that overflows it is an
+    error (e.g. -1e9 for float16)."""
+    return TensorMask(additive_to_bool(t, dtype))
 
 
 def to_mha(mask: Mask, batch_size: int, q_len: int, kv_len: int, num_heads: int) -> Tensor:
     """For ``nn.MultiheadAttention(attn_mask=...)``: bool ``(B*num_heads, Tq, Tk)``, True = *ignore*."""
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
     allowed = mask.to_bool(batch_size, q_len, kv_len)  # (B, 1, Tq, Tk)
-    return (~allowed).expand(batch_size, num_heads, q_len, kv_len).reshape(batch_size * num_heads, q_len, kv_len)
+    blocked = (~allowed).expand(batch_size, num_heads, q_len, kv_len)  # (B, H, Tq, Tk)
+    return blocked.reshape(batch_size * num_heads, q_len, kv_len)  # (B*H, Tq, Tk)
 
 
-def from_mha(attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None) -> Mask:
+def from_mha(
+    attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None, *, num_heads: int | None = None
+) -> Mask:
     """From ``nn.MultiheadAttention`` conventions (bool, True = ignore; or float additive).
 
-    ``attn_mask`` is ``(Tq, Tk)`` (per-head 3-D masks are not representable as one shared mask);
-    ``key_padding_mask`` is ``(B, Tk)``.
+    ``attn_mask`` is ``(Tq, Tk)``, or ``(B*num_heads, Tq, Tk)`` with ``num_heads`` given and the
+    same mask in every head (an attnmask Mask is shared across heads); ``key_padding_mask`` is
+    ``(B, Tk)``.
     """
     parts: list[Mask] = []
     if attn_mask is not None:
-        if attn_mask.dtype.is_floating_point:
-            parts.append(from_additive(attn_mask))
-        elif attn_mask.dtype == torch.bool:
-            if attn_mask.dim() != 2:
-                raise ValueError(f"attn_mask must be (Tq, Tk) here, got {tuple(attn_mask.shape)}")
-            parts.append(TensorMask(~attn_mask))
-        else:
-            raise TypeError(f"nn.MultiheadAttention attn_mask must be bool or float, got {attn_mask.dtype}")
+        if not isinstance(attn_mask, Tensor) or not (
+            attn_mask.dtype == torch.bool or attn_mask.dtype.is_floating_point
+        ):
+            got = attn_mask.dtype if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
+            raise TypeError(
+                f"nn.MultiheadAttention attn_mask must be bool (True = ignore) or float additive, got {got}"
+            )
+        allowed = ~attn_mask if attn_mask.dtype == torch.bool else None
+        if attn_mask.dim() == 3:
+            if num_heads is None:
+                raise ValueError(
+                    f"attn_mask has 3-D shape {tuple(attn_mask.shape)}; nn.MultiheadAttention's 3-D masks are "
+                    "(B*num_heads, Tq, Tk): pass num_heads= to split them"
+                )
+            N, Tq, Tk = attn_mask.shape
+            if N % num_heads:
+                raise ValueError(f"attn_mask has {N} rows, expected a multiple of num_heads={num_heads} (B*num_heads)")
+            per_head = attn_mask.reshape(N // num_heads, num_heads, Tq, Tk)  # (B, H, Tq, Tk)
+            if not torch.equal(per_head, per_head[:, :1].expand_as(per_head)):
+                raise ValueError("attn_mask differs between heads; an attnmask Mask is the same in every head")
+            attn_mask = per_head[:, :1]  # (B, 1, Tq, Tk)
+            allowed = ~attn_mask if attn_mask.dtype == torch.bool else None
+        elif attn_mask.dim() != 2:
+            raise ValueError(
+                f"attn_mask has shape {tuple(attn_mask.shape)}, expected (Tq, Tk) or (B*num_heads, Tq, Tk)"
+            )
+        parts.append(from_additive(attn_mask) if allowed is None else TensorMask(allowed))
     if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor):
+            raise TypeError(f"key_padding_mask must be a tensor (B, Tk), got {type(key_padding_mask).__name__}")
         if key_padding_mask.dtype.is_floating_point:
             check_additive(key_padding_mask, name="key_padding_mask")
             keep = key_padding_mask == 0
@@ -672,7 +790,8 @@ def to_hf(mask: KeyPadding, batch_size: int, seq_len: int) -> Tensor:
 
 
 def from_tf(t: Tensor) -> TensorMask:
-    """From a TensorFlow-style attention mask, 1 = blocked: ``(Tq, Tk)`` or ``(B, 1, Tq, Tk)``.
+    """From a TensorFlow-style attention mask, 1 = blocked: ``(Tq, Tk)`` or ``(B, 1, Tq, Tk)``
+    (``(B, 1, 1, Tk)`` for the TensorFlow tutorial's padding mask).
 
     For a ``(B, T)`` padding mask (1 = pad) use :func:`from_tf_padding`.
     """
@@ -680,7 +799,7 @@ def from_tf(t: Tensor) -> TensorMask:
     bad = (t != 0) & (t != 1)
     if bad.any():
         raise ValueError(f"TensorFlow mask must hold only 0/1 (1 = blocked), got {t[bad][0].item()!r}")
-    return TensorMask(_squeeze3(t == 0))
+    return TensorMask(t == 0)
 
 
 def from_tf_padding(t: Tensor) -> KeyPadding:

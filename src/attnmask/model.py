@@ -48,6 +48,10 @@ class ModelConfig:
     max_seq_len: int = 512  # longest sequence for learned/sinusoidal positions and decoding
     positions: str = "sinusoidal"  # "sinusoidal" | "learned" | "rotary"
     rope_theta: float = 10000.0  # rotary base
+    # rotary frequency scaling of long-context checkpoints: None, {"rope_type": "linear", "factor": f}
+    # or Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} (Hugging Face's names)
+    rope_scaling: dict | None = None
     norm: str = "layernorm"  # "layernorm" | "rmsnorm"
     norm_eps: float = 1e-5
     norm_position: str = "pre"  # "pre" (GPT-2/Llama) or "post" (original Transformer, Marian)
@@ -58,7 +62,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # lm_head shares the (target) embedding matrix
     embed_scale: bool = False  # multiply embeddings by sqrt(dim) (original Transformer, Marian)
     lm_head_bias: bool = False  # a bias on the logits (Marian's final_logits_bias)
-    pad_id: int = 0
+    pad_id: int | None = 0  # None: no padding id (pretrained LMs whose every id is a real token)
     attn_backend: str = "auto"
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where weights came from)
 
@@ -83,6 +87,8 @@ class ModelConfig:
             raise ValueError(f"rotary positions need an even head dim, got {self.d_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling)
 
     @property
     def kv_heads(self) -> int:
@@ -173,12 +179,44 @@ def sinusoidal_table(n_pos: int, dim: int) -> Tensor:
     return table.float()
 
 
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(scaling: dict) -> None:
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_SCALING_KEYS:
+        raise ValueError(f"rope_scaling rope_type={kind!r}, expected one of {sorted(ROPE_SCALING_KEYS)}")
+    missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}; got {scaling}")
+
+
+def scale_rope_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
+    """Long-context frequency scaling, as Hugging Face's ``modeling_rope_utils`` computes it."""
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
 class Rotary(nn.Module):
     """Rotary position embedding, Hugging Face Llama's "rotate half" layout."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (D/2,)
+        if scaling is not None:
+            inv_freq = scale_rope_frequencies(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -267,7 +305,8 @@ def lm_loss(
         )
     n = int((labels != IGNORE_INDEX).sum())
     total = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
+        # half precision is upcast to float32; float64 (reference checks) stays float64
+        logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)),
         labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
@@ -308,7 +347,7 @@ class Transformer(nn.Module):
         elif cfg.positions == "sinusoidal":
             self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.dim), persistent=False)
         else:
-            self.rotary = Rotary(cfg.d_head, cfg.rope_theta)
+            self.rotary = Rotary(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
         self.emb_dropout = nn.Dropout(cfg.dropout)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=cfg.lm_head_bias)  # W_pred
         if cfg.tie_embeddings:
@@ -331,12 +370,17 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # -- masks (all from attnmask.masks) -----------------------------------------------------
-    def source_mask(self, src_ids: Tensor) -> masks.KeyPadding:
-        """Key padding over the source: encoder self-attention and cross-attention."""
+    def source_mask(self, src_ids: Tensor) -> masks.KeyPadding | None:
+        """Key padding over the source: encoder self-attention and cross-attention (None without pad_id)."""
+        if self.config.pad_id is None:
+            return None
         return masks.padding(token_ids=src_ids, pad_id=self.config.pad_id)
 
     def target_mask(self, ids: Tensor) -> masks.Mask:
-        """Seed 004's ``M_total``: look-ahead & key padding over the decoder input."""
+        """Seed 004's ``M_total``: look-ahead & key padding over the decoder input (look-ahead alone
+        when the config has no pad_id: pass padding explicitly as ``mask=``)."""
+        if self.config.pad_id is None:
+            return masks.causal()
         return masks.causal() & masks.padding(token_ids=ids, pad_id=self.config.pad_id)
 
     # -- embeddings ----------------------------------------------------------------------------

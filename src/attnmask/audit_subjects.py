@@ -1,0 +1,342 @@
+"""What :mod:`attnmask.audit` audits: any model, seen as token ids (+ a 0/1 mask) -> logits.
+
+A :class:`Subject` wraps a model in one calling convention, so every check is written once:
+
+- decoder-only: ``forward(input_ids (B, T) long, attention_mask (B, T) long 0/1) -> logits (B, T, V)``;
+- encoder-decoder: ``forward(src_ids (B, S), src_mask (B, S), tgt_ids (B, T), tgt_mask (B, T)) -> (B, T, V)``.
+
+Masks follow Hugging Face's 2-D convention here (1 = real token, 0 = padding), because that is what
+foreign models take; they never reach attention in this form (see :func:`attnmask.masks.from_hf`).
+
+Positions are the adapter's business: the adapters below count a token's position from the first
+real token of its row (``cumsum(mask) - 1``), as generation with left padding does, so a model's
+outputs for real tokens can be compared with and without padding. A model that cannot do that (the
+attnmask encoder always numbers source positions from 0) lists only the sides it supports in
+``pad_sides`` / ``src_pad_sides``.
+
+Optional extras turn on more checks: ``forward_with_embeds`` (same arguments, returns
+``(logits, embeds)`` with ``embeds`` the decoder's input embeddings ``(B, T, C)`` as a leaf that
+requires grad) for the gradient check, and ``cached_forward`` (same arguments, same logits computed
+token by token with a KV cache) for cache parity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from attnmask import masks
+
+__all__ = ["Subject", "as_subject", "from_callable", "from_transformer", "from_hf", "from_run", "positions_from_mask"]
+
+SIDES = ("left", "right")
+
+
+@dataclass
+class Subject:
+    """A model under audit (see the module docstring for the calling conventions)."""
+
+    forward: Callable[..., Tensor]  # ids (+ 0/1 masks) -> logits (B, T, V)
+    vocab_size: int  # decoder vocabulary V: random tokens are drawn from [0, V)
+    name: str = "model"
+    encoder_decoder: bool = False
+    src_vocab_size: int | None = None  # encoder vocabulary; None = vocab_size
+    pad_id: int = 0  # id written into pad positions (other ids are tried there too)
+    special_ids: tuple[int, ...] = ()  # ids never drawn as random tokens (e.g. <pad>)
+    pad_sides: tuple[str, ...] = SIDES  # target padding the model handles (positions from the first real token)
+    src_pad_sides: tuple[str, ...] = SIDES  # source padding whose *amount* must not matter
+    forward_with_embeds: Callable[..., tuple[Tensor, Tensor]] | None = None  # -> (logits, leaf embeds)
+    cached_forward: Callable[..., Tensor] | None = None  # same logits, token by token with a KV cache
+    max_len: int | None = None  # longest sequence the model takes
+    dtype: torch.dtype = torch.float32  # dtype of the logits: picks the comparison tolerance
+    device: torch.device = torch.device("cpu")  # where the audit puts the ids it makes
+    notes: list[str] = field(default_factory=list)  # what the adapter could not offer, for the report
+
+    def __post_init__(self):
+        if not callable(self.forward):
+            raise TypeError(f"Subject.forward must be callable, got {type(self.forward).__name__}")
+        if not isinstance(self.vocab_size, int) or self.vocab_size < 2:
+            raise ValueError(f"Subject.vocab_size must be an int >= 2, got {self.vocab_size!r}")
+        for name in ("pad_sides", "src_pad_sides"):
+            bad = [s for s in getattr(self, name) if s not in SIDES]
+            if bad:
+                raise ValueError(f"Subject.{name} holds {bad}; expected a subset of {SIDES}")
+
+    @property
+    def source_vocab_size(self) -> int:
+        return self.src_vocab_size or self.vocab_size
+
+
+def positions_from_mask(attention_mask: Tensor) -> Tensor:
+    """``(B, T)`` 0/1 -> positions ``(B, T)``: real tokens count from 0 at their row's first real
+    token; pads before it get 0 (their outputs are never read)."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
+
+
+def _keep(ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    if attention_mask is None:
+        return torch.ones(ids.shape, dtype=torch.bool, device=ids.device)  # (B, T)
+    if attention_mask.shape != ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {tuple(ids.shape)}")
+    return attention_mask.bool()
+
+
+def from_callable(
+    fn: Callable[..., Tensor],
+    *,
+    vocab_size: int,
+    encoder_decoder: bool = False,
+    name: str | None = None,
+    **extras,
+) -> Subject:
+    """Audit a plain callable (see the module docstring for its signature). ``extras`` are any other
+    :class:`Subject` fields, e.g. ``forward_with_embeds=`` to enable the gradient check."""
+    return Subject(
+        forward=fn,
+        vocab_size=vocab_size,
+        encoder_decoder=encoder_decoder,
+        name=name or getattr(fn, "__name__", type(fn).__name__),
+        **extras,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# attnmask Transformers
+# ---------------------------------------------------------------------------------------------
+def from_transformer(model, *, name: str | None = None) -> Subject:
+    """Audit an :class:`attnmask.model.Transformer` (put in eval mode), through its own masks.
+
+    Self-attention masks come from ``model.target_mask`` and ``model.source_mask`` applied to the ids
+    with ``pad_id`` written at masked positions, so a model that builds its masks wrongly is caught,
+    while other ids written in pad positions still reach the embeddings (and must not leak). With no
+    ``pad_id`` in the config, key padding from the 0/1 mask is added to ``model.target_mask``.
+    Cached decoding passes ``masks.causal() & masks.padding(keep=...)``, as :mod:`attnmask.decode` does.
+    """
+    from attnmask.cache import KVCache
+
+    model.eval()
+    cfg = model.config
+    pad = cfg.pad_id
+    enc_dec = bool(model.is_encoder_decoder)
+
+    def self_mask(ids: Tensor, keep: Tensor) -> masks.Mask:
+        if pad is None:
+            return model.target_mask(ids) & masks.padding(keep=keep)
+        return model.target_mask(ids.masked_fill(~keep, pad))
+
+    def memory_of(src: Tensor, src_mask: Tensor | None) -> tuple[Tensor, masks.Mask]:
+        keep = _keep(src, src_mask)
+        # with a pad id, the model's own source mask over ids with <pad> written where masked
+        smask = masks.padding(keep=keep) if pad is None else model.source_mask(src.masked_fill(~keep, pad))
+        return model.encode(src, smask), smask
+
+    def run(args, *, embeds_hook: bool = False):
+        if enc_dec:
+            src, src_mask, ids, mask = args
+            memory, memory_mask = memory_of(src, src_mask)
+        else:
+            (ids, mask), memory, memory_mask = args, None, None
+        keep = _keep(ids, mask)
+        captured: dict[str, Tensor] = {}
+        handle = None
+        if embeds_hook:
+            # Replace the decoder's token embeddings by a leaf, so gradients can be taken w.r.t. it;
+            # registered after encode() because src_embed may be the same module.
+            def hook(_mod, _inp, out):
+                captured["embeds"] = out.detach().requires_grad_(True)
+                return captured["embeds"]
+
+            handle = model.embed.register_forward_hook(hook)
+        try:
+            logits = model.decode(
+                ids,
+                memory,
+                memory_mask=memory_mask,
+                mask=self_mask(ids, keep),
+                positions=positions_from_mask(keep),
+            )  # (B, T, V)
+        finally:
+            if handle is not None:
+                handle.remove()
+        return (logits, captured["embeds"]) if embeds_hook else logits
+
+    def cached(*args) -> Tensor:
+        if enc_dec:
+            src, src_mask, ids, mask = args
+            memory, memory_mask = memory_of(src, src_mask)
+        else:
+            (ids, mask), memory, memory_mask = args, None, None
+        keep = _keep(ids, mask)
+        positions = positions_from_mask(keep)
+        B, T = ids.shape
+        cache = KVCache.for_model(model, B, max_len=T)
+        # a prefill of the first half, then one token a step: both paths of a real decoder
+        cut = max(1, T // 2)
+        spans = [(0, cut)] + [(t, t + 1) for t in range(cut, T)]
+        out = []
+        for a, b in spans:
+            step_mask = masks.causal() & masks.padding(keep=keep[:, :b])
+            out.append(
+                model.decode(
+                    ids[:, a:b],
+                    memory,
+                    memory_mask=memory_mask,
+                    mask=step_mask,
+                    positions=positions[:, a:b],
+                    cache=cache,
+                )
+            )  # (B, b - a, V)
+        return torch.cat(out, dim=1)  # (B, T, V)
+
+    p = next(model.parameters())
+    return Subject(
+        forward=lambda *args: run(args),
+        forward_with_embeds=lambda *args: run(args, embeds_hook=True),
+        cached_forward=cached,
+        vocab_size=cfg.vocab_size,
+        src_vocab_size=cfg.src_vocab_size,
+        encoder_decoder=enc_dec,
+        name=name or f"attnmask Transformer ({cfg.arch}, {cfg.positions} positions)",
+        pad_id=0 if pad is None else pad,
+        special_ids=() if pad is None else (pad,),
+        pad_sides=SIDES,
+        # the encoder numbers source positions from 0: left padding shifts them (by design)
+        src_pad_sides=("right",) if cfg.positions != "rotary" else SIDES,
+        max_len=cfg.max_seq_len,
+        dtype=p.dtype,
+        device=p.device,
+    )
+
+
+def from_run(path: str | Path) -> Subject:
+    """Audit the model of a run directory written by ``attnmask train``."""
+    from attnmask.run import load_run
+
+    run = load_run(path)
+    return from_transformer(run.model, name=f"run {run.path} ({run.task}, {run.model.config.arch})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face models
+# ---------------------------------------------------------------------------------------------
+def from_hf(model, *, name: str | None = None) -> Subject:
+    """Audit a Hugging Face ``transformers`` model with an LM head (decoder-only, e.g. Llama,
+    GPT-2; or encoder-decoder, e.g. Marian, T5), put in eval mode. Decoder-only models get
+    ``position_ids`` from the mask, cache parity through ``past_key_values``, and the gradient
+    check through ``inputs_embeds``."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"from_hf needs a transformers PreTrainedModel, got {type(model).__name__}")
+    model.eval()
+    cfg = model.config
+    vocab = cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size
+    pad = getattr(cfg, "pad_token_id", None)
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+    label = name or f"Hugging Face {type(model).__name__}"
+    if getattr(cfg, "is_encoder_decoder", False):
+        return _from_hf_seq2seq(model, vocab=vocab, pad=pad, dtype=dtype, device=device, name=label)
+
+    def forward(ids: Tensor, mask: Tensor | None = None) -> Tensor:
+        keep = _keep(ids, mask)
+        return model(input_ids=ids, attention_mask=keep.long(), position_ids=positions_from_mask(keep)).logits
+
+    def forward_with_embeds(ids: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        keep = _keep(ids, mask)
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)  # (B, T, C)
+        out = model(inputs_embeds=embeds, attention_mask=keep.long(), position_ids=positions_from_mask(keep))
+        return out.logits, embeds
+
+    def cached(ids: Tensor, mask: Tensor | None = None) -> Tensor:
+        keep = _keep(ids, mask)
+        positions = positions_from_mask(keep)
+        past, out = None, []
+        for t in range(ids.shape[1]):
+            res = model(
+                input_ids=ids[:, t : t + 1],
+                attention_mask=keep[:, : t + 1].long(),
+                position_ids=positions[:, t : t + 1],
+                past_key_values=past,
+                use_cache=True,
+            )
+            past = res.past_key_values
+            out.append(res.logits)  # (B, 1, V)
+        return torch.cat(out, dim=1)  # (B, T, V)
+
+    return Subject(
+        forward=forward,
+        forward_with_embeds=forward_with_embeds,
+        cached_forward=cached,
+        vocab_size=vocab,
+        name=label,
+        pad_id=0 if pad is None else pad,
+        special_ids=() if pad is None else (pad,),
+        max_len=getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None),
+        dtype=dtype,
+        device=device,
+    )
+
+
+def _from_hf_seq2seq(model, *, vocab: int, pad: int | None, dtype, device, name: str) -> Subject:
+    def forward(src: Tensor, src_mask: Tensor | None, ids: Tensor, mask: Tensor | None) -> Tensor:
+        return model(
+            input_ids=src,
+            attention_mask=_keep(src, src_mask).long(),
+            decoder_input_ids=ids,
+            decoder_attention_mask=_keep(ids, mask).long(),
+        ).logits
+
+    def forward_with_embeds(src, src_mask, ids, mask) -> tuple[Tensor, Tensor]:
+        embeds = model.get_decoder().get_input_embeddings()(ids).detach().requires_grad_(True)  # (B, T, C)
+        out = model(
+            input_ids=src,
+            attention_mask=_keep(src, src_mask).long(),
+            decoder_inputs_embeds=embeds,
+            decoder_attention_mask=_keep(ids, mask).long(),
+        )
+        return out.logits, embeds
+
+    return Subject(
+        forward=forward,
+        forward_with_embeds=forward_with_embeds,
+        vocab_size=vocab,
+        encoder_decoder=True,
+        name=name,
+        pad_id=0 if pad is None else pad,
+        special_ids=() if pad is None else (pad,),
+        # Hugging Face seq2seq forward() numbers positions from 0 on both sides: right padding only
+        pad_sides=("right",),
+        src_pad_sides=("right",),
+        dtype=dtype,
+        device=device,
+        notes=["cache parity not offered for Hugging Face encoder-decoder models"],
+    )
+
+
+def _is_hf_model(obj) -> bool:
+    return any(c.__module__.startswith("transformers.") for c in type(obj).__mro__ if c.__name__ == "PreTrainedModel")
+
+
+def as_subject(model, **kwargs) -> Subject:
+    """A :class:`Subject` for ``model``: a Subject, an attnmask Transformer, a run directory, a
+    Hugging Face model, or a callable (then ``vocab_size=`` is required; see :func:`from_callable`)."""
+    from attnmask.model import Transformer
+
+    if isinstance(model, Subject):
+        return model
+    if isinstance(model, Transformer):
+        return from_transformer(model, **kwargs)
+    if isinstance(model, (str, Path)):
+        return from_run(model)
+    if _is_hf_model(model):
+        return from_hf(model, **kwargs)
+    if callable(model):
+        if "vocab_size" not in kwargs:
+            raise ValueError("auditing a plain callable needs vocab_size= (its logits' last dimension)")
+        return from_callable(model, **kwargs)
+    raise TypeError(
+        f"cannot audit a {type(model).__name__}; expected an attnmask Transformer, a run directory, "
+        "a Hugging Face model, a callable (ids, attention_mask) -> logits, or an audit Subject"
+    )

@@ -1,0 +1,81 @@
+"""``attnmask generate``: continue a prompt with a language model, streaming text as it is produced."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from attnmask.decode import generate
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="continue a prompt with a language model (streams the text)",
+        description="Continue --prompt with a decoder-only model from a run directory (--run) or a "
+        "pretrained model (--model NAME, see attnmask.pretrained), printing tokens as they are "
+        "produced. --temperature 0 is greedy decoding; --seed makes sampling reproducible.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="run directory written by `attnmask train` (task lm)")
+    src.add_argument("--model", metavar="NAME", help="a pretrained model known to attnmask.pretrained")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sample within the top-p probability mass")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--raw", action="store_true", help="--model: do not apply the model's chat template")
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.set_defaults(func=run)
+
+
+def _load_pretrained(name: str):
+    try:
+        pretrained = importlib.import_module("attnmask.pretrained")
+    except ModuleNotFoundError as e:
+        if e.name != "attnmask.pretrained":
+            raise
+        raise ValueError(f"--model {name}: pretrained models are not available (no attnmask.pretrained)") from e
+    return pretrained.load(name)
+
+
+def run(args) -> int:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompt = args.prompt
+    echo = True  # plain continuation: print the prompt, then what follows it
+    if not prompt:
+        raise ValueError("empty prompt: expected some text to continue (--prompt TEXT)")
+    if args.run is not None:
+        from attnmask.run import load_run
+
+        loaded = load_run(args.run, device=args.device)
+        if loaded.task != "lm":
+            raise ValueError(f"{args.run} is a {loaded.task!r} run; generate needs a language model (task 'lm')")
+        model, tokenizer = loaded.model, loaded.tokenizer
+    else:
+        model, tokenizer, chat_template = _load_pretrained(args.model)
+        model.to(args.device)
+        if chat_template is not None and not args.raw:
+            prompt = chat_template(prompt)
+            echo = False  # a chat reply: the templated prompt is not part of it
+    pieces = generate(
+        model,
+        tokenizer,
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stream=True,
+    )
+    if echo:
+        print(args.prompt, end="", flush=True)
+    for piece in pieces:
+        if piece:
+            print(piece, end="", flush=True)
+    print(flush=True)
+    return 0

@@ -1,0 +1,136 @@
+"""``attnmask train``: train a translator (encoder-decoder) or a language model (decoder-only).
+
+Every flag maps to one field of :class:`attnmask.train.TrainConfig`, whose defaults are the only
+ones (flags default to None = "not given"). ``--resume --out DIR`` continues a saved run with its
+saved settings; only the budget and logging flags may change then.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+
+from attnmask.model import ACTIVATIONS, NORM_POSITIONS, NORMS, POSITIONS
+
+# (flag, TrainConfig field, type / action, help); the default is appended from TrainConfig.
+_FLAGS = (
+    ("Data", None, None, None),
+    ("--task", "task", ("translation", "lm"), "translation (--src/--tgt) or language model (--text)"),
+    ("--src", "src", str, "source-language file, one sentence a line (.gz allowed)"),
+    ("--tgt", "tgt", str, "target-language file, line i translates line i of --src"),
+    ("--valid-src", "valid_src", str, "validation sources (default: hold out the last 5%%, at most 1000, of --src)"),
+    ("--valid-tgt", "valid_tgt", str, "validation targets, aligned with --valid-src"),
+    ("--builtin-task", "builtin_task", str, "a generated task instead of files (see `attnmask demo`): dates"),
+    ("--text", "text", str, "--task lm: a plain text file"),
+    ("--valid-text", "valid_text", str, "--task lm: validation text (default: the last 10%% of --text)"),
+    ("--tokenizer", "tokenizer", ("bpe", "char"), "byte-level BPE or characters"),
+    ("--vocab-size", "vocab_size", int, "BPE vocabulary size, specials included"),
+    ("--separate-vocab", "joint_vocab", "store_false", "separate source and target vocabularies"),
+    ("--max-len", "max_len", int, "longest sequence in tokens; longer training pairs are dropped"),
+    ("Model", None, None, None),
+    ("--model", "model", ("tiny", "small", "base"), "size preset; the flags below override it"),
+    ("--dim", "dim", int, "model width"),
+    ("--layers", "layers", int, "decoder layers (and encoder layers unless --encoder-layers)"),
+    ("--encoder-layers", "encoder_layers", int, "encoder layers"),
+    ("--heads", "heads", int, "attention heads"),
+    ("--kv-heads", "kv_heads", int, "key/value heads (fewer than --heads: grouped-query attention)"),
+    ("--ffn-dim", "ffn_dim", int, "feed-forward width"),
+    ("--positions", "positions", POSITIONS, "position encoding"),
+    ("--norm", "norm", NORMS, "normalisation"),
+    ("--norm-position", "norm_position", NORM_POSITIONS, "pre-norm or post-norm residual blocks"),
+    ("--activation", "activation", ACTIVATIONS, "feed-forward activation"),
+    ("--dropout", "dropout", float, "dropout probability"),
+    ("--no-tie-embeddings", "tie_embeddings", "store_false", "give W_pred its own matrix"),
+    ("Batches and optimisation", None, None, None),
+    ("--batch-tokens", "batch_tokens", int, "padded tokens per batch and process (lm: batch size x block size)"),
+    ("--block-size", "block_size", int, "--task lm: tokens per training sequence"),
+    ("--grad-accum", "grad_accum", int, "micro-batches per optimizer step"),
+    ("--lr", "lr", float, "peak learning rate (AdamW)"),
+    ("--min-lr-ratio", "min_lr_ratio", float, "cosine decay ends at lr x this"),
+    ("--warmup", "warmup", int, "linear warmup steps"),
+    ("--weight-decay", "weight_decay", float, "AdamW weight decay (weight matrices only)"),
+    ("--grad-clip", "grad_clip", float, "max gradient norm (0 = off)"),
+    ("--label-smoothing", "label_smoothing", float, "label smoothing (default 0.1 translation, 0 lm)"),
+    ("Budget, evaluation, checkpoints", None, None, None),
+    ("--max-steps", "max_steps", int, "optimizer steps, the length of the LR schedule (0 = no step limit)"),
+    ("--max-minutes", "max_minutes", float, "wall-clock budget of the training loop, in minutes"),
+    ("--eval-every", "eval_every", int, "steps between evaluations (0 = only at the end)"),
+    ("--eval-sentences", "eval_sentences", int, "validation sentences translated for BLEU/chrF/exact match"),
+    ("--log-every", "log_every", int, "steps between metrics.jsonl / TensorBoard records"),
+    ("--save-every", "save_every", int, "steps between checkpoints (default: --eval-every)"),
+    ("Runtime", None, None, None),
+    ("--out", "out", str, "run directory"),
+    ("--resume", "resume", "store_true", "continue the run in --out from its last checkpoint"),
+    ("--seed", "seed", int, "random seed"),
+    ("--precision", "precision", ("fp32", "bf16"), "fp32, or bfloat16 autocast"),
+    ("--device", "device", str, "auto, cpu, cuda or cuda:N"),
+    ("--deterministic", "deterministic", "store_true", "deterministic algorithms (bit-identical resumes)"),
+    ("--no-progress", "progress", "store_false", "no progress bar"),
+)
+
+
+def add_parser(sub) -> None:
+    from attnmask.train import TrainConfig
+
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+    p = sub.add_parser(
+        "train",
+        help="train a translator or a language model on your text",
+        description="Train an encoder-decoder translator (--task translation --src F --tgt F) or a decoder-only "
+        "language model (--task lm --text F) with teacher forcing. The run directory gets the config, tokenizer, "
+        "weights (safetensors), resumable trainer state, metrics.jsonl, TensorBoard scalars (tb/) and loss.png. "
+        "Several processes: torchrun --nproc-per-node N -m attnmask train ...",
+    )
+    group = p
+    for flag, name, kind, help_text in _FLAGS:
+        if name is None:
+            group = p.add_argument_group(flag)
+            continue
+        default = defaults.get(name)
+        if kind in ("store_true", "store_false"):
+            group.add_argument(flag, dest=name, action=kind, default=None, help=help_text)
+            continue
+        shown = f" (default: {default})" if default is not None and "default" not in help_text else ""
+        if isinstance(kind, tuple):
+            group.add_argument(flag, dest=name, choices=kind, default=None, help=help_text + shown)
+        else:
+            metavar = "FILE" if name in ("src", "tgt", "valid_src", "valid_tgt", "text", "valid_text") else None
+            metavar = "DIR" if name == "out" else metavar
+            group.add_argument(flag, dest=name, type=kind, default=None, metavar=metavar, help=help_text + shown)
+    p.set_defaults(func=run)
+
+
+def given_settings(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields set on the command line (flags default to None = not given)."""
+    names = [name for _, name, _, _ in _FLAGS if name is not None]
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    if given.get("max_steps") == 0:
+        given["max_steps"] = None
+    return given
+
+
+def config_from_args(args: argparse.Namespace):
+    from attnmask.train import RESUME_OVERRIDES, TrainConfig, resume_config
+
+    given = given_settings(args)
+    if given.get("resume"):
+        if "out" not in given:
+            raise ValueError("--resume needs --out DIR, the run to continue")
+        fixed = sorted(k for k in given if k not in RESUME_OVERRIDES + ("out",))
+        if fixed:
+            flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
+            raise ValueError(f"{flags} cannot change on --resume (the run keeps its saved settings); drop them")
+        return resume_config(given.pop("out"), **given)
+    return TrainConfig(**given)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnmask.train import train
+
+    cfg = config_from_args(args)
+    result = train(cfg)
+    if result.stopped.startswith("SIG") or result.stopped.startswith("signal"):
+        return 0
+    print(f"done: {result.step} steps in {result.elapsed_s / 60:.1f} min ({result.stopped}); run saved in {result.path}")
+    print(f"load it with: attnmask.load_run({str(result.path)!r})")
+    return 0

@@ -1,0 +1,95 @@
+"""``attnmask translate``: translate sentences with a trained run (greedy or beam search)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from attnmask.decode import translate
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "translate",
+        help="translate sentences with a trained translation run",
+        description="Translate SENTENCE arguments, or the lines of --input FILE, or stdin (one sentence a "
+        "line; blank lines stay blank) with the cached decoder: greedy by default, beam search with --beam.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("sentences", nargs="*", metavar="SENTENCE", help="sentences to translate")
+    p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `attnmask train`")
+    p.add_argument("--input", metavar="FILE", help="read sentences from FILE, one a line")
+    p.add_argument("--output", metavar="FILE", help="write translations to FILE instead of stdout")
+    p.add_argument("--beam", type=int, default=1, help="beam size (1 = greedy)")
+    p.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score / length ** this")
+    p.add_argument("--batch-size", type=int, default=64, help="sentences decoded at once")
+    p.add_argument("--max-len", type=int, default=None, help="most tokens per translation (default 1.5 x source + 10)")
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.set_defaults(func=run)
+
+
+def read_sentences(sentences: list[str], input_path: str | None) -> list[str]:
+    """Sentences from the arguments, else ``input_path``, else stdin; ValueError when there are none."""
+    if sentences and input_path:
+        raise ValueError("give sentences as arguments or --input FILE, not both")
+    if sentences:
+        lines = list(sentences)
+    elif input_path:
+        lines = Path(input_path).read_text(encoding="utf-8").splitlines()
+    else:
+        lines = sys.stdin.read().splitlines()
+    if not any(line.strip() for line in lines):
+        where = f"{input_path} has no text" if input_path else "no sentences given"
+        raise ValueError(f"empty input: {where}; expected SENTENCE arguments, --input FILE or lines on stdin")
+    return lines
+
+
+def check_options(args) -> None:
+    for name in ("beam", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_len is not None and args.max_len < 1:
+        raise ValueError(f"--max-len must be >= 1, got {args.max_len}")
+
+
+def load_translation_run(path: str, device: str):
+    from attnmask.run import load_run
+
+    run = load_run(path, device=device)
+    if run.task != "translation":
+        raise ValueError(f"{path} is a {run.task!r} run; translation needs a run trained with task 'translation'")
+    return run
+
+
+def translate_lines(run, lines: list[str], args) -> list[str]:
+    """Translations of the non-blank ``lines``; blank lines map to blank lines."""
+    todo = [i for i, line in enumerate(lines) if line.strip()]
+    hyps = translate(
+        run.model,
+        run.src_tokenizer,
+        run.tokenizer,
+        [lines[i] for i in todo],
+        beam=args.beam,
+        max_len=args.max_len,
+        batch_size=args.batch_size,
+        length_penalty=args.length_penalty,
+        progress=sys.stderr.isatty() and len(todo) > args.batch_size,
+    )
+    out = [""] * len(lines)
+    for i, h in zip(todo, hyps):
+        out[i] = h
+    return out
+
+
+def run(args) -> int:
+    check_options(args)
+    lines = read_sentences(args.sentences, args.input)
+    model_run = load_translation_run(args.run, args.device)
+    out = translate_lines(model_run, lines, args)
+    text = "".join(line + "\n" for line in out)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,589 @@
+"""Autoregressive decoding with a KV cache (seed 000).
+
+Greedy decoding starts from ``<sos>`` (encoder-decoder) or from a prompt (decoder-only), takes the
+arg-max of the last position's logits, appends it, and repeats until ``<eos>`` or a length limit.
+The logits of positions already decoded never change as the output grows (the look-ahead mask
+hides later tokens), so their keys and values are kept in an :class:`~attnmask.cache.KVCache` and
+each step runs only the new token through the decoder, and only the last position through
+``W_pred``.
+
+The pieces, small and separate (gpt-fast style):
+
+- :func:`start`: encode the source once / prefill the prompt; returns a :class:`DecodeState` and
+  the first logits;
+- :func:`decode_step`: one token per row through the decoder -> logits ``(B, V)``;
+- :func:`attnmask.sampling.sample`: arg-max (temperature 0), or a draw with temperature, top-k,
+  top-p and an explicit ``torch.Generator``;
+- :func:`stream`: the loop, yielding each step's tokens ``(B,)`` as they come;
+- :func:`greedy` / :func:`generate_ids`: the loop collected into id lists;
+- :mod:`attnmask.beam`: beam search on the same pieces;
+- :func:`translate` / :func:`generate`: text in, text out.
+
+Batches: every row stops on its own. A finished row emits ``<pad>`` in :func:`stream` and is dropped
+from the batch (its cache rows too), so it costs nothing afterwards; results never contain it.
+
+Padding: prompts of different lengths are *left*-padded so that every row's last real token is in
+the last column, where the next token's logits come from. Positions come from the padding
+(``cumsum(keep) - 1``), so each row's tokens sit at the positions they would have alone. The
+self-attention mask is ``masks.causal() & masks.padding(keep=...)`` over all cached keys
+(bottom-right aligned: the new queries are the last keys); cross-attention masks source padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnmask import masks
+from attnmask.attention import PreparedMask, prepare_mask
+from attnmask.cache import KVCache
+from attnmask.sampling import check_sampling, sample
+from attnmask.tokenizer import EOS_ID, SOS_ID
+
+__all__ = [
+    "DecodeState",
+    "pad_batch",
+    "start",
+    "decode_step",
+    "stream",
+    "generate_ids",
+    "greedy",
+    "translate",
+    "generate",
+    "source_ids",
+    "stop_set",
+    "default_max_len",
+]
+
+Ids = Sequence[Sequence[int]] | Tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches of token ids
+# ---------------------------------------------------------------------------------------------
+def pad_batch(seqs: Ids, pad_id: int | None, *, side: str, device=None) -> tuple[Tensor, Tensor | None]:
+    """Id lists -> ``ids (B, T)`` padded on ``side`` and ``keep (B, T)`` (True = real token), or
+    ``keep=None`` when no row is padded. A tensor is taken as padded already (pads = ``pad_id``).
+
+    Raises ValueError for an empty batch or an empty sequence.
+    """
+    if isinstance(seqs, Tensor):
+        if seqs.dim() != 2 or seqs.shape[0] == 0 or seqs.shape[1] == 0:
+            raise ValueError(f"expected token ids of shape (B, T) with B, T >= 1, got {tuple(seqs.shape)}")
+        ids = seqs.to(device=device, dtype=torch.long)
+        keep = ids != pad_id if pad_id is not None else torch.ones_like(ids, dtype=torch.bool)  # (B, T)
+    else:
+        seqs = [list(s) for s in seqs]
+        if not seqs:
+            raise ValueError("empty batch: expected at least one sequence of token ids")
+        for i, s in enumerate(seqs):
+            if not s:
+                raise ValueError(f"sequence {i} is empty; expected at least one token id")
+        T = max(len(s) for s in seqs)
+        # pad_id None (pretrained LMs: every id is real): any filler will do, keep masks it
+        ids = torch.full((len(seqs), T), 0 if pad_id is None else pad_id, dtype=torch.long)  # (B, T)
+        keep = torch.zeros(len(seqs), T, dtype=torch.bool)  # (B, T)
+        for b, s in enumerate(seqs):
+            cols = slice(T - len(s), T) if side == "left" else slice(0, len(s))
+            ids[b, cols] = torch.tensor(s, dtype=torch.long)
+            keep[b, cols] = True
+        ids, keep = ids.to(device), keep.to(device)
+    if not bool(keep.any(dim=1).all()):
+        raise ValueError("a sequence holds only padding; expected at least one real token per row")
+    return ids, (None if bool(keep.all()) else keep)
+
+
+def source_ids(tokenizer, sentences: Sequence[str]) -> list[list[int]]:
+    """Source sentences as the encoder saw them in training: tokens then ``<eos>``
+    (:func:`attnmask.data.make_translation_batch`)."""
+    return [ids + [EOS_ID] for ids in tokenizer.encode_batch(list(sentences))]
+
+
+def default_max_len(src_len: int, model_max: int) -> int:
+    """Output length limit for a source of ``src_len`` tokens: ``1.5 * src_len + 10``, at most the
+    model's maximum (fairseq's ``max_len_a * src_len + max_len_b`` rule)."""
+    return min(int(1.5 * src_len) + 10, model_max)
+
+
+# ---------------------------------------------------------------------------------------------
+# State and the two forward passes
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class DecodeState:
+    """What one decoding run carries from step to step (one row per hypothesis).
+
+    The masks of one-token steps are built once, before the first step, and sliced per step: a
+    single query sits at the bottom-right of the score matrix, so its causal row allows every
+    cached key and only key padding is left to mask.
+    """
+
+    cache: KVCache
+    self_allowed: Tensor | None  # (B, 1, 1, Tmax) bool key padding; None = nothing padded
+    next_pos: Tensor  # (B,) position of the next token each row feeds
+    src_allowed: Tensor | None  # (B, 1, 1, S) bool source key padding; None = nothing padded
+    cross_mask: PreparedMask | None  # src_allowed resolved for one-token steps
+    n_heads: int
+
+    @property
+    def rows(self) -> int:
+        return self.next_pos.shape[0]
+
+    def step_mask(self) -> PreparedMask:
+        """Self-attention mask of the next one-token step over all ``pos + 1`` keys."""
+        B, Tk = self.rows, self.cache.pos + 1
+        allowed = None if self.self_allowed is None else self.self_allowed[..., :Tk]  # (B, 1, 1, Tk)
+        return prepare_mask(allowed, B, self.n_heads, 1, Tk)
+
+    def select(self, index: Tensor, *, cross: bool = True) -> None:
+        """Keep rows ``index`` (B',) in that order (drop finished rows; reorder or copy beams).
+
+        ``cross=False`` leaves the cached encoder keys/values alone: valid when every row keeps
+        its own source (beams of one sentence reordered among themselves, same ``B``).
+        """
+        self.cache.reorder(index, cross=cross)
+        if self.self_allowed is not None:
+            self.self_allowed = self.self_allowed[index]  # (B', 1, 1, Tmax)
+        self.next_pos = self.next_pos[index]  # (B',)
+        if cross and self.src_allowed is not None:
+            self.src_allowed = self.src_allowed[index]  # (B', 1, 1, S)
+            self.cross_mask = _cross_mask(self.src_allowed, self.n_heads)
+
+
+def _cross_mask(src_allowed: Tensor | None, n_heads: int) -> PreparedMask | None:
+    if src_allowed is None:
+        return None
+    B, _, _, S = src_allowed.shape
+    return prepare_mask(src_allowed, B, n_heads, 1, S)
+
+
+StopIds = int | Sequence[int] | None
+
+
+def stop_set(eos_id: StopIds) -> frozenset[int]:
+    """The ids that end a row: ``eos_id`` may be one id, several (chat models), or None (never)."""
+    if eos_id is None:
+        return frozenset()
+    return frozenset([int(eos_id)] if isinstance(eos_id, int) else (int(i) for i in eos_id))
+
+
+def is_stop(tokens: Tensor, stops: frozenset[int]) -> Tensor:
+    """Bool tensor shaped like ``tokens``: True where a token ends its row."""
+    if not stops:
+        return torch.zeros_like(tokens, dtype=torch.bool)
+    return torch.isin(tokens, torch.tensor(sorted(stops), device=tokens.device))
+
+
+def _check_length(n: int, what: str, model_max: int) -> None:
+    if n > model_max:
+        raise ValueError(f"{what} has {n} tokens, longer than the model's maximum of {model_max} (max_seq_len)")
+
+
+def _row_limits(max_new_tokens, B: int, room: Tensor) -> Tensor:
+    """Per-row limits ``(B,)``: the requested ones, capped by the room left before max_seq_len."""
+    if max_new_tokens is None:
+        limits = room.clone()
+    else:
+        limits = torch.as_tensor(max_new_tokens, dtype=torch.long).expand(B).clone()  # (B,)
+        if bool((limits < 1).any()):
+            raise ValueError(f"max_new_tokens must be >= 1, got {limits.tolist()}")
+    return torch.minimum(limits, room)
+
+
+@torch.inference_mode()
+def start(
+    model,
+    *,
+    src: Ids | None = None,
+    prompts: Ids | None = None,
+    max_new_tokens: int | Sequence[int] | None = None,
+    beams: int = 1,
+    sos_id: int = SOS_ID,
+    all_logits: bool = False,
+) -> tuple[DecodeState, Tensor, Tensor]:
+    """Encode the source once (encoder-decoder) or prefill the prompts (decoder-only).
+
+    Args:
+        src: encoder-decoder sources, id lists (right-padded here) or ``(B, S)`` ids; the decoder
+            starts from ``<sos>``.
+        prompts: decoder-only prompts, id lists (left-padded here) or ``(B, P)`` ids whose last
+            column is real for every row.
+        max_new_tokens: tokens to generate per row (an int or one per row); None = as many as the
+            model's ``max_seq_len`` allows. Capped at what ``max_seq_len`` allows.
+        beams: the cache has room for ``B * beams`` rows (beam search copies rows into it).
+        all_logits: return logits for every prompt position ``(B, T, V)`` instead of the last.
+
+    Returns ``(state, logits (B, V), limits (B,))``.
+
+    Raises ValueError for the wrong input kind, empty inputs, or inputs longer than the model's
+    maximum.
+    """
+    cfg = model.config
+    device = next(model.parameters()).device
+    model_max = cfg.max_seq_len
+    memory = src_keep = None
+    if model.is_encoder_decoder:
+        if src is None or prompts is not None:
+            raise ValueError("an encoder-decoder model decodes from src=..., not prompts=")
+        src_ids, src_keep = pad_batch(src, cfg.pad_id, side="right", device=device)  # (B, S)
+        _check_length(src_ids.shape[1], "the source", model_max)
+        memory = model.encode(src_ids, None if src_keep is None else masks.padding(keep=src_keep))  # (B, S, C)
+        B = src_ids.shape[0]
+        ids = torch.full((B, 1), sos_id, dtype=torch.long, device=device)  # (B, 1)
+        keep = None
+        room = torch.full((B,), model_max, dtype=torch.long, device=device)  # fed positions 0 .. limit-1
+    else:
+        if prompts is None or src is not None:
+            raise ValueError("a decoder-only model decodes from prompts=..., not src=")
+        ids, keep = pad_batch(prompts, cfg.pad_id, side="left", device=device)  # (B, P)
+        if keep is not None and not bool(keep[:, -1].all()):
+            raise ValueError("prompts must be left-padded: the last column must be a real token in every row")
+        B = ids.shape[0]
+        lengths = keep.sum(1) if keep is not None else torch.full((B,), ids.shape[1], device=device)  # (B,)
+        _check_length(int(lengths.max()), "the prompt", model_max)
+        room = model_max - lengths + 1  # the last generated token is never fed
+    limits = _row_limits(max_new_tokens, B, room.cpu()).to(device)  # (B,)
+
+    T = ids.shape[1]
+    capacity = T + int(limits.max())
+    cache = KVCache.for_model(model, batch_size=B * beams, max_len=capacity)
+    self_allowed = None
+    if keep is not None:
+        keep_all = torch.ones(B, capacity, dtype=torch.bool, device=device)  # (B, Tmax): generated = real
+        keep_all[:, :T] = keep
+        self_allowed = masks.padding(keep=keep_all).to_bool(B, 1, capacity)  # (B, 1, 1, Tmax)
+        positions = (keep.cumsum(1) - 1).clamp(min=0)  # (B, T): each row counts from its first real token
+        mask = masks.causal() & masks.padding(keep=keep)
+    else:
+        positions = torch.arange(T, device=device).expand(B, T)  # (B, T)
+        mask = masks.causal()
+    src_allowed = None
+    if src_keep is not None:
+        src_allowed = masks.padding(keep=src_keep).to_bool(B, 1, src_keep.shape[1])  # (B, 1, 1, S)
+    state = DecodeState(
+        cache=cache,
+        self_allowed=self_allowed,
+        next_pos=positions[:, -1] + 1,
+        src_allowed=src_allowed,
+        cross_mask=_cross_mask(src_allowed, cfg.n_heads),
+        n_heads=cfg.n_heads,
+    )
+    logits = model.decode(
+        ids,
+        memory,
+        memory_mask=None if src_keep is None else masks.padding(keep=src_keep),
+        mask=mask,
+        positions=positions,
+        cache=cache,
+        last_only=not all_logits,
+    )  # (B, T|1, V)
+    return state, (logits if all_logits else logits[:, -1]), limits
+
+
+@torch.inference_mode()
+def decode_step(model, state: DecodeState, tokens: Tensor) -> Tensor:
+    """Feed one token per row ``(B,)``; returns the next logits ``(B, V)``."""
+    logits = model.decode(
+        tokens[:, None],  # (B, 1)
+        memory_mask=state.cross_mask,
+        mask=state.step_mask(),
+        positions=state.next_pos[:, None],  # (B, 1)
+        cache=state.cache,
+        last_only=True,
+    )  # (B, 1, V)
+    state.next_pos += 1
+    return logits[:, 0]  # (B, V)
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Decode without dropout; restore the model's mode afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+@torch.inference_mode()  # on a generator function torch re-enters the mode around every step
+def _steps(
+    model,
+    *,
+    src,
+    prompts,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    generator,
+    eos_id,
+    sos_id,
+) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """The decoding loop: yields ``(B, rows (b,), tokens (b,))`` for the rows still running."""
+    check_sampling(temperature, top_k, top_p)
+    stops = stop_set(eos_id)
+    with eval_mode(model):
+        state, logits, limits = start(model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, sos_id=sos_id)
+        B = state.rows
+        rows = torch.arange(B, device=limits.device)  # (b,) original row of each running row
+        step = 0
+        while True:
+            tokens = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)  # (b,)
+            yield B, rows, tokens
+            step += 1
+            done = (limits[rows] <= step) | is_stop(tokens, stops)  # (b,)
+            if bool(done.any()):
+                running = (~done).nonzero().squeeze(1)  # (b',)
+                if running.numel() == 0:
+                    return
+                # finished rows leave the batch: their cache rows are dropped, not computed on
+                state.select(running)
+                rows, tokens = rows[running], tokens[running]
+            logits = decode_step(model, state, tokens)  # (b, V)
+
+
+def stream(
+    model,
+    *,
+    src: Ids | None = None,
+    prompts: Ids | None = None,
+    max_new_tokens: int | Sequence[int] | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    eos_id: StopIds = EOS_ID,
+    sos_id: int = SOS_ID,
+) -> Iterator[Tensor]:
+    """Yield each step's tokens ``(B,)`` as they are chosen; finished rows get ``<pad>``.
+
+    A row finishes after emitting ``eos_id`` (which is yielded; several ids may be given, None never
+    stops) or at its length limit; the loop ends when every row has. ``temperature=0`` is greedy.
+    See :func:`start` for the inputs.
+    """
+    pad_id = model.config.pad_id if model.config.pad_id is not None else 0
+    for B, rows, tokens in _steps(
+        model,
+        src=src,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+        eos_id=eos_id,
+        sos_id=sos_id,
+    ):
+        out = torch.full((B,), pad_id, dtype=torch.long, device=tokens.device)  # (B,)
+        out[rows] = tokens
+        yield out
+
+
+def generate_ids(
+    model,
+    *,
+    src: Ids | None = None,
+    prompts: Ids | None = None,
+    max_new_tokens: int | Sequence[int] | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    eos_id: StopIds = EOS_ID,
+    sos_id: int = SOS_ID,
+) -> list[list[int]]:
+    """The generated ids of each row (what :func:`stream` yields), without the final ``<eos>``."""
+    stops = stop_set(eos_id)
+    out: list[list[int]] | None = None
+    for B, rows, tokens in _steps(
+        model,
+        src=src,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+        eos_id=eos_id,
+        sos_id=sos_id,
+    ):
+        if out is None:
+            out = [[] for _ in range(B)]
+        for r, t in zip(rows.tolist(), tokens.tolist()):
+            if t not in stops:
+                out[r].append(t)
+    return out
+
+
+def greedy(
+    model,
+    *,
+    src: Ids | None = None,
+    prompts: Ids | None = None,
+    max_new_tokens: int | Sequence[int] | None = None,
+    eos_id: StopIds = EOS_ID,
+    sos_id: int = SOS_ID,
+) -> list[list[int]]:
+    """Seed 000's greedy decoding: from ``<sos>`` (or the prompt), arg-max, append, until ``<eos>``
+    or ``max_new_tokens``. Returns the generated ids of each row, without ``<eos>``."""
+    return generate_ids(
+        model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, temperature=0.0, eos_id=eos_id, sos_id=sos_id
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Text in, text out
+# ---------------------------------------------------------------------------------------------
+def translate(
+    model,
+    src_tokenizer,
+    tgt_tokenizer,
+    sentences: Sequence[str],
+    *,
+    beam: int = 1,
+    max_len: int | None = None,
+    batch_size: int = 64,
+    length_penalty: float = 1.0,
+    progress: bool = False,
+) -> list[str]:
+    """Translate ``sentences`` (in their order) with greedy decoding (``beam=1``) or beam search.
+
+    Sentences are batched by length (longest first); ``max_len`` limits the generated tokens per
+    sentence (default :func:`default_max_len` of its source, so a sentence's translation does not
+    depend on its batch).
+
+    Raises ValueError for a source longer than the model's maximum, TypeError for a non-string.
+    """
+    from attnmask.beam import beam_search, best_tokens  # beam builds on this module
+
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    sentences = list(sentences)
+    ids = source_ids(src_tokenizer, sentences)
+    model_max = model.config.max_seq_len
+    for i, s in enumerate(ids):
+        _check_length(len(s), f"sentence {i + 1} (with <eos>)", model_max)
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    out: list[str] = [""] * len(ids)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(ids), unit="sent", desc="translate", leave=False)
+    for first in range(0, len(order), batch_size):
+        chunk = order[first : first + batch_size]
+        src = [ids[i] for i in chunk]
+        limits = [max_len or default_max_len(len(s), model_max) for s in src]
+        if beam == 1:
+            hyps = greedy(model, src=src, max_new_tokens=limits)
+        else:
+            results = beam_search(model, src=src, beam_size=beam, max_new_tokens=limits, length_penalty=length_penalty)
+            hyps = best_tokens(results)
+        for i, h in zip(chunk, hyps):
+            out[i] = tgt_tokenizer.decode(h)
+        if bar is not None:
+            bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    return out
+
+
+class _TextStream:
+    """Turns a growing list of ids into new text pieces, holding back incomplete characters."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # a byte-level token split a UTF-8 character: wait for the rest
+            return ""
+        return self.flush(text)
+
+    def flush(self, text: str | None = None) -> str:
+        text = self.tokenizer.decode(self.ids) if text is None else text
+        piece, self.sent = text[self.sent :], len(text)
+        return piece
+
+
+def generate(
+    model,
+    tokenizer,
+    prompts: str | Sequence[str],
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stream: bool = False,
+    eos_id: int | None = None,
+):
+    """Continue text prompt(s) with a decoder-only model.
+
+    Returns the continuation (a ``str`` for one prompt, a list for a list), or with ``stream=True``
+    an iterator of text pieces as tokens arrive (``str`` pieces for one prompt, one list of pieces
+    per step for a list). ``temperature=0`` is greedy; ``seed`` makes sampling reproducible.
+    ``eos_id`` (one id or several) defaults to the tokenizer's ``stop_ids`` if it has them (chat
+    models), else its ``eos_id``.
+
+    Raises ValueError for an empty prompt or one longer than the model's maximum.
+    """
+    single = isinstance(prompts, str)
+    texts = [prompts] if single else list(prompts)
+    if not texts:
+        raise ValueError("no prompts given; expected at least one")
+    ids = [tokenizer.encode(t) for t in texts]
+    for i, p in enumerate(ids):
+        if not p:
+            raise ValueError(f"prompt {i + 1} is empty; expected some text to continue")
+        _check_length(len(p), f"prompt {i + 1}", model.config.max_seq_len)
+    check_sampling(temperature, top_k, top_p)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    eos = eos_id
+    if eos is None:
+        eos = getattr(tokenizer, "stop_ids", None) or getattr(tokenizer, "eos_id", EOS_ID)
+    steps = _steps(
+        model,
+        src=None,
+        prompts=ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+        eos_id=eos,
+        sos_id=SOS_ID,
+    )
+    pieces = _text_pieces(steps, tokenizer, len(texts), stop_set(eos))
+    if stream:
+        return (p[0] for p in pieces) if single else pieces
+    parts = [[] for _ in texts]
+    for step in pieces:
+        for r, piece in enumerate(step):
+            parts[r].append(piece)
+    out = ["".join(p) for p in parts]
+    return out[0] if single else out
+
+
+def _text_pieces(steps, tokenizer, n: int, stops: frozenset[int]) -> Iterator[list[str]]:
+    streams = [_TextStream(tokenizer) for _ in range(n)]
+    for _, rows, tokens in steps:
+        pieces = [""] * n
+        for r, t in zip(rows.tolist(), tokens.tolist()):
+            if t not in stops:
+                pieces[r] = streams[r].push(t)
+        yield pieces
+    tail = [s.flush() for s in streams]  # whatever an unfinished character held back
+    if any(tail):
+        yield tail

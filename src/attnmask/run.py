@@ -1,0 +1,221 @@
+"""The run directory: what ``attnmask train`` writes, and :func:`load_run` to read it back.
+
+Layout of a run directory::
+
+    config.json          {"format": 1,
+                          "task": "translation" | "lm",
+                          "model": ModelConfig.to_dict(),
+                          "train": TrainConfig as a dict (attnmask.train),
+                          "tokenizers": {"tgt": "tokenizer.json",
+                                         "src": "src_tokenizer.json" | null}}
+                         "tgt" is the target (translation) or only (LM) tokenizer; "src" is null
+                         when the source shares it (joint vocabulary) or for language models.
+    tokenizer.json       Hugging Face tokenizers file (attnmask.tokenizer.Tokenizer.save)
+    src_tokenizer.json   only with separate source/target vocabularies
+    model.safetensors    weights (tied tensors stored once); metadata {"step": "<n>"}
+    trainer_state.pt     resume state: step, weights, optimizer, RNG states of every rank, data
+                         position of every rank, elapsed time (attnmask.checkpoint)
+    metrics.jsonl        one JSON object a line: {"step", "split": "train"|"valid"|"test", ...}
+    tb/                  TensorBoard event files (the same scalars)
+    loss.png             loss curves, written at the end of training
+
+``config.json`` and the tokenizers are written once when a run starts; the two checkpoint files
+are replaced atomically at every save.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from attnmask.checkpoint import atomic_write_text, load_weights
+from attnmask.model import ModelConfig, Transformer
+from attnmask.tokenizer import Tokenizer
+
+FORMAT_VERSION = 1
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+SRC_TOKENIZER = "src_tokenizer.json"
+WEIGHTS = "model.safetensors"
+TRAINER_STATE = "trainer_state.pt"
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tb"
+LOSS_PLOT = "loss.png"
+TASKS = ("translation", "lm")
+
+
+@dataclass
+class Run:
+    """A trained run, ready for inference.
+
+    Attributes:
+        path: the run directory.
+        model: the Transformer in eval mode, on the requested device.
+        tokenizer: the target tokenizer (translation) or the only one (LM).
+        src_tokenizer: the source tokenizer; the same object as ``tokenizer`` with a joint
+            vocabulary; None for language models.
+        config: the parsed ``config.json``.
+        task: ``"translation"`` or ``"lm"``.
+        step: the training step of the saved weights (None if the file does not record it).
+    """
+
+    path: Path
+    model: Transformer
+    tokenizer: Tokenizer
+    src_tokenizer: Tokenizer | None
+    config: dict
+    task: str
+    step: int | None = None
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def train_config(self) -> dict:
+        return self.config.get("train", {})
+
+
+def write_config(path: str | Path, *, task: str, model: ModelConfig, train: dict, src_tokenizer: bool) -> Path:
+    """Write ``config.json`` (atomically) for a run directory."""
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}; expected one of {TASKS}")
+    config = {
+        "format": FORMAT_VERSION,
+        "task": task,
+        "model": model.to_dict(),
+        "train": train,
+        "tokenizers": {"tgt": TOKENIZER, "src": SRC_TOKENIZER if src_tokenizer else None},
+    }
+    return atomic_write_text(Path(path) / CONFIG, json.dumps(config, indent=2) + "\n")
+
+
+def read_config(path: str | Path) -> dict:
+    """The parsed ``config.json`` of run directory ``path``.
+
+    Raises:
+        ValueError: ``path`` is not a directory, has no ``config.json``, or it is not valid.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a run directory (no such directory)")
+    file = path / CONFIG
+    if not file.is_file():
+        raise ValueError(f"{path}: not a run directory (missing {CONFIG}); expected the --out of `attnmask train`")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file}: not valid JSON ({err})") from err
+    missing = [k for k in ("task", "model", "tokenizers") if k not in config]
+    if missing:
+        raise ValueError(f"{file}: missing keys {missing}; expected a config written by `attnmask train`")
+    if config["task"] not in TASKS:
+        raise ValueError(f"{file}: task={config['task']!r}; expected one of {TASKS}")
+    return config
+
+
+def load_tokenizers(path: str | Path, config: dict) -> tuple[Tokenizer, Tokenizer | None]:
+    """``(tokenizer, src_tokenizer)`` of a run; see :class:`Run` for the sharing rule."""
+    path = Path(path)
+    names = config["tokenizers"]
+    files = [names["tgt"]] + ([names["src"]] if names.get("src") else [])
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+        raise ValueError(f"{path}: run directory is missing {', '.join(missing)}")
+    tokenizer = Tokenizer.load(path / names["tgt"])
+    if config["task"] == "lm":
+        return tokenizer, None
+    src = Tokenizer.load(path / names["src"]) if names.get("src") else tokenizer
+    return tokenizer, src
+
+
+def load_run(path: str | Path, *, device: str = "cpu") -> Run:
+    """Load the model (eval mode) and tokenizers of a run directory written by ``attnmask train``.
+
+    Raises:
+        ValueError: ``path`` is not a run directory, or a file is missing or unreadable (the
+            message names the directory and the missing files).
+    """
+    path = Path(path)
+    config = read_config(path)
+    if not (path / WEIGHTS).is_file():
+        raise ValueError(f"{path}: run directory is missing {WEIGHTS} (training has not saved a checkpoint yet)")
+    tokenizer, src_tokenizer = load_tokenizers(path, config)
+    model = Transformer(ModelConfig.from_dict(config["model"]))
+    load_weights(path / WEIGHTS, model)
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        step = (f.metadata() or {}).get("step")
+    model.to(device).eval()
+    return Run(
+        path=path,
+        model=model,
+        tokenizer=tokenizer,
+        src_tokenizer=src_tokenizer,
+        config=config,
+        task=config["task"],
+        step=int(step) if step is not None else None,
+    )
+
+
+# --- metrics -----------------------------------------------------------------------------------
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Records of ``metrics.jsonl`` (a run directory or the file). A last line cut short by a
+    crash is skipped; a missing file gives ``[]``."""
+    path = Path(path)
+    file = path / METRICS if path.is_dir() else path
+    if not file.is_file():
+        return []
+    records = []
+    for line in file.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def truncate_metrics(path: str | Path, step: int) -> None:
+    """Keep only records up to ``step``: a resumed run re-logs the steps after its checkpoint."""
+    file = Path(path) / METRICS
+    if file.is_file():
+        kept = [r for r in read_metrics(file) if r.get("step", 0) <= step]
+        atomic_write_text(file, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def plot_losses(path: str | Path) -> Path | None:
+    """Draw train and validation loss against step into ``<run>/loss.png``; None without records."""
+    path = Path(path)
+    records = read_metrics(path)
+    train = [(r["step"], r["loss"]) for r in records if r.get("split") == "train" and "loss" in r]
+    valid = [(r["step"], r["loss"]) for r in records if r.get("split") == "valid" and "loss" in r]
+    if not train and not valid:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train", color="#2b6cb0", linewidth=1)
+    if valid:
+        ax.plot(*zip(*valid), label="validation", color="#dd6b20", marker="o", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    losses = [v for _, v in train + valid if math.isfinite(v)]
+    if losses and max(losses) / max(min(losses), 1e-6) > 20:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"{path.name}: loss")
+    fig.tight_layout()
+    out = path / LOSS_PLOT
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

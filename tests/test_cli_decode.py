@@ -1,0 +1,200 @@
+"""``attnmask translate``, ``generate`` and ``eval`` on tiny random runs, and their one-line errors."""
+
+from __future__ import annotations
+
+import io
+import sys
+import types
+
+import pytest
+import sacrebleu
+import torch
+
+from attnmask import decode
+from attnmask.checkpoint import save_weights
+from attnmask.cli import main
+from attnmask.model import ModelConfig, Transformer
+from attnmask.run import TOKENIZER, WEIGHTS, load_run, write_config
+from attnmask.tokenizer import EOS_ID, Tokenizer
+
+TEXT = "a man rides a horse. ein Mann reitet ein Pferd! two dogs play in the snow, zwei Hunde spielen im Schnee."
+SENTENCES = ["a man rides", "zwei Hunde", "the snow"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one thread is ~10x faster than two fighting over a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_run(path, task: str):
+    """A run directory as `attnmask train` writes it, holding a tiny random model."""
+    tok = Tokenizer.train_chars([TEXT])
+    arch = "encoder_decoder" if task == "translation" else "decoder"
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size, arch=arch, dim=32, n_layers=2, n_heads=4, max_seq_len=48,
+        lm_head_bias=True, tie_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5)
+        model.lm_head.bias[EOS_ID] = 2.0  # rows end at different lengths
+    write_config(path, task=task, model=cfg, train={}, src_tokenizer=False)
+    tok.save(path / TOKENIZER)
+    save_weights(path / WEIGHTS, model, {"step": "0"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def mt_run(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("mt"), "translation")
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("lm"), "lm")
+
+
+def expected_translations(run_dir, sentences, beam=1):
+    run = load_run(run_dir)
+    return decode.translate(run.model, run.src_tokenizer, run.tokenizer, sentences, beam=beam)
+
+
+def one_line_error(capsys, argv, match: str):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and match in err[0], captured.err
+    assert "Traceback" not in captured.err
+
+
+# ---------------------------------------------------------------------------------------------
+# translate
+# ---------------------------------------------------------------------------------------------
+def test_translate_arguments(mt_run, capsys):
+    assert main(["translate", "--run", str(mt_run), *SENTENCES]) == 0
+    out = capsys.readouterr().out
+    assert out == "".join(t + "\n" for t in expected_translations(mt_run, SENTENCES))
+
+
+def test_translate_stdin_keeps_blank_lines(mt_run, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a man rides\n\nthe snow\n"))
+    assert main(["translate", "--run", str(mt_run), "--batch-size", "1"]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    want = expected_translations(mt_run, ["a man rides", "the snow"])
+    assert lines == [want[0], "", want[1], ""]
+
+
+def test_translate_files_and_beam(mt_run, tmp_path, capsys):
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    argv = ["translate", "--run", str(mt_run), "--input", str(src), "--output", str(out), "--beam", "3"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == ""
+    assert out.read_text(encoding="utf-8").splitlines() == expected_translations(mt_run, SENTENCES, beam=3)
+
+
+def test_translate_errors(mt_run, lm_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
+    one_line_error(capsys, ["translate", "--run", str(mt_run)], "empty input: no sentences given")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("", encoding="utf-8")
+    one_line_error(capsys, ["translate", "--run", str(mt_run), "--input", str(empty)], "has no text")
+    one_line_error(capsys, ["translate", "--run", str(tmp_path / "nope"), "hi"], "not a run directory")
+    one_line_error(capsys, ["translate", "--run", str(tmp_path), "hi"], "not a run directory")
+    one_line_error(capsys, ["translate", "--run", str(mt_run), "a" * 48], "longer than the model's maximum of 48")
+    one_line_error(capsys, ["translate", "--run", str(lm_run), "hi"], "is a 'lm' run")
+    one_line_error(capsys, ["translate", "--run", str(mt_run), "--beam", "0", "hi"], "--beam must be >= 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# eval
+# ---------------------------------------------------------------------------------------------
+def test_eval_prints_bleu_and_chrf(mt_run, tmp_path, capsys):
+    refs = ["a man rides a horse", "two dogs", "the snow"]
+    src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
+    src.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    ref.write_text("\n".join(refs) + "\n", encoding="utf-8")
+    assert main(["eval", "--run", str(mt_run), "--src", str(src), "--ref", str(ref), "--beam", "2"]) == 0
+    out = capsys.readouterr().out
+    hyps = expected_translations(mt_run, SENTENCES, beam=2)
+    assert str(sacrebleu.corpus_bleu(hyps, [refs])) in out
+    assert str(sacrebleu.corpus_chrf(hyps, [refs])) in out
+    assert "3 sentences, beam 2" in out
+
+
+def test_eval_errors(mt_run, tmp_path, capsys):
+    src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
+    src.write_text("one\ntwo\n", encoding="utf-8")
+    ref.write_text("one\n", encoding="utf-8")
+    one_line_error(capsys, ["eval", "--run", str(mt_run), "--src", str(src), "--ref", str(ref)], "expected aligned")
+    missing = str(tmp_path / "missing.txt")
+    one_line_error(capsys, ["eval", "--run", str(mt_run), "--src", missing, "--ref", str(ref)], "No such file")
+    one_line_error(capsys, ["eval", "--run", str(tmp_path / "x"), "--src", str(src), "--ref", str(src)], "not a run")
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------------
+def test_generate_streams_the_continuation(lm_run, capsys):
+    argv = ["generate", "--run", str(lm_run), "--prompt", "a man", "--max-new-tokens", "20", "--seed", "3"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert main(argv) == 0
+    assert capsys.readouterr().out == first  # same seed, same text
+    run = load_run(lm_run)
+    want = decode.generate(run.model, run.tokenizer, "a man", max_new_tokens=20, temperature=0.8, seed=3)
+    assert first == "a man" + want + "\n"
+    assert main(["generate", "--run", str(lm_run), "--prompt", "a man", "--temperature", "0"]) == 0
+    greedy = decode.generate(run.model, run.tokenizer, "a man", max_new_tokens=200, temperature=0.0)
+    assert capsys.readouterr().out == "a man" + greedy + "\n"
+
+
+def test_generate_prints_as_tokens_arrive(lm_run, monkeypatch):
+    """Each piece is written and flushed before the next token is computed."""
+    writes = []
+
+    class Spy(io.StringIO):
+        def flush(self):
+            writes.append(self.getvalue())
+
+    monkeypatch.setattr(sys, "stdout", Spy())
+    assert main(["generate", "--run", str(lm_run), "--prompt", "a", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    assert len(writes) >= 3 and all(a != b for a, b in zip(writes, writes[1:]))
+
+
+def test_generate_errors(lm_run, mt_run, tmp_path, capsys, monkeypatch):
+    base = ["generate", "--run", str(lm_run)]
+    one_line_error(
+        capsys, [*base, "--prompt", "a" * 49], "prompt 1 has 49 tokens, longer than the model's maximum of 48"
+    )
+    one_line_error(capsys, [*base, "--prompt", ""], "empty prompt")
+    one_line_error(capsys, ["generate", "--run", str(tmp_path / "nope"), "--prompt", "a"], "not a run directory")
+    one_line_error(capsys, ["generate", "--run", str(mt_run), "--prompt", "a"], "needs a language model")
+    one_line_error(capsys, [*base, "--prompt", "a", "--top-p", "2"], "top_p must be in (0, 1]")
+    monkeypatch.setitem(sys.modules, "attnmask.pretrained", None)  # as if the module were not installed
+    one_line_error(capsys, ["generate", "--model", "smollm2", "--prompt", "hi"], "pretrained models are not available")
+
+
+def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypatch):
+    run = load_run(lm_run)
+    seen = []
+
+    def chat(prompt):
+        seen.append(prompt)
+        return f"<{prompt}>"
+
+    fake = types.ModuleType("attnmask.pretrained")
+    fake.load = lambda name: (run.model, run.tokenizer, chat)
+    monkeypatch.setitem(sys.modules, "attnmask.pretrained", fake)
+    assert (
+        main(["generate", "--model", "tiny", "--prompt", "a man", "--temperature", "0", "--max-new-tokens", "5"]) == 0
+    )
+    want = decode.generate(run.model, run.tokenizer, "<a man>", max_new_tokens=5, temperature=0.0)
+    assert seen == ["a man"] and capsys.readouterr().out == want + "\n"  # a chat reply: no echoed prompt

@@ -1,0 +1,62 @@
+"""`attnmask demo` end to end, in its reduced (--quick) mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnmask.cli import main
+from attnmask.run import load_run, read_metrics
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """A tiny model gains nothing from intra-op threads; on a busy machine they slow it down."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "held-out test exact match:" in text
+    assert text.count("✓") + text.count("✗") >= 8  # translated examples, each marked
+    assert "decoder self-attention, look-ahead & padding" in text
+    assert "cross-attention, target queries x source keys" in text
+    # the causal grid: the <sos> row may attend to itself only, the last row to everything
+    grid = [line for line in text.split("M_total):")[1].split("\n\n")[0].splitlines() if "│" in line]
+    rows = [line.split("│")[1].split() for line in grid[1:]]  # grid[0] is the key labels
+    assert rows[0] == ["■"] + ["·"] * (len(rows) - 1)
+    assert rows[-1] == ["■"] * len(rows)
+    # source padding: the cross-attention grid blocks the pad columns in every row
+    cross = [line for line in text.split("source keys")[1].split("\n\n")[0].splitlines() if "│" in line]
+    header = cross[0].split("│")[1].split()
+    pads = [i for i, label in enumerate(header) if label == "pad"]
+    assert pads, "the example should be batched with a longer source"
+    assert len(cross) == len(rows) + 1
+    for line in cross[1:]:
+        cells = line.split("│")[1].split()
+        assert [cells[i] for i in pads] == ["·"] * len(pads)
+        assert "·" not in cells[: pads[0]]
+
+    test = [r for r in read_metrics(out) if r["split"] == "test"]
+    assert len(test) == 1 and 0.0 <= test[0]["exact_match"] <= 1.0 and test[0]["sentences"] == 100
+    assert (out / "loss.png").stat().st_size > 0
+    assert load_run(out).task == "translation"
+
+
+def test_demo_replaces_its_own_previous_run_but_not_another(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    assert "replacing the previous demo run" in capsys.readouterr().out
+    assert [r["split"] for r in read_metrics(out)].count("test") == 1  # the old metrics are gone
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"task": "lm", "train": {"builtin_task": null}}')
+    assert main(["demo", "--quick", "--out", str(other)]) == 2
+    assert "holds another run (not a demo); choose another --out" in capsys.readouterr().err

@@ -1,0 +1,321 @@
+"""attnmask.train, attnmask.run and `attnmask train`: teacher forcing, checkpoints, resume, bad data."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from attnmask import checkpoint
+from attnmask.cli import main
+from attnmask.corpus import translation_corpus
+from attnmask.run import load_run, read_metrics
+from attnmask.train import TrainConfig, learning_rate, param_groups, resume_config, train
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared, busy machine OpenMP
+    threads that spin-wait for each other can make a step 10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(out: Path, **overrides) -> TrainConfig:
+    """A seconds-long run on the built-in dates task; dropout on, so resuming must restore the RNG."""
+    settings = dict(
+        out=str(out), builtin_task="dates", train_size=200, valid_size=16, tokenizer="char", model="tiny",
+        dim=32, layers=1, heads=2, ffn_dim=64, batch_tokens=384, max_steps=10, warmup=2, lr=3e-3,
+        eval_every=0, eval_sentences=8, log_every=1, dropout=0.1, deterministic=True, progress=False,
+    )  # fmt: skip
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def quiet(msg: str) -> None:
+    pass
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir) if r["split"] == "train"]
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+# --- teacher forcing ---------------------------------------------------------------------------
+
+
+def test_training_batches_shift_the_target_by_one(tmp_path):
+    src = write_lines(tmp_path / "src.txt", ["xy"] * 30)
+    tgt = write_lines(tmp_path / "tgt.txt", ["ab"] * 30)
+    corpus = translation_corpus(tiny(tmp_path / "run", src=str(src), tgt=str(tgt), builtin_task=None))
+    tok = corpus.tokenizer
+    a, b = tok.encode("a") + tok.encode("b")
+    batch = corpus.batch([0, 1])
+    assert batch.tgt_in.tolist() == [[tok.sos_id, a, b]] * 2  # decoder input = <sos> + target
+    assert batch.labels.tolist() == [[a, b, tok.eos_id]] * 2  # labels = target + <eos>
+    x, y = corpus.src_tokenizer.encode("x") + corpus.src_tokenizer.encode("y")
+    assert batch.src.tolist() == [[x, y, tok.eos_id]] * 2
+
+
+def test_a_tiny_model_overfits_a_tiny_dataset_and_decodes_it_back(tmp_path):
+    """Low loss alone could hide an off-by-one shift; greedy decoding reproducing every target
+    exactly shows training and decoding agree on it."""
+    pairs = [("one two", "1 2"), ("three", "3"), ("two one three", "2 1 3"), ("three three", "3 3")]
+    src = write_lines(tmp_path / "src.txt", [s for s, _ in pairs])
+    tgt = write_lines(tmp_path / "tgt.txt", [t for _, t in pairs])
+    cfg = tiny(tmp_path / "run", builtin_task=None, src=str(src), tgt=str(tgt), valid_src=str(src),
+               valid_tgt=str(tgt), dropout=0.0, label_smoothing=0.0, max_steps=150, warmup=10,
+               lr=1e-2, log_every=10, dim=48, heads=4)  # fmt: skip
+    result = train(cfg, log=quiet)
+    assert result.losses[-1] < 0.05
+    assert result.eval["exact_match"] == 1.0
+
+
+# --- resume and checkpoints --------------------------------------------------------------------
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_at(step_to_crash: int):
+    def hook(step, model, record):
+        if step == step_to_crash:
+            raise Crash(f"simulated crash after step {step}")
+
+    return hook
+
+
+def test_resuming_after_a_crash_equals_the_uninterrupted_run(tmp_path):
+    ref = train(tiny(tmp_path / "ref"), log=quiet)
+    cfg = tiny(tmp_path / "run", save_every=3)
+    with pytest.raises(Crash):
+        train(cfg, on_step=crash_at(8), log=quiet)  # checkpoints at steps 3 and 6, dies in step 8
+    resumed = train(resume_config(cfg.out), log=quiet)
+    assert resumed.step == 10
+    # steps 7..10 again, bit for bit (float32, deterministic); the epoch boundary is crossed too
+    assert_close(torch.tensor(resumed.losses), torch.tensor(ref.losses[6:]), rtol=0, atol=0)
+    assert_close(torch.tensor(train_losses(tmp_path / "run")), torch.tensor(train_losses(tmp_path / "ref")),
+                 rtol=0, atol=0)  # fmt: skip
+    a, b = load_run(tmp_path / "ref").model.state_dict(), load_run(tmp_path / "run").model.state_dict()
+    for name in a:
+        assert_close(b[name], a[name], rtol=0, atol=0)
+
+
+def test_resume_refuses_changed_settings_and_a_finished_run_stays_finished(tmp_path):
+    cfg = tiny(tmp_path / "run", max_steps=3)
+    train(cfg, log=quiet)
+    with pytest.raises(ValueError, match=r"resume settings differ .* lr: saved 0.003, now 0.1"):
+        train(TrainConfig(**{**cfg.to_dict(), "lr": 0.1, "resume": True}), log=quiet)
+    again = train(resume_config(cfg.out), log=quiet)
+    assert again.step == 3 and again.losses == []
+    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
+        train(cfg, log=quiet)
+
+
+def _cut_short(real_write):
+    """A writer that writes half of the file, then fails as a full disk would."""
+
+    def write(tmp: Path) -> None:
+        real_write(tmp)
+        data = tmp.read_bytes()
+        tmp.write_bytes(data[: len(data) // 2])
+        raise OSError(28, "No space left on device (simulated)")
+
+    return write
+
+
+@pytest.mark.parametrize("failing", ["trainer_state", "weights"])
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path, monkeypatch, failing):
+    cfg = tiny(tmp_path / "run", max_steps=6, save_every=3)
+    real_atomic_write = checkpoint.atomic_write
+
+    def broken_atomic_write(path, write):
+        if Path(path).name == ("trainer_state.pt" if failing == "trainer_state" else "model.safetensors"):
+            write = _cut_short(write)
+        return real_atomic_write(path, write)
+
+    def break_after_first_save(step, model, record):
+        if step == 4:
+            monkeypatch.setattr(checkpoint, "atomic_write", broken_atomic_write)
+
+    with pytest.raises(OSError, match="simulated"):
+        train(cfg, on_step=break_after_first_save, log=quiet)
+    monkeypatch.setattr(checkpoint, "atomic_write", real_atomic_write)
+    run_dir = tmp_path / "run"
+    assert not list(run_dir.glob(".*.tmp-*")), "the half-written temporary file was not removed"
+    state = checkpoint.load_torch(run_dir / "trainer_state.pt")
+    weights = load_run(run_dir)  # the weights file is complete: the old one or the new one
+    if failing == "trainer_state":
+        assert state["step"] == 3 and weights.step == 3
+    else:  # trainer_state.pt (written first) is new; the weights stayed at the previous save
+        assert state["step"] == 6 and weights.step == 3
+    resumed = train(resume_config(cfg.out), log=quiet)
+    assert resumed.step == 6
+
+
+def test_load_run_names_what_is_missing(tmp_path):
+    with pytest.raises(ValueError, match=r"nope: not a run directory \(no such directory\)"):
+        load_run(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty: not a run directory \(missing config.json\)"):
+        load_run(tmp_path / "empty")
+    train(tiny(tmp_path / "run", max_steps=2), log=quiet)
+    loaded = load_run(tmp_path / "run")
+    assert loaded.task == "translation" and loaded.step == 2 and not loaded.model.training
+    assert loaded.src_tokenizer is loaded.tokenizer  # joint vocabulary
+    (tmp_path / "run" / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"run: run directory is missing tokenizer.json"):
+        load_run(tmp_path / "run")
+    (tmp_path / "run" / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"run directory is missing model.safetensors"):
+        load_run(tmp_path / "run")
+
+
+def test_metrics_and_tensorboard_are_written(tmp_path):
+    result = train(tiny(tmp_path / "run", max_steps=4, eval_every=2, log_every=2), log=quiet)
+    records = read_metrics(tmp_path / "run")
+    assert [(r["step"], r["split"]) for r in records] == [(2, "train"), (2, "valid"), (4, "train"), (4, "valid")]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "padding_fraction"} <= records[0].keys()
+    assert {"loss", "bleu", "chrf", "exact_match"} <= records[1].keys()
+    assert records[-1]["loss"] == result.eval["loss"]
+    assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 0
+
+
+# --- optimisation details ----------------------------------------------------------------------
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings():
+    from attnmask.model import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig(vocab_size=11, arch="encoder_decoder", dim=16, n_layers=1, n_heads=2,
+                                    positions="learned", tie_embeddings=False))  # fmt: skip
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert "layers.0.self_attn.q_proj.weight" in decayed and "lm_head.weight" in decayed
+    assert not {n for n in decayed if "norm" in n or n.endswith("bias") or "embed" in n}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(lr=1.0, warmup=4, max_steps=14, min_lr_ratio=0.1)
+    assert [learning_rate(cfg, s, 0.0) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert learning_rate(cfg, 4, 0.0) == pytest.approx(1.0)
+    assert learning_rate(cfg, 9, 0.0) == pytest.approx(0.55)  # half way: the cosine's midpoint
+    assert learning_rate(cfg, 14, 0.0) == pytest.approx(0.1)
+    timed = TrainConfig(lr=1.0, warmup=0, max_steps=None, max_minutes=1.0, min_lr_ratio=0.0)
+    assert learning_rate(timed, 5, 30.0) == pytest.approx(0.5)  # half the time budget
+    assert learning_rate(timed, 5, 60.0) == pytest.approx(0.0)
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = main(["train", *map(str, argv), "--no-progress"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_trains_a_character_language_model(tmp_path, capsys):
+    text = write_lines(tmp_path / "text.txt", ["to be or not to be, that is the question"] * 20)
+    rc, out, err = run_cli(capsys, "--task", "lm", "--text", text, "--tokenizer", "char", "--model", "tiny",
+                           "--block-size", 16, "--batch-tokens", 64, "--max-steps", 3, "--out", tmp_path / "lm")  # fmt: skip
+    assert rc == 0, err
+    assert "done: 3 steps" in out
+    loaded = load_run(tmp_path / "lm")
+    assert loaded.task == "lm" and loaded.src_tokenizer is None and loaded.model.config.arch == "decoder"
+    last = read_metrics(tmp_path / "lm")[-1]
+    assert last["split"] == "valid" and last["ppl"] > 1
+
+
+def test_cli_trains_a_bpe_translator_with_separate_vocabularies(tmp_path, capsys):
+    src = write_lines(tmp_path / "de.txt", [f"ein haus nummer {i}" for i in range(40)])
+    tgt = write_lines(tmp_path / "en.txt", [f"a house number {i}" for i in range(40)])
+    rc, out, err = run_cli(capsys, "--src", src, "--tgt", tgt, "--tokenizer", "bpe", "--vocab-size", 300,
+                           "--separate-vocab", "--model", "tiny", "--max-steps", 2, "--batch-tokens", 256,
+                           "--eval-sentences", 4, "--out", tmp_path / "mt")  # fmt: skip
+    assert rc == 0, err
+    assert "held out the last 2 training pairs" in out
+    loaded = load_run(tmp_path / "mt")
+    assert loaded.src_tokenizer is not loaded.tokenizer
+    assert json.loads((tmp_path / "mt" / "config.json").read_text())["tokenizers"]["src"] == "src_tokenizer.json"
+
+
+def test_cli_resume_refuses_setting_flags(tmp_path, capsys):
+    rc, _, err = run_cli(capsys, "--resume", "--out", tmp_path / "run", "--lr", 0.1)
+    assert rc == 2
+    assert err.strip() == ("attnmask train: error: --lr cannot change on --resume (the run keeps its saved "
+                           "settings); drop them")  # fmt: skip
+
+
+def _bad_utf8(tmp_path: Path) -> tuple[Path, Path]:
+    src = tmp_path / "src.txt"
+    src.write_bytes(b"good line\n\xff\xfe broken\n")
+    return src, write_lines(tmp_path / "tgt.txt", ["a", "b"])
+
+
+def _misaligned(tmp_path: Path) -> tuple[Path, Path]:
+    return write_lines(tmp_path / "src.txt", ["a", "b", "c"]), write_lines(tmp_path / "tgt.txt", ["x", "y"])
+
+
+def _empty(tmp_path: Path) -> tuple[Path, Path]:
+    return write_lines(tmp_path / "src.txt", ["", ""]), write_lines(tmp_path / "tgt.txt", ["", ""])
+
+
+def _missing(tmp_path: Path) -> tuple[Path, Path]:
+    return tmp_path / "absent.txt", write_lines(tmp_path / "tgt.txt", ["x"])
+
+
+def _bad_gzip(tmp_path: Path) -> tuple[Path, Path]:
+    src = tmp_path / "src.txt.gz"
+    src.write_bytes(gzip.compress(b"a\nb\n")[:-12])  # truncated stream
+    return src, write_lines(tmp_path / "tgt.txt", ["x", "y"])
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (_misaligned, r"parallel files differ in length: \S*src.txt has 3 lines but \S*tgt.txt has 2"),
+        (_bad_utf8, r"\S*src.txt: invalid UTF-8 at line 2, byte offset 10 \(byte 0xff\); expected UTF-8 text"),
+        (_empty, r"\S*src.txt and \S*tgt.txt: no pair with text on both sides \(2 line pairs\)"),
+        (_missing, r"No such file or directory: '\S*absent.txt'"),
+        (_bad_gzip, r"\S*src.txt.gz: not a valid gzip file"),
+    ],
+)
+def test_cli_reports_bad_parallel_data_in_one_line(tmp_path, capsys, make, message):
+    src, tgt = make(tmp_path)
+    rc, _, err = run_cli(capsys, "--src", src, "--tgt", tgt, "--out", tmp_path / "run", "--model", "tiny")
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("attnmask train: error: ")
+    assert __import__("re").search(message, err), err
+
+
+def test_cli_reports_an_empty_text_file(tmp_path, capsys):
+    text = write_lines(tmp_path / "empty.txt", ["", "   "])
+    rc, _, err = run_cli(capsys, "--task", "lm", "--text", text, "--out", tmp_path / "run")
+    assert rc == 2
+    assert "empty.txt: no text found; expected a non-empty UTF-8 file" in err
+
+
+def test_cli_skips_and_counts_empty_lines(tmp_path, capsys):
+    src = write_lines(tmp_path / "src.txt", ["a b", "", "c d", "e"] * 10)
+    tgt = write_lines(tmp_path / "tgt.txt", ["x y", "z", "", "w"] * 10)
+    rc, out, err = run_cli(capsys, "--src", src, "--tgt", tgt, "--tokenizer", "char", "--model", "tiny",
+                           "--max-steps", 1, "--eval-sentences", 0, "--out", tmp_path / "run")  # fmt: skip
+    assert rc == 0, err
+    assert "skipped 20 line pairs with an empty side" in out
