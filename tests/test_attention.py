@@ -170,19 +170,35 @@ def test_every_backend_equals_float64_reference_float32(problem, data):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
-def test_half_types_equal_reference_with_empty_rows(dtype, backend):
-    B, H, Hkv, T, D = 3, 4, 2, 9, 8
-    q, k, v = qkv(B, H, Hkv, T, T, D, dtype=dtype, seed=1)
-    # row 2 of the batch has no real key: all of its query rows are empty
-    mask = masks.causal() & masks.padding(lengths=[9, 4, 0]) & masks.query_padding(lengths=[9, 7, 9])
-    allowed = mask.to_bool(B, T, T)
+@pytest.mark.parametrize("Tq", [9, 4], ids=["self", "cross"])
+def test_half_types_equal_reference_with_empty_rows(dtype, backend, Tq):
+    B, H, Hkv, Tk, D = 3, 4, 2, 9, 8  # grouped-query: 2 query heads per key/value head
+    q, k, v = qkv(B, H, Hkv, Tq, Tk, D, dtype=dtype, seed=1)
+    # batch row 2 has no real key: all of its query rows are empty; row 1 has 2 pad queries
+    mask = masks.causal() & masks.padding(lengths=[9, 4, 0]) & masks.query_padding(lengths=[Tq, Tq - 2, Tq])
+    allowed = mask.to_bool(B, Tq, Tk)
     ref, _ = reference_attention(q, k, v, allowed)
     out = attention(q, k, v, mask, backend=backend)
     assert out.dtype == dtype
     assert not out.isnan().any()
     tol = HALF_TOL[dtype]
     assert_close(out.double(), ref, rtol=tol, atol=tol)
-    assert (out[2] == 0).all() and (out[1, :, 7:] == 0).all()
+    assert (out[2] == 0).all() and (out[1, :, Tq - 2 :] == 0).all()
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(problems(), st.sampled_from([torch.bfloat16, torch.float16]), st.data())
+def test_every_backend_equals_float64_reference_half_types(problem, dtype, data):
+    B, H, Hkv, Tq, Tk, D, align, q_offset = problem
+    mask = data.draw(mask_for(B, H, Tq, Tk, align, q_offset))
+    q_offset = q_offset if uses_offset(mask) else 0
+    q, k, v = qkv(B, H, Hkv, Tq, Tk, D, dtype=dtype, seed=data.draw(st.integers(0, 2**16)))
+    ref, _ = reference_attention(q, k, v, expected_allowed(mask, B, Tq, Tk, q_offset))
+    tol = HALF_TOL[dtype]
+    for backend in BACKEND_NAMES:
+        out = run(q, k, v, mask, backend, q_offset)
+        assert out.dtype == dtype and not out.isnan().any()
+        assert_close(out.double(), ref, rtol=tol, atol=tol, msg=lambda m, b=backend: f"backend {b}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -521,3 +537,10 @@ def test_module_returns_weights():
     mha = MultiHeadAttention(dim=8, num_heads=2, backend="reference")
     out, w = mha(torch.randn(2, 3, 8), mask=masks.causal(), return_weights=True)
     assert out.shape == (2, 3, 8) and w.shape == (2, 2, 3, 3)
+
+
+def test_tensor_masks_may_be_views():
+    q, k, v = qkv(1, 2, 2, 4, 4, 4)
+    lower = torch.ones(4, 4, dtype=torch.bool).triu().t()  # a transposed, non-contiguous view
+    assert not lower.is_contiguous()
+    assert_close(attention(q, k, v, lower), attention(q, k, v, masks.causal()))

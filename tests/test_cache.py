@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnmask import masks
 from attnmask.cache import KVCache
@@ -147,6 +149,43 @@ def test_logits_of_decoded_positions_never_change(arch):
         previous = now
 
 
+@st.composite
+def padded_batches(draw):
+    """Rows of any real length, each padded on either side, then some one-token steps."""
+    B = draw(st.integers(1, 4))
+    P = draw(st.integers(1, 6))
+    lengths = draw(st.lists(st.integers(1, P), min_size=B, max_size=B))
+    left = draw(st.lists(st.booleans(), min_size=B, max_size=B))
+    steps = draw(st.integers(1, 8))
+    seed = draw(st.integers(0, 2**16))
+    return lengths, left, P, steps, seed
+
+
+_MODELS = {}
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=padded_batches(), arch=st.sampled_from(["decoder", "encoder_decoder"]))
+def test_incremental_equals_full_for_any_padding(batch, arch):
+    lengths, left, P, steps, seed = batch
+    model = _MODELS.setdefault(arch, make_model(arch, "rotary"))
+    g = torch.Generator().manual_seed(seed)
+    cols = torch.arange(P)[None]  # (1, P)
+    n = torch.tensor(lengths)[:, None]  # (B, 1)
+    keep_prefix = torch.where(torch.tensor(left)[:, None], cols >= P - n, cols < n)  # (B, P)
+    keep = torch.cat([keep_prefix, torch.ones(len(lengths), steps, dtype=torch.bool)], dim=1)  # (B, P + steps)
+    ids = torch.randint(4, 40, keep.shape, generator=g).masked_fill(~keep, 0)  # (B, P + steps)
+    memory = memory_mask = None
+    if model.is_encoder_decoder:
+        src_keep = torch.arange(5)[None] < torch.randint(1, 6, (len(lengths), 1), generator=g)  # (B, S)
+        memory_mask = masks.padding(keep=src_keep)
+        with torch.no_grad():
+            memory = model.encode(torch.randint(4, 40, src_keep.shape, generator=g), memory_mask)
+    inc = incremental_logits(model, ids, keep, memory, memory_mask, n_prefix=P)
+    full = full_logits(model, ids, keep, memory, memory_mask)
+    torch.testing.assert_close(inc, full, atol=1e-5, rtol=0)
+
+
 def test_logits_would_change_without_the_look_ahead_mask():
     """Control for the test above: with a bidirectional mask, earlier logits do change."""
     model = make_model("decoder")
@@ -277,3 +316,17 @@ def test_reordered_cache_decodes_like_the_reordered_batch():
         step = model.decode(ids[index, 5:], memory_mask=masks.padding(keep=src_keep[index]), cache=cache)
         ref = model.decode(ids[index], memory[index], memory_mask=masks.padding(keep=src_keep[index]))
     torch.testing.assert_close(step[:, 0], ref[:, -1], atol=1e-5, rtol=0)
+
+
+def test_buffers_take_the_dtype_of_the_keys_under_autocast():
+    """Training evaluation may decode under bfloat16 autocast: the cache must hold what arrives."""
+    model = make_model("decoder")
+    cache = KVCache.for_model(model, batch_size=1, max_len=8)
+    assert cache.layer(0).k is None  # nothing allocated before the first write
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model.decode(torch.tensor([[5, 6, 7]]), cache=cache)
+        logits = model.decode(torch.tensor([[8]]), cache=cache)
+    assert cache.layer(0).k.dtype == torch.bfloat16 and cache.pos == 4
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model.decode(torch.tensor([[5, 6, 7, 8]]))
+    torch.testing.assert_close(logits[:, -1].float(), full[:, -1].float(), atol=0.1, rtol=0.05)

@@ -396,6 +396,17 @@ def test_tf_round_trip(problem):
     assert_close(masks.from_tf(tf).to_bool(B, Tq, Tk), m.to_bool(B, Tq, Tk))
 
 
+@PROPS
+@given(st.integers(1, 4), st.integers(1, 6), st.data())
+def test_tf_padding_round_trip(B, T, data):
+    tf_pad = torch.tensor(
+        data.draw(st.lists(st.lists(st.integers(0, 1), min_size=T, max_size=T), min_size=B, max_size=B))
+    )
+    m = masks.from_tf_padding(tf_pad)  # 1 = pad
+    assert_close(m.to_bool(B, 3, T), (tf_pad == 0)[:, None, None, :].expand(B, 1, 3, T))
+    assert_close(masks.to_tf(m, B, 1, T)[:, 0, 0, :], tf_pad.float())
+
+
 def test_tf_tutorial_masks():
     # the TensorFlow tutorial: look-ahead 1 = blocked (T, T); padding (B, 1, 1, T) or (B, T), 1 = pad
     look_ahead = 1 - torch.tril(torch.ones(3, 3))

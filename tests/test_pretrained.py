@@ -13,7 +13,6 @@ Two levels:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib.util
 import json
@@ -26,7 +25,16 @@ from torch.testing import assert_close
 
 from attnmask import decode, pretrained
 from attnmask.gguf_loader import permute_qk, read_gguf, unpermute_qk
-from attnmask.pretrained import MODELS, ChatTemplate, PretrainedSpec, PretrainedTokenizer, build, load, locate
+from attnmask.pretrained import (
+    MODELS,
+    ChatTemplate,
+    PretrainedSpec,
+    PretrainedTokenizer,
+    build,
+    column_major_,
+    load,
+    locate,
+)
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[hf]')")
 
@@ -192,7 +200,11 @@ def test_tiny_gguf_tokenizer_encodes_like_its_source(tmp_path):
     assert ids[0] == source.token_to_id("<|im_start|>")  # specials in the rendered template are single ids
     assert ids.count(source.token_to_id("<|im_end|>")) == 2
     assert tok.decode(ids) == prompt.replace("<|im_start|>", "").replace("<|im_end|>", "")
-    assert (tok.eos_id, tok.sos_id, tok.add_bos) == (source.token_to_id("<|im_end|>"), source.token_to_id("<|im_start|>"), False)
+    assert (tok.eos_id, tok.sos_id, tok.add_bos) == (
+        source.token_to_id("<|im_end|>"),
+        source.token_to_id("<|im_start|>"),
+        False,
+    )
     assert tok.stop_ids == (tok.eos_id, source.token_to_id("<|endoftext|>"))
 
 
@@ -292,15 +304,25 @@ def _smollm2_path():
 
 
 @pytest.fixture(scope="module")
-def smol_reader():
+def one_thread():
+    """The SmolLM2 tests run single-threaded: on a shared 2-core machine, torch's two threads
+    waiting on each other made a 16-token greedy run ~5x slower than one thread (measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def smol_reader(one_thread):
     return gguf.GGUFReader(_smollm2_path())
 
 
 @pytest.fixture(scope="module")
 def smol(smol_reader):
-    """attnmask's SmolLM2: (model, checkpoint) read from the shared reader."""
+    """attnmask's SmolLM2 as load() prepares it: (model, checkpoint) read from the shared reader."""
     ckpt = read_gguf(smol_reader)
-    return build(ckpt.config, ckpt.state_dict).eval(), ckpt
+    return column_major_(build(ckpt.config, ckpt.state_dict).eval()), ckpt
 
 
 @pytest.fixture(scope="module")
@@ -321,6 +343,9 @@ def smol_hf(smol_reader):
         rms_norm_eps=meta["llama.attention.layer_norm_rms_epsilon"],
         rope_parameters={"rope_type": "default", "rope_theta": meta["llama.rope.freq_base"]},
         tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,  # generate() never stops early: 64 tokens on both sides
+        pad_token_id=None,
     )
     processor = LlamaTensorProcessor(
         config={"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads}
@@ -354,6 +379,8 @@ def test_smollm2_load_by_name_through_the_cache(smol, tmp_path):
     assert (cfg.positions, cfg.norm, cfg.activation, cfg.tie_embeddings) == ("rotary", "rmsnorm", "swiglu", True)
     assert cfg.rope_theta == 100000.0 and cfg.pad_id is None
     assert_close(model.state_dict(), smol[0].state_dict(), rtol=0, atol=0)
+    assert model.layers[0].mlp.up_proj.weight.stride() == (1, 1536)  # column-major for decoding
+    assert model.lm_head.weight is model.embed.weight
     assert chat is not None and chat.source == SMOL_TEMPLATE
     assert tok.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
 
@@ -405,12 +432,9 @@ def test_smollm2_greedy_64_tokens_equal_transformers_generate(smol, smol_hf, smo
     T = max(map(len, prompts))
     ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])  # left-padded
     keep = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
-    config = copy.deepcopy(smol_hf.generation_config)
-    config.eos_token_id = None  # 64 tokens on both sides, whatever they are
     with torch.no_grad():
-        expected = smol_hf.generate(
-            ids, attention_mask=keep, generation_config=config, max_new_tokens=64, do_sample=False, pad_token_id=0
-        )[:, T:]
+        expected = smol_hf.generate(ids, attention_mask=keep, max_new_tokens=64, do_sample=False, pad_token_id=0)
+    expected = expected[:, T:]  # (2, 64)
     got = decode.greedy(model, prompts=prompts, max_new_tokens=64, eos_id=None)
     assert got == expected.tolist()
     assert "Paris" in tok.decode(got[0])

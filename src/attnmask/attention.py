@@ -156,10 +156,15 @@ def prepare_mask(
         parts = mask.parts()
         if all(isinstance(p, M.Causal) for p in parts) and q_len == kv_len and q_start == 0:
             return PreparedMask(is_causal=True, q_len=q_len, kv_len=kv_len)
+        blocks = _plan_blocks(parts, batch_size, q_len, kv_len, q_start)
+        # with a block plan, a query row is empty exactly when no block covers it: no need to scan
+        # the (B, Tq, Tk) tensor for empty rows when every row is covered
+        covered = blocks is not None and sum(len(b.rows) * (b.q1 - b.q0) for b in blocks) == batch_size * q_len
         return PreparedMask(
             q_len=q_len,
             kv_len=kv_len,
-            blocks=_plan_blocks(parts, batch_size, q_len, kv_len, q_start),
+            empty_rows=None if covered else _UNSET,
+            blocks=blocks,
             build=lambda: mask.to_bool(batch_size, q_len, kv_len, q_offset, device=device),  # (B, 1, Tq, Tk)
         )
     if isinstance(mask, Tensor):
@@ -233,13 +238,14 @@ def _lint_tensor(t: Tensor, B: int, H: int, Tq: int, Tk: int, device, dtype) -> 
         if got not in (1, want):
             raise ValueError(f"mask has shape {tuple(t.shape)}, expected broadcastable to {expected} ({name} differs)")
     if t.dtype == torch.bool:
+        M.lint_polarity(t)
         allowed = t
     elif t.dtype.is_floating_point:
         allowed = M.additive_to_bool(t, dtype)
     else:
         M._lint_bool_tensor(t, "mask")  # raises the polarity / dtype error
         raise AssertionError("unreachable")
-    return allowed.view(shape4)
+    return allowed.reshape(shape4)  # (B|1, H|1, Tq, Tk); reshape: the mask may be a non-contiguous view
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,29 +321,54 @@ def _blocks(q, k, v, blocks: tuple[Block, ...], *, scale, dropout_p) -> Tensor:
     """Run a mask decomposed into :class:`Block` s: one SDPA call per block, no ``Tq x Tk`` mask.
 
     Padding is sliced away instead of masked, and causal blocks use SDPA's ``is_causal`` path, so
-    the work shrinks with the padding; rows in no block stay zero (zero output, zero gradient).
+    the work shrinks with the padding; rows in no block are zero (zero output, zero gradient).
+    Consecutive batch rows with the same blocks share calls. The inputs are cut with ``split`` and
+    the output glued with ``cat``, whose backward passes are views: indexing a slice per block
+    would make autograd allocate and zero a full-size gradient for every block.
     """
     B, H, Tq, D = q.shape
     gqa = q.shape[1] != k.shape[1]
 
-    def run(blk: Block, rows) -> Tensor:
-        qb, kb, vb = q[rows, :, blk.q0 : blk.q1], k[rows, :, blk.k0 : blk.k1], v[rows, :, blk.k0 : blk.k1]
+    def run(qb: Tensor, kb: Tensor, vb: Tensor, blk: Block) -> Tensor:
+        if (blk.k0, blk.k1) != (0, kb.shape[2]):
+            kb, vb = kb[:, :, blk.k0 : blk.k1], vb[:, :, blk.k0 : blk.k1]  # (n, Hkv, k1 - k0, D)
         tril = None
-        if blk.diag:  # query t sees its first t + diag + 1 keys: a small (n, Tk') mask, not SDPA's is_causal
+        if blk.diag:  # query t sees its first t + diag + 1 keys: a small mask, not SDPA's is_causal
             tril = torch.ones(blk.q1 - blk.q0, blk.k1 - blk.k0, dtype=torch.bool, device=q.device).tril(blk.diag)
         return F.scaled_dot_product_attention(
             qb, kb, vb, attn_mask=tril, dropout_p=dropout_p, is_causal=blk.diag == 0, scale=scale, enable_gqa=gqa
-        )  # (len(rows), H, q1 - q0, D)
+        )  # (n, H, q1 - q0, D)
 
-    if len(blocks) == 1 and len(blocks[0].rows) == B and (blocks[0].q0, blocks[0].q1) == (0, Tq):
-        return run(blocks[0], slice(None))  # one call covers everything: no scatter
-    out = q.new_zeros(B, H, Tq, v.shape[-1])  # (B, H, Tq, D); rows in no block stay zero
+    plans: list[list[Block]] = [[] for _ in range(B)]
     for blk in blocks:
-        first, last = blk.rows[0], blk.rows[-1]
-        contiguous = last - first + 1 == len(blk.rows)
-        rows = slice(first, last + 1) if contiguous else torch.tensor(blk.rows, device=q.device)
-        out[rows, :, blk.q0 : blk.q1] = run(blk, rows)
-    return out
+        for b in blk.rows:
+            plans[b].append(blk)
+    keys = [tuple((x.q0, x.q1, x.k0, x.k1, x.diag) for x in sorted(p, key=lambda x: x.q0)) for p in plans]
+    runs: list[int] = []  # sizes of runs of consecutive batch rows with the same blocks
+    for b in range(B):
+        if b and keys[b] == keys[b - 1]:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    outs, b = [], 0
+    for q_g, k_g, v_g, n in zip(q.split(runs), k.split(runs), v.split(runs), runs):
+        plan = sorted(plans[b], key=lambda x: x.q0)
+        b += n
+        cuts, pos = [], 0  # the query axis cut into gaps (zero rows) and blocks
+        for blk in plan:
+            if blk.q0 > pos:
+                cuts.append((None, blk.q0 - pos))
+            cuts.append((blk, blk.q1 - blk.q0))
+            pos = blk.q1
+        if pos < Tq:
+            cuts.append((None, Tq - pos))
+        pieces = q_g.split([size for _, size in cuts], dim=2) if len(cuts) > 1 else (q_g,)
+        parts = [
+            q_g.new_zeros(n, H, size, v.shape[-1]) if blk is None else run(piece, k_g, v_g, blk)
+            for (blk, size), piece in zip(cuts, pieces)
+        ]  # (n, H, size, D) each
+        outs.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])  # (n, H, Tq, D)
+    return torch.cat(outs) if len(outs) > 1 else outs[0]  # (B, H, Tq, D)
 
 
 # Cost model of the block plan, in units of one (batch row, head, query, key) score. Calibrated on a
@@ -358,12 +389,18 @@ def _causal_cost(n: int, device: torch.device) -> float:
     return 0.5
 
 
+def _covers(blk: Block, B: int, Tq: int) -> bool:
+    return len(blk.rows) == B and (blk.q0, blk.q1) == (0, Tq)
+
+
 def _use_blocks(q: Tensor, k: Tensor, pm: PreparedMask) -> bool:
     """Whether the block plan beats one SDPA call with the dense mask: the blocks skip padding (and,
     for long causal blocks, half the scores) but each costs a kernel call."""
     if not pm.blocks:  # no plan, or every row empty: the dense path keeps the autograd graph
         return False
     B, H, Tq, _ = q.shape
+    if len(pm.blocks) == 1 and _covers(pm.blocks[0], B, Tq):
+        return True  # one plain SDPA call (is_causal, or keys sliced) never loses to a masked one
     dense = B * H * Tq * k.shape[2]
     work = 0.0
     for blk in pm.blocks:
@@ -502,7 +539,7 @@ class MultiHeadAttention(nn.Module):
             head_dim = dim // num_heads
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; expected one of {sorted(BACKENDS)}")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
         self.dropout, self.backend = dropout, backend
         self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
@@ -536,7 +573,11 @@ class MultiHeadAttention(nn.Module):
             static_kv: precomputed cross-attention ``(k, v)`` (encoder computed once per source).
         Returns ``(B, Tq, C)`` (and the weights with ``return_weights``).
         """
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x has shape {tuple(x.shape)}, expected (B, Tq, C={self.dim})")
         B, Tq, _ = x.shape
+        if context is not None and (context.dim() != 3 or context.shape[0] != B or context.shape[-1] != self.dim):
+            raise ValueError(f"context has shape {tuple(context.shape)}, expected (B={B}, Tk, C={self.dim})")
         q = self.q_proj(x).view(B, Tq, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, Tq, D)
         if static_kv is not None:
             k, v = static_kv

@@ -149,7 +149,8 @@ def audit(
         n_replacements=n_replacements,
         pad_amounts=pad_amounts,
         intended=intended,
-        tolerance=Tolerance.for_dtype(subject.dtype, rtol, atol),
+        rtol=rtol,
+        atol=atol,
         chunk_size=chunk_size,
     )
     return auditor.run(checks)
@@ -170,7 +171,8 @@ class _Auditor:
         n_replacements: int,
         pad_amounts: Sequence[int],
         intended,
-        tolerance: Tolerance,
+        rtol: float | None,
+        atol: float | None,
         chunk_size: int,
     ):
         for name, val, low in (
@@ -192,7 +194,6 @@ class _Auditor:
         self.T, self.S = length, src_length
         self.seed, self.N, self.K = seed, n_sequences, n_replacements
         self.pad_amounts = sorted(set(pad_amounts))
-        self.tol = tolerance
         self.chunk = chunk_size
         self.device = subject.device
         self.gen = torch.Generator().manual_seed(seed)
@@ -201,6 +202,8 @@ class _Auditor:
         self.src_allowed = _allowed_ids(subject.source_vocab_size, subject.special_ids)
         self.tgt = self._draw(self.allowed, (self.N, self.T))  # (N, T)
         self.src = self._draw(self.src_allowed, (self.N, self.S)) if subject.encoder_decoder else None  # (N, S)
+        self.dtype = subject.dtype or self._logits_dtype()
+        self.tol = Tolerance.for_dtype(self.dtype, rtol, atol)
         self.dependency: Tensor | None = None
         self.gradient: Tensor | None = None
         self.notes: list[str] = list(subject.notes)
@@ -218,6 +221,15 @@ class _Auditor:
             new[same] = self._draw(allowed, (int(same.sum()),))
             same = new == current
         return new
+
+    @torch.no_grad()
+    def _logits_dtype(self) -> torch.dtype:
+        ones = self._ones(1, self.T)
+        if self.s.encoder_decoder:
+            out = self.s.forward(self.src[:1], self._ones(1, self.S), self.tgt[:1], ones)
+        else:
+            out = self.s.forward(self.tgt[:1], ones)
+        return _as_logits(out, (1, self.T)).dtype
 
     def _ones(self, n: int, t: int) -> Tensor:
         return torch.ones(n, t, dtype=torch.long, device=self.device)  # (n, t)
@@ -311,7 +323,7 @@ class _Auditor:
         return AuditReport(
             model=self.s.name,
             encoder_decoder=self.s.encoder_decoder,
-            dtype=str(self.s.dtype).removeprefix("torch."),
+            dtype=str(self.dtype).removeprefix("torch."),
             length=self.T,
             src_length=self.S if self.s.encoder_decoder else None,
             seed=self.seed,
@@ -374,7 +386,7 @@ class _Auditor:
             grad = torch.maximum(grad, g.detach().double().norm(dim=-1).cpu())
         self.gradient = grad.float()
         blocked = ~self.intended
-        threshold = GRADIENT_EPS_FACTOR * torch.finfo(self.s.dtype).eps * float(grad.max())
+        threshold = GRADIENT_EPS_FACTOR * torch.finfo(self.dtype).eps * float(grad.max())
         over = ((grad > threshold) & blocked).nonzero().tolist()
         leaks = [Leak("gradient", i, j, float(grad[i, j])) for i, j in over]
         return CheckResult(

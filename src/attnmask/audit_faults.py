@@ -16,6 +16,9 @@ Each fault is the bug as it shows up in real code, in a subclass that changes on
 ``cumsum``
     A "running summary" of the embeddings computed with a cumulative sum over the *reversed* time
     axis, so position i sums tokens i..T-1 instead of 0..i. First causality leak: (0, 1).
+``source_padding`` (encoder-decoder)
+    The source mask forgets padding: encoder and cross-attention see source pads. First source
+    padding leak: with one pad on the left of the source, output 0 depends on source pad 0.
 """
 
 from __future__ import annotations
@@ -67,12 +70,19 @@ class ReversedCumsumDecoder(Transformer):
         return x + summary / x.shape[1]
 
 
+class SourcePaddingLeak(Transformer):
+    def source_mask(self, src_ids: Tensor) -> masks.Mask:
+        return masks.padding(keep=torch.ones(src_ids.shape, dtype=torch.bool, device=src_ids.device))
+
+
 FAULTS: dict[str, type[Transformer]] = {
     "bidirectional": BidirectionalDecoder,
     "off_by_one": OffByOneDecoder,
     "padding": PaddingLeakDecoder,
     "cumsum": ReversedCumsumDecoder,
+    "source_padding": SourcePaddingLeak,
 }
+ENCODER_DECODER_ONLY = ("source_padding",)
 
 
 def inject(model: Transformer, fault: str) -> Transformer:
@@ -81,6 +91,8 @@ def inject(model: Transformer, fault: str) -> Transformer:
         raise ValueError(f"unknown fault {fault!r}; expected one of {sorted(FAULTS)}")
     if not isinstance(model, Transformer):
         raise TypeError(f"inject needs an attnmask Transformer, got {type(model).__name__}")
+    if fault in ENCODER_DECODER_ONLY and not model.is_encoder_decoder:
+        raise ValueError(f"fault {fault!r} breaks the source side; expected an encoder-decoder model")
     broken = copy.deepcopy(model)
     broken.__class__ = FAULTS[fault]
     return broken

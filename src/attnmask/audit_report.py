@@ -194,10 +194,12 @@ class AuditReport:
             for lk in c.leaks:
                 groups.setdefault(lk.context, []).append(lk)
             for context, group in groups.items():
-                shown = ", ".join(f"({lk.i},{'-' if lk.j is None else lk.j})" for lk in group[:max_leaks])
+                shown = ", ".join(f"({lk.i},{'*' if lk.j is None else lk.j})" for lk in group[:max_leaks])
                 more = f" ... and {len(group) - max_leaks} more" if len(group) > max_leaks else ""
                 where = f" [{context}]" if context else ""
                 lines.append(f"{c.name} leaks (i, j){where}: {shown}{more}")
+        if any(lk.j is None for lk in self.leaks):
+            lines.append("(i,*): output i changed with the amount of padding itself")
         if self.dependency is not None:
             lines += ["", "measured dependency of output i (rows) on token j (columns):", self.dependency_grid()]
         for note in self.notes:

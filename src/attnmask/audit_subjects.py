@@ -52,7 +52,7 @@ class Subject:
     forward_with_embeds: Callable[..., tuple[Tensor, Tensor]] | None = None  # -> (logits, leaf embeds)
     cached_forward: Callable[..., Tensor] | None = None  # same logits, token by token with a KV cache
     max_len: int | None = None  # longest sequence the model takes
-    dtype: torch.dtype = torch.float32  # dtype of the logits: picks the comparison tolerance
+    dtype: torch.dtype | None = None  # dtype of the logits (picks the tolerance); None = as returned
     device: torch.device = torch.device("cpu")  # where the audit puts the ids it makes
     notes: list[str] = field(default_factory=list)  # what the adapter could not offer, for the report
 

@@ -28,17 +28,38 @@ class LayerCache:
 
     __slots__ = ("parent", "k", "v")
 
-    def __init__(self, parent: KVCache, k: Tensor, v: Tensor):
-        self.parent, self.k, self.v = parent, k, v
+    def __init__(self, parent: KVCache):
+        self.parent = parent
+        self.k: Tensor | None = None  # (B, Hkv, Tmax, D), allocated by the first update
+        self.v: Tensor | None = None
 
     def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``(B, Hkv, T, D)`` at the current position; return keys/values ``(B, Hkv, pos+T, D)``."""
         B, _, T, _ = k_new.shape
-        pos = self.parent.pos
-        self.parent._claim(B, T)
+        parent, pos = self.parent, self.parent.pos
+        parent._claim(B, T)
+        if self.k is None or (parent.dtype is None and self.k.dtype != k_new.dtype):
+            self._allocate(k_new)
         self.k[:B, :, pos : pos + T] = k_new
         self.v[:B, :, pos : pos + T] = v_new
         return self.k[:B, :, : pos + T], self.v[:B, :, : pos + T]
+
+    def _allocate(self, like: Tensor) -> None:
+        """Buffers in the dtype the keys arrive in (autocast may make them bfloat16), keeping what
+        was cached so far."""
+        parent = self.parent
+        if like.shape[1] != parent.n_kv_heads or like.shape[3] != parent.head_dim:
+            raise ValueError(
+                f"keys of shape {tuple(like.shape)} do not fit a KV cache of Hkv={parent.n_kv_heads}, "
+                f"D={parent.head_dim}; expected (B, {parent.n_kv_heads}, T, {parent.head_dim})"
+            )
+        dtype = parent.dtype or like.dtype
+        shape = (parent.capacity, parent.n_kv_heads, parent.max_len, parent.head_dim)  # (B, Hkv, Tmax, D)
+        # uninitialized: only positions already written ([0, pos)) are ever read
+        k, v = (torch.empty(shape, dtype=dtype, device=like.device) for _ in range(2))
+        if self.k is not None:
+            k[:, :, : parent.pos], v[:, :, : parent.pos] = self.k[:, :, : parent.pos], self.v[:, :, : parent.pos]
+        self.k, self.v = k, v
 
 
 class KVCache:
@@ -49,6 +70,8 @@ class KVCache:
         batch_size: most rows decoded at once (capacity).
         max_len: most positions (prompt + generated) per row (capacity).
         n_kv_heads, head_dim: ``Hkv`` and ``D`` of the model's attention.
+        dtype: of the buffers; None = the dtype of the first keys written (the model's, or
+            autocast's). Buffers are allocated on the first write, on the keys' device.
     """
 
     def __init__(
@@ -59,35 +82,26 @@ class KVCache:
         max_len: int,
         n_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
     ):
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"KV cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
-        shape = (batch_size, n_kv_heads, max_len, head_dim)  # (B, Hkv, Tmax, D)
         self.capacity, self.max_len = batch_size, max_len
-        # uninitialized: only positions already written ([0, pos)) are ever read
-        self.layers = [
-            LayerCache(
-                self, torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
-            )
-            for _ in range(n_layers)
-        ]
+        self.n_kv_heads, self.head_dim, self.dtype = n_kv_heads, head_dim, dtype
+        self.layers = [LayerCache(self) for _ in range(n_layers)]
         self.reset()
 
     @classmethod
-    def for_model(cls, model, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
+    def for_model(cls, model, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
         """A cache shaped for ``model``'s decoder; ``max_len`` defaults to ``config.max_seq_len``."""
         cfg = model.config
-        p = next(model.parameters())
         return cls(
             n_layers=cfg.n_layers,
             batch_size=batch_size,
             max_len=max_len or cfg.max_seq_len,
             n_kv_heads=cfg.kv_heads,
             head_dim=cfg.d_head,
-            dtype=dtype or p.dtype,
-            device=device or p.device,
+            dtype=dtype,
         )
 
     @property
@@ -146,7 +160,7 @@ class KVCache:
         """
         if self.rows is None:
             raise ValueError("reorder() on an empty KV cache; run a forward pass first")
-        index = torch.as_tensor(index, device=self.layers[0].k.device)
+        index = torch.as_tensor(index, device=self.layers[0].k.device if self.layers[0].k is not None else None)
         if index.dim() != 1 or (index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.rows)):
             raise ValueError(f"reorder index must be 1-D with values in [0, {self.rows}), got {index.tolist()}")
         n, pos = index.numel(), self.pos
@@ -155,6 +169,8 @@ class KVCache:
         if not cross and n != self.rows:
             raise ValueError(f"reorder(cross=False) must keep the batch size {self.rows}, got {n} rows")
         for layer in self.layers:
+            if layer.k is None:
+                continue
             # advanced indexing copies first, so overlapping source and destination rows are safe
             layer.k[:n, :, :pos] = layer.k[index, :, :pos]  # (B', Hkv, pos, D)
             layer.v[:n, :, :pos] = layer.v[index, :, :pos]  # (B', Hkv, pos, D)

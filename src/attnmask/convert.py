@@ -30,7 +30,15 @@ from torch import Tensor
 
 from attnmask.model import ModelConfig, Transformer, sinusoidal_table
 
-__all__ = ["SUPPORTED", "config_from_hf", "state_dict_from_hf", "from_hf", "from_hf_model", "load_hf_dir"]
+__all__ = [
+    "SUPPORTED",
+    "config_from_hf",
+    "state_dict_from_hf",
+    "from_hf",
+    "from_hf_model",
+    "load_hf_dir",
+    "llama_key_map",
+]
 
 SUPPORTED = ("llama", "gpt2", "marian")
 
@@ -146,7 +154,10 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
             pad_id=None,
         )
     else:  # marian
-        for enc, dec in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
+        for enc, dec in (
+            ("encoder_attention_heads", "decoder_attention_heads"),
+            ("encoder_ffn_dim", "decoder_ffn_dim"),
+        ):
             if c[enc] != c[dec]:
                 raise ValueError(f"Marian with {enc}={c[enc]} != {dec}={c[dec]}: attnmask expects them equal")
         shared = c.get("share_encoder_decoder_embeddings", True)
@@ -186,8 +197,9 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
 # ---------------------------------------------------------------------------------------------
 # state_dict renaming
 # ---------------------------------------------------------------------------------------------
-def _llama_keys(cfg: ModelConfig) -> dict[str, str]:
-    """attnmask name -> Hugging Face name."""
+def llama_key_map(cfg: ModelConfig) -> dict[str, str]:
+    """attnmask parameter name -> Hugging Face ``LlamaForCausalLM`` name, for a Llama ``cfg``
+    (exporting weights the other way is ``{theirs: sd[ours] for ours, theirs in map.items()}``)."""
     names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
@@ -300,13 +312,15 @@ def state_dict_from_hf(state_dict: Mapping[str, Tensor], hf_config) -> dict[str,
     cfg = config_from_hf(hf_config)
     kind = _model_type(_as_dict(hf_config))
     if kind == "llama":
-        return {ours: _take(state_dict, theirs, "Llama") for ours, theirs in _llama_keys(cfg).items()}
+        return {ours: _take(state_dict, theirs, "Llama") for ours, theirs in llama_key_map(cfg).items()}
     if kind == "gpt2":
         return _convert_gpt2(state_dict, cfg)
     return _convert_marian(state_dict, cfg)
 
 
-def from_hf(state_dict: Mapping[str, Tensor], hf_config, *, dtype: torch.dtype | None = None, **overrides) -> Transformer:
+def from_hf(
+    state_dict: Mapping[str, Tensor], hf_config, *, dtype: torch.dtype | None = None, **overrides
+) -> Transformer:
     """An attnmask :class:`Transformer` holding a Hugging Face checkpoint's weights, in eval mode.
 
     ``state_dict`` is what ``hf_model.state_dict()`` returns (or a loaded safetensors file);

@@ -25,7 +25,6 @@ from attnmask.data import (
     DataError,
     TranslationBatch,
     make_translation_batch,
-    read_lines,
     read_parallel,
     read_text,
     translation_lengths,
@@ -222,8 +221,3 @@ def lm_corpus(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> LMCorpus:
                 f"{path}: the {name} text has {ids.numel()} tokens; expected more than --block-size {cfg.block_size}"
             )
     return LMCorpus(tokenizer=tokenizer, train_ids=train_ids, valid_ids=valid_ids, notes=notes)
-
-
-def read_text_lines(path: str) -> list[str]:
-    """Non-empty lines of a file (for evaluation scripts)."""
-    return read_lines(path).lines

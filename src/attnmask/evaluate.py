@@ -67,7 +67,16 @@ def translate_ids(
     batch_size: int = 64,
     autocast: Callable = contextlib.nullcontext,
 ) -> list[list[int]]:
-    """Greedy translations of tokenized sources, in their order (batched by length for speed)."""
+    """Greedy translations of tokenized sources (ids without specials), in their order.
+
+    Uses the cached :func:`attnmask.decode.greedy` when that module is present, else
+    :func:`greedy_translate`. Each row may generate ``1.5 * len(source + <eos>) + 10`` tokens at
+    most (fairseq's rule), within the model's ``max_seq_len``.
+    """
+    try:
+        from attnmask.decode import greedy as cached_greedy
+    except ImportError:  # the decoding module is optional for training
+        cached_greedy = None
     limit = model.config.max_seq_len - 1
     order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]))
     out: list[list[int] | None] = [None] * len(src_ids)
@@ -77,10 +86,17 @@ def translate_ids(
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             rows = [src_ids[i][: limit - 1] for i in idx]
-            src = source_tensor(rows, src_tokenizer).to(device)  # (b, S)
-            max_len = min(limit, int(1.5 * max(len(r) for r in rows)) + 10)
+            limits = [min(limit, int(1.5 * (len(r) + 1)) + 10) for r in rows]
             with autocast():
-                hyps = greedy_translate(model, src, max_len=max_len, sos_id=tokenizer.sos_id, eos_id=tokenizer.eos_id)
+                if cached_greedy is not None:
+                    src_rows = [r + [src_tokenizer.eos_id] for r in rows]  # as make_translation_batch builds them
+                    hyps = cached_greedy(model, src=src_rows, max_new_tokens=limits, sos_id=tokenizer.sos_id,
+                                         eos_id=tokenizer.eos_id)  # fmt: skip
+                else:
+                    src = source_tensor(rows, src_tokenizer).to(device)  # (b, S)
+                    hyps = greedy_translate(model, src, max_len=max(limits), sos_id=tokenizer.sos_id,
+                                            eos_id=tokenizer.eos_id)  # fmt: skip
+                    hyps = [h[:n] for h, n in zip(hyps, limits)]
             for i, h in zip(idx, hyps):
                 out[i] = h
     finally:

@@ -53,7 +53,8 @@ _GLOBAL_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "lm_hea
 
 # llama.cpp's Llama 3 split pattern (its "llama-bpe" pre-tokenizer), as in Llama 3's tokenizer.json
 _LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 
@@ -266,7 +267,9 @@ def read_gguf(source) -> GGUFCheckpoint:
         "pad_id": meta.get("tokenizer.ggml.padding_token_id"),
         "unk_id": meta.get("tokenizer.ggml.unknown_token_id"),
     }
-    scalars = {k: v for k, v in meta.items() if isinstance(v, (int, float, str, bool)) and k != "tokenizer.chat_template"}
+    scalars = {
+        k: v for k, v in meta.items() if isinstance(v, (int, float, str, bool)) and k != "tokenizer.chat_template"
+    }
     return GGUFCheckpoint(
         config=config,
         state_dict=state_dict,

@@ -69,6 +69,7 @@ __all__ = [
     "from_tf_padding",
     "to_tf",
     "check_additive",
+    "lint_polarity",
     "query_start",
     "BLOCK_THRESHOLD",
 ]
@@ -365,7 +366,10 @@ class _Padding(Mask):
 
     def __init__(self, *, lengths=None, keep=None, side: str = "right"):
         if (lengths is None) == (keep is None):
-            raise ValueError("padding needs exactly one of lengths=(B,) ints, keep=(B, T) bool, or token_ids=")
+            got = "both lengths= and keep=" if lengths is not None else "neither"
+            raise ValueError(
+                f"padding needs exactly one of lengths=(B,) ints, keep=(B, T) bool, or token_ids=; got {got}"
+            )
         if side not in ("right", "left"):
             raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
         self.side = side
@@ -590,7 +594,8 @@ def padding(*, lengths=None, keep=None, token_ids=None, pad_id: int | None = Non
     """
     if token_ids is not None:
         if lengths is not None or keep is not None:
-            raise ValueError("padding needs exactly one of lengths=, keep=, token_ids=")
+            extra = " and ".join(n for n, v in (("lengths=", lengths), ("keep=", keep)) if v is not None)
+            raise ValueError(f"padding needs exactly one of lengths=, keep=, token_ids=; got token_ids= and {extra}")
         if pad_id is None:
             raise ValueError("padding(token_ids=...) needs pad_id=<the id of <PAD>>")
         ids = torch.as_tensor(token_ids)
@@ -625,8 +630,15 @@ def from_predicate(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], align
 
 
 def from_tensor(t: Tensor) -> TensorMask:
-    """Wrap a bool tensor (True = may attend) of shape ``(Tq, Tk)`` or ``(B|1, 1, Tq, Tk)``."""
-    return TensorMask(t)
+    """Wrap a bool tensor (True = may attend) of shape ``(Tq, Tk)`` or ``(B|1, 1, Tq, Tk)``.
+
+    Raises TypeError for other dtypes (0/1 integers have unknown polarity: use :func:`from_hf` or
+    :func:`from_tf`), ValueError for other shapes and for an inverted causal mask (see
+    :func:`lint_polarity`).
+    """
+    mask = TensorMask(t)
+    lint_polarity(mask.tensor, "mask")
+    return mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -662,6 +674,24 @@ def _lint_bool_tensor(t, name: str) -> Tensor:
             "(B, 1, Tq, Tk). Pass per-head tensors straight to attention() instead"
         )
     return t
+
+
+def lint_polarity(t: Tensor, name: str = "mask") -> None:
+    """Raise on a bool mask that is exactly an *inverted* causal mask (True strictly above the
+    diagonal, the last query seeing nothing): ``nn.MultiheadAttention``'s / TensorFlow's look-ahead
+    mask (True = blocked) passed where attnmask expects True = may attend. Applied where users hand
+    in raw bool tensors (:func:`from_tensor`, ``attention``), not to converters' outputs. Only
+    square masks of 4 x 4 or more are judged, so that small hand-made masks are left alone."""
+    n = t.shape[-1]
+    if t.dim() < 2 or t.shape[-2] != n or n < 4:
+        return
+    future = torch.ones(n, n, dtype=torch.bool, device=t.device).triu(1)  # (T, T)
+    if torch.equal(t, future.expand_as(t)):
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} is True exactly above the diagonal: an inverted causal "
+            "mask (True = blocked, the nn.MultiheadAttention / TensorFlow convention)? attnmask masks are "
+            "True = may attend: use masks.causal(), or masks.from_mha(t) to convert"
+        )
 
 
 def check_additive(t: Tensor, dtype: torch.dtype | None = None, name: str = "additive mask") -> None:

@@ -380,8 +380,10 @@ class _Trainer:
             return contextlib.nullcontext
         device_type = self.ctx.device.type
         if device_type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            warnings.warn("this CPU has no native bfloat16 (AVX512-BF16/AMX): bf16 is emulated and likely slower than fp32",
-                          stacklevel=3)  # fmt: skip
+            warnings.warn(
+                "this CPU has no native bfloat16 (AVX512-BF16/AMX): bf16 is emulated and likely slower than fp32",
+                stacklevel=3,
+            )
         return lambda: torch.autocast(device_type=device_type, dtype=torch.bfloat16)
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -502,7 +504,10 @@ class _Trainer:
     def _describe(self) -> None:
         cfg, m = self.cfg, self.model.config
         n_params = self.model.num_parameters()
-        what = f"{m.arch} {cfg.model} (dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads, {m.positions}, {m.norm}, {m.activation})"
+        what = (
+            f"{m.arch} {cfg.model} (dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads, "
+            f"{m.positions}, {m.norm}, {m.activation})"
+        )
         self.log(f"model: {what}, {n_params / 1e6:.2f}M parameters")
         if isinstance(self.corpus, TranslationCorpus):
             pf = self.sampler.padding_fraction()
@@ -536,7 +541,8 @@ class _Trainer:
 
                 purge = self.step if cfg.resume else None
                 self._writer = SummaryWriter(str(self.out / rundir.TENSORBOARD), purge_step=purge)
-                self._metrics = open(self.out / rundir.METRICS, "a", encoding="utf-8")
+                # closed in `finally` below; a context manager would not outlive the loop's helpers
+                self._metrics = open(self.out / rundir.METRICS, "a", encoding="utf-8")  # noqa: SIM115
                 bar = tqdm(total=cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True,
                            disable=not cfg.progress, desc="train")  # fmt: skip
             self._loop(result, bar)

@@ -242,8 +242,11 @@ def save_attention_png(
     H = min(H, max_heads) if max_heads else H
     cols = H + (1 if mask is not None else 0)
     Tq, Tk = len(q_labels), len(k_labels)
-    cell = max(2.2, 0.28 * max(Tq, Tk) + 1.2)
-    fig, axes = plt.subplots(L, cols, figsize=(cell * cols + 1.0, cell * L), squeeze=False, layout="constrained")
+    # panel size follows the token counts, so labels stay readable and cells stay square
+    width, height = 0.22 * Tk + 0.9, 0.22 * Tq + 0.9
+    fig, axes = plt.subplots(
+        L, cols, figsize=(width * cols + 1.2, height * L + 0.5), squeeze=False, layout="constrained"
+    )
     # one colour scale for the whole figure, so heads compare; weights are in [0, 1]
     vmax = max(float(w[:H].max()) for w in weights) or 1.0
     img = None

@@ -96,7 +96,9 @@ def run(args) -> int:
     else:
         src_ids = tok.encode(args.sentence)
         if len(src_ids) >= model.config.max_seq_len:
-            raise ValueError(f"the prompt has {len(src_ids)} tokens; the model takes at most {model.config.max_seq_len}")
+            raise ValueError(
+                f"the prompt has {len(src_ids)} tokens; the model takes at most {model.config.max_seq_len}"
+            )
         out = greedy_ids(model, src_ids, encoder_decoder=False, max_new_tokens=args.max_new_tokens or 20)
         dec_ids = src_ids + out
         print(f"continuation: {tok.decode(out)}")
@@ -111,9 +113,10 @@ def run(args) -> int:
             model.decode(dec)
     T = dec.shape[1]
     dec_labels = [_label(tok, i) for i in dec_ids]
-    figures = [("decoder_self", "decoder self-attention", rec["decoder"], dec_labels, dec_labels, model.target_mask(dec))]
+    figures = [
+        ("decoder_self", "decoder self-attention", rec["decoder"], dec_labels, dec_labels, model.target_mask(dec))
+    ]
     if enc_dec:
-        S = len(src_ids)
         src_labels = [_label(loaded.src_tokenizer, i) for i in src_ids]
         smask = model.source_mask(src)
         figures = [

@@ -147,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
     right = [h == t for h, (_, t) in zip(hyps, pairs)]
     exact = sum(right) / len(right)
     with open(out / rundir.METRICS, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"step": result.step, "split": "test", "exact_match": exact, "sentences": len(pairs)}) + "\n")
+        f.write(
+            json.dumps({"step": result.step, "split": "test", "exact_match": exact, "sentences": len(pairs)}) + "\n"
+        )
 
     print(f"\ntrained {result.step} steps in {minutes}m{seconds:02d}s; held-out test exact match: "
           f"{exact:.1%} ({sum(right)}/{len(right)})\n")  # fmt: skip

@@ -21,6 +21,8 @@ _FLAGS = (
     ("--valid-src", "valid_src", str, "validation sources (default: hold out the last 5%%, at most 1000, of --src)"),
     ("--valid-tgt", "valid_tgt", str, "validation targets, aligned with --valid-src"),
     ("--builtin-task", "builtin_task", str, "a generated task instead of files (see `attnmask demo`): dates"),
+    ("--train-size", "train_size", int, "--builtin-task: training pairs generated"),
+    ("--valid-size", "valid_size", int, "--builtin-task: validation pairs generated"),
     ("--text", "text", str, "--task lm: a plain text file"),
     ("--valid-text", "valid_text", str, "--task lm: validation text (default: the last 10%% of --text)"),
     ("--tokenizer", "tokenizer", ("bpe", "char"), "byte-level BPE or characters"),
@@ -131,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
     result = train(cfg)
     if result.stopped.startswith("SIG") or result.stopped.startswith("signal"):
         return 0
-    print(f"done: {result.step} steps in {result.elapsed_s / 60:.1f} min ({result.stopped}); run saved in {result.path}")
+    print(
+        f"done: {result.step} steps in {result.elapsed_s / 60:.1f} min ({result.stopped}); run saved in {result.path}"
+    )
     print(f"load it with: attnmask.load_run({str(result.path)!r})")
     return 0

