@@ -201,6 +201,13 @@ def test_metrics_and_tensorboard_are_written(tmp_path):
     assert (tmp_path / "run" / "loss.png").stat().st_size > 0
 
 
+@pytest.mark.filterwarnings("ignore:this CPU has no native bfloat16")
+def test_bf16_autocast_trains(tmp_path):
+    result = train(tiny(tmp_path / "run", max_steps=3, precision="bf16", eval_sentences=2), log=quiet)
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    assert load_run(tmp_path / "run").model.embed.weight.dtype == torch.float32  # weights stay fp32
+
+
 # --- optimisation details ----------------------------------------------------------------------
 
 

@@ -38,7 +38,7 @@ from torch import nn
 from attnmask import checkpoint, distributed, evaluate
 from attnmask import run as rundir
 from attnmask.corpus import LMCorpus, TranslationCorpus, lm_corpus, translation_corpus
-from attnmask.model import ModelConfig, Transformer, lm_loss
+from attnmask.model import IGNORE_INDEX, ModelConfig, Transformer, lm_loss
 
 TASKS = ("translation", "lm")
 PRECISIONS = ("fp32", "bf16")
@@ -188,7 +188,10 @@ def model_config(cfg: TrainConfig, vocab_size: int, src_vocab_size: int | None =
         "n_heads": pick["heads"],
         "n_kv_heads": cfg.kv_heads,
         "ffn_dim": pick["ffn_dim"],
-        "max_seq_len": min(cfg.max_len, cfg.batch_tokens) if cfg.task == "translation" else cfg.block_size,
+        # translation: the longest kept pair; lm: room to generate past the training block
+        "max_seq_len": min(cfg.max_len, cfg.batch_tokens)
+        if cfg.task == "translation"
+        else max(cfg.block_size, cfg.max_len),
         "dropout": cfg.dropout,
         "tie_embeddings": cfg.tie_embeddings,
     }
@@ -239,6 +242,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # training loss of each step run by this call
     eval: dict = field(default_factory=dict)  # the last evaluation
     elapsed_s: float = 0.0  # training-loop wall time, over all resumes
+    rank: int = 0  # this process's rank (0 alone wrote the run directory)
 
 
 StepHook = Callable[[int, nn.Module, dict], None]
@@ -435,7 +439,7 @@ class _Trainer:
     def train_step(self) -> dict:
         cfg, ctx = self.cfg, self.ctx
         micro = [self._next_batch() for _ in range(cfg.grad_accum)]
-        local_tokens = sum(int((labels != -100).sum()) for _, _, labels, _ in micro)
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, _, labels, _ in micro)
         (global_tokens,) = distributed.all_reduce_sum(ctx, [local_tokens])
         lr = learning_rate(cfg, self.step, self.elapsed)
         for group in self.optimizer.param_groups:
@@ -533,7 +537,7 @@ class _Trainer:
         prev_det = torch.are_deterministic_algorithms_enabled()
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
-        result = TrainResult(path=self.out, step=self.step, stopped="")
+        result = TrainResult(path=self.out, step=self.step, stopped="", rank=ctx.rank)
         try:
             if ctx.is_main:
                 from torch.utils.tensorboard import SummaryWriter

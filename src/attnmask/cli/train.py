@@ -131,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     result = train(cfg)
-    if result.stopped.startswith("SIG") or result.stopped.startswith("signal"):
-        return 0
+    if result.rank != 0 or result.stopped.startswith(("SIG", "signal")):
+        return 0  # rank 0 reports; a signal's stop was reported by train()
     print(
         f"done: {result.step} steps in {result.elapsed_s / 60:.1f} min ({result.stopped}); run saved in {result.path}"
     )
