@@ -18,15 +18,18 @@ Every contender's output is checked against (a)'s (same inputs and dtype, the dt
 so that the table never reports the time of a wrong answer.
 
 Times are the minimum over at least ``--repeats`` runs after one warm-up run, more for fast cells
-(until 0.5 s or 30 runs), the contenders taking turns so that they share the machine's load: the
-machine is shared and the minimum is the least noisy estimate of what the code costs; a run longer
-than 2 s is timed once. On a 2-core machine shared with other
-jobs, ``--threads 1`` gives far steadier numbers than two threads waiting on each other.
-Speed-up = t(a) / t(x).
+(until 0.5 s or 30 runs), the contenders taking turns so that they share the machine's load; the
+minimum is the least noisy estimate of what the code costs on a shared machine. A run longer than
+2 s is timed once. On a 2-core machine shared with other jobs, ``--threads 1`` gives far steadier
+numbers than two threads waiting on each other. Speed-up = t(a) / t(x).
 
-    python benchmarks/attention.py                 # full table (a few minutes on 2 cores)
+    python benchmarks/attention.py                 # full table (about 8 minutes on 2 cores)
     python benchmarks/attention.py --quick         # smoke run
-    python benchmarks/attention.py --write-docs docs/benchmarks.md
+    python benchmarks/attention.py --threads 1 --repeats 5 --write-docs docs/benchmarks.md
+
+``--write-docs`` rewrites the whole ``## Attention`` section (header, machine, command, table) and
+leaves the other sections alone; the notes under the table are written by hand, so a rerun drops
+them rather than leave stale claims under new numbers.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ copied into a ``transformers`` ``LlamaForCausalLM`` of the same configuration (t
 compared first). For each dtype (float32, bfloat16) and batch size (1, 16), both decode the same
 prompt (repeated ``B`` times, so nothing is padded) for the same number of new tokens, never
 stopping early; the generated tokens are compared. tokens/s = B * new tokens / wall time, prefill
-of the short prompt included; the median of ``--repeats`` runs after one warm-up run.
+of the short prompt included; the median of ``--repeats`` runs, attnmask and Hugging Face taking
+turns, after one warm-up run each.
 
 Memory-bandwidth bound: a greedy step reads every weight matrix once for the whole batch (the tied
 embedding as ``W_pred``; the KV cache reads are < 1% here and not counted), so tokens/s can be at
@@ -86,14 +87,17 @@ def weight_bytes(model) -> int:
     return total
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    out = fn()  # warm-up
-    times = []
+def interleaved(fns: dict, repeats: int) -> tuple[dict[str, float], dict[str, object]]:
+    """Median seconds of each function, run in turns (A B A B ...) after one warm-up each, so
+    that a change in the machine's load hits both sides alike."""
+    outs = {k: f() for k, f in fns.items()}
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
+        for k, f in fns.items():
+            t = time.perf_counter()
+            outs[k] = f()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}, outs
 
 
 def main(argv=None) -> None:
@@ -140,8 +144,8 @@ def main(argv=None) -> None:
                     out = hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=N, do_sample=False)
                 return out[:, len(ids) :].tolist()
 
-            t_ours, out_ours = timed(ours, args.repeats)
-            t_hf, out_hf = timed(theirs, args.repeats)
+            times, outs = interleaved({"ours": ours, "hf": theirs}, args.repeats)
+            (t_ours, t_hf), (out_ours, out_hf) = times.values(), outs.values()
             print(
                 f"| {dtype_name} | {B} | {B * N / t_ours:.1f} | {B * N / t_hf:.1f} | {t_hf / t_ours:.2f}x "
                 f"| {B * bound_per_step:.1f} | {'yes' if out_ours == out_hf else 'no'} |",

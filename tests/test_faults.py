@@ -124,6 +124,7 @@ def test_sigterm_then_sigkills_at_random_moments_and_resume_reproduces_the_run(t
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
     assert saved_step(run) == MAX_STEPS
+    assert not list(run.glob(".*.tmp-*")), "temporary files of killed writes were left behind"
     steps, losses = logged_losses(run)
     assert steps == list(range(1, MAX_STEPS + 1))  # every step logged once: replays replaced their records
     assert_close(torch.tensor(losses), torch.tensor(reference), rtol=0, atol=0)

@@ -120,6 +120,16 @@ def test_resuming_after_a_crash_equals_the_uninterrupted_run(tmp_path):
         assert_close(b[name], a[name], rtol=0, atol=0)
 
 
+def test_resuming_a_run_that_died_before_its_first_checkpoint_starts_it_over(tmp_path):
+    cfg = tiny(tmp_path / "run", max_steps=4, save_every=100)
+    with pytest.raises(Crash):
+        train(cfg, on_step=crash_at(2), log=quiet)
+    assert not (tmp_path / "run" / "trainer_state.pt").exists()
+    result = train(resume_config(cfg.out), log=quiet)
+    assert result.step == 4 and len(result.losses) == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"] == [1, 2, 3, 4]
+
+
 def test_resume_refuses_changed_settings_and_a_finished_run_stays_finished(tmp_path):
     cfg = tiny(tmp_path / "run", max_steps=3)
     train(cfg, log=quiet)

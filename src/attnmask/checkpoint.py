@@ -58,6 +58,14 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def remove_stale_temporaries(directory: str | Path) -> list[Path]:
+    """Delete temporary files left by writers that were killed mid-write (never read by anyone)."""
+    stale = [p for p in Path(directory).glob(".*.tmp-*") if p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_bytes(data))
 

@@ -282,10 +282,6 @@ def resume_config(out: str | Path, **overrides) -> TrainConfig:
     return replace(saved, out=str(out), resume=True, **overrides)
 
 
-class _Stop(Exception):
-    pass
-
-
 class _Trainer:
     """State of one training invocation (kept in a class so that saving can see all of it)."""
 
@@ -311,7 +307,7 @@ class _Trainer:
         self._batches = None
         if saved_state is not None:
             self._restore(saved_state)
-        elif ctx.is_main:
+        elif ctx.is_main and not cfg.resume:
             separate = cfg.task == "translation" and not cfg.joint_vocab
             rundir.write_config(self.out, task=cfg.task, model=mcfg, train=cfg.to_dict(), src_tokenizer=separate)
         distributed.barrier(ctx)
@@ -341,9 +337,14 @@ class _Trainer:
             ]
             if differ:
                 raise ValueError(f"resume settings differ from the saved run in {self.out}: {'; '.join(differ)}")
+            if self.ctx.is_main:
+                checkpoint.remove_stale_temporaries(self.out)
             state_file = self.out / rundir.TRAINER_STATE
-            if not state_file.is_file():
-                raise ValueError(f"{self.out}: nothing to resume (missing {rundir.TRAINER_STATE})")
+            if not state_file.is_file():  # stopped before its first checkpoint: start over, same settings
+                self.log(f"{self.out} has no checkpoint yet ({rundir.TRAINER_STATE}); starting from step 0")
+                if self.ctx.is_main:
+                    rundir.truncate_metrics(self.out, 0)
+                return None
             state = checkpoint.load_torch(state_file)
             if len(state["ranks"]) != self.ctx.world_size:
                 raise ValueError(

@@ -63,7 +63,7 @@ def demo_config(out: str, *, seed: int = 0, device: str = "auto", quick: bool = 
         )  # fmt: skip
     return TrainConfig(
         **common, model="small", dim=128, layers=2, heads=4, ffn_dim=512, train_size=60000, valid_size=500,
-        max_steps=1500, warmup=100, lr=2e-3, batch_tokens=2048, eval_every=500, eval_sentences=500, log_every=25,
+        max_steps=700, warmup=100, lr=2e-3, batch_tokens=2048, eval_every=350, eval_sentences=500, log_every=25,
     )  # fmt: skip
 
 
