@@ -326,7 +326,7 @@ def _blocks(q, k, v, blocks: tuple[Block, ...], *, scale, dropout_p) -> Tensor:
     the output glued with ``cat``, whose backward passes are views: indexing a slice per block
     would make autograd allocate and zero a full-size gradient for every block.
     """
-    B, H, Tq, D = q.shape
+    B, H, Tq, _ = q.shape
     gqa = q.shape[1] != k.shape[1]
 
     def run(qb: Tensor, kb: Tensor, vb: Tensor, blk: Block) -> Tensor:
@@ -373,7 +373,7 @@ def _blocks(q, k, v, blocks: tuple[Block, ...], *, scale, dropout_p) -> Tensor:
 
 # Cost model of the block plan, in units of one (batch row, head, query, key) score. Calibrated on a
 # 2-core AVX2 CPU with torch 2.13 (benchmarks/attention.py, docs/benchmarks.md): one SDPA call costs
-# about as much as 8k scores forward and forward+backward; 16k keeps a margin for the scatter.
+# about as much as 8k scores forward and forward+backward; 16k keeps a margin for the split/cat.
 _CALL_COST = 16384
 _MIN_SAVING = 0.9  # take the blocks only when they cost at most 90% of the dense call
 
