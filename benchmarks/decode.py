@@ -225,13 +225,16 @@ def bench_translate(batch_size: int, max_new: int, n_sentences: int | None, beam
         name = "greedy" if beam == 1 else f"beam {beam}"
         ours_translate(ours, batches[:1], beam, 4)  # warm-up
         hf_translate(hf, batches[:1], beam, 4)
-        results = {}
-        for impl, fn in (("attnmask", lambda b=beam: ours_translate(ours, batches, b, max_new)),
-                         ("HF generate", lambda b=beam: hf_translate(hf, batches, b, max_new))):  # fmt: skip
-            t0 = time.perf_counter()
-            out = fn()
-            dt = time.perf_counter() - t0
-            results[impl] = (out, dt)
+        # interleaved batch by batch (alternating which goes first), so that the load of a shared
+        # machine drifting over minutes falls on both alike
+        results = {"attnmask": ([], 0.0), "HF generate": ([], 0.0)}
+        for k, batch in enumerate(batches):
+            impls = [("attnmask", ours_translate, ours), ("HF generate", hf_translate, hf)]
+            for impl, fn, model in impls if k % 2 == 0 else impls[::-1]:
+                t0 = time.perf_counter()
+                out = fn(model, [batch], beam, max_new)
+                dt = time.perf_counter() - t0
+                results[impl] = (results[impl][0] + out, results[impl][1] + dt)
         same = sum(a == b for a, b in zip(results["attnmask"][0], results["HF generate"][0]))
         t_hf = results["HF generate"][1]
         for impl, (out, dt) in results.items():

@@ -2,7 +2,9 @@
 
 Both models hold the *same* weights: the GGUF file dequantized by :func:`attnmask.pretrained.load`,
 copied into a ``transformers`` ``LlamaForCausalLM`` of the same configuration (their logits are
-compared first). For each dtype (float32, bfloat16) and batch size (1, 16), both decode the same
+compared first). attnmask's model is what ``load(dtype=...)`` returns (float32 linear weights
+stored column-major, :func:`attnmask.pretrained.column_major_`); Hugging Face's is cast with
+``.to(dtype)``. For each dtype (float32, bfloat16) and batch size (1, 16), both decode the same
 prompt (repeated ``B`` times, so nothing is padded) for the same number of new tokens, never
 stopping early; the generated tokens are compared. tokens/s = B * new tokens / wall time, prefill
 of the short prompt included; the median of ``--repeats`` runs, attnmask and Hugging Face taking
@@ -129,7 +131,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|")
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        model = copy.deepcopy(model32).to(dtype)
+        model = load("smollm2", dtype=dtype)[0] if dtype != torch.float32 else model32  # layout chosen per dtype
         hf = copy.deepcopy(hf32).to(dtype)
         bound_per_step = bw / weight_bytes(model)
         for B in args.batches:

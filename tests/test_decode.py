@@ -416,3 +416,82 @@ def test_translate_keeps_order_and_matches_single_sentences(chars):
         chars.decode(t)
         for t in decode.greedy(model, src=ids, max_new_tokens=[decode.default_max_len(len(s), 64) for s in ids])
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Against Hugging Face generate, same weights
+# ---------------------------------------------------------------------------------------------
+def hf_tokens(out: torch.Tensor, start: int) -> list[list[int]]:
+    """Generated ids of each row of a ``generate`` output, up to (without) the first <eos>."""
+    return [r[: r.index(EOS_ID)] if EOS_ID in r else r for r in out[:, start:].tolist()]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_greedy_and_beam_match_hf_generate_on_a_llama(seed):
+    """Left-padded prompts, rotary positions from the padding, grouped-query heads, per-row <eos>."""
+    transformers = pytest.importorskip("transformers")
+    from attnmask.convert import from_hf
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5)
+    ours = from_hf(hf.state_dict(), cfg).eval()
+    ids, keep = decode.pad_batch(INPUTS, 0, side="left")
+    for K in (1, 3):
+        with torch.no_grad():
+            out = hf.generate(
+                input_ids=ids, attention_mask=keep.long(), num_beams=K, do_sample=False, max_new_tokens=15,
+                length_penalty=1.0, early_stopping=False, pad_token_id=0, eos_token_id=EOS_ID,
+            )  # fmt: skip
+        mine = (
+            decode.greedy(ours, prompts=INPUTS, max_new_tokens=15)
+            if K == 1
+            else best_tokens(beam_search(ours, prompts=INPUTS, beam_size=K, max_new_tokens=15))
+        )
+        assert mine == hf_tokens(out, ids.shape[1]), f"beam {K}"
+
+
+def test_greedy_and_beam_match_hf_generate_on_a_marian():
+    """Right-padded sources, cross-attention, post-norm; rows end at different steps."""
+    transformers = pytest.importorskip("transformers")
+    from attnmask.convert import from_hf
+
+    cfg = transformers.MarianConfig(
+        vocab_size=16, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=EOS_ID, decoder_start_token_id=SOS_ID, forced_eos_token_id=None,
+        scale_embedding=True, activation_function="swish",
+    )  # fmt: skip
+    torch.manual_seed(2)
+    hf = transformers.MarianMTModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() > 1 and "embed_positions" not in name:
+                p.normal_(0.0, 0.15)
+        hf.final_logits_bias[0, EOS_ID] = 1.5
+    ours = from_hf(hf.state_dict(), cfg).eval()
+    src = [[5, 6, 7, 8, 2], [9, 10, 2], [11, 12, 13, 2], [14, 2], [4, 15, 4, 2]]
+    ids, keep = decode.pad_batch(src, 0, side="right")
+    lengths = set()
+    for K in (1, 3):
+        with torch.no_grad():
+            out = hf.generate(
+                input_ids=ids, attention_mask=keep.long(), num_beams=K, do_sample=False, max_new_tokens=20,
+                length_penalty=1.0, early_stopping=False,
+            )  # fmt: skip
+        mine = (
+            decode.greedy(ours, src=src, max_new_tokens=20)
+            if K == 1
+            else best_tokens(beam_search(ours, src=src, beam_size=K, max_new_tokens=20))
+        )
+        assert mine == hf_tokens(out, 1), f"beam {K}"
+        lengths |= {len(m) for m in mine}
+    assert len(lengths) >= 3  # rows stopped at several different steps

@@ -401,18 +401,21 @@ def build(config: ModelConfig, state_dict: dict[str, Tensor]) -> Transformer:
 
 
 def column_major_(model: nn.Module) -> nn.Module:
-    """Store every ``nn.Linear`` weight column-major, in place: same shapes, values and results.
+    """Store every float32 ``nn.Linear`` weight column-major, in place: same shapes, values and results.
 
     A one-token decoding step multiplies each weight matrix by one vector; PyTorch's CPU BLAS
-    streams a ``(out, in)`` weight faster when each input feature's weights are contiguous
-    (``weight = W_t.t()`` with ``W_t`` of shape ``(in, out)``): SmolLM2 at batch 1 decoded ~1.5x
-    faster in an interleaved A/B on a 2-core CPU, batch 16 unchanged (benchmarks/smollm2.py).
-    ``safetensors.save_file`` refuses non-contiguous tensors: ``.contiguous()`` them before saving.
+    streams a float32 ``(out, in)`` weight faster when each input feature's weights are contiguous
+    (``weight = W_t.t()`` with ``W_t`` of shape ``(in, out)``): SmolLM2 at batch 1 decoded ~1.2-1.5x
+    faster in interleaved A/B runs on a 2-core CPU, batch 16 unchanged (``benchmarks/smollm2.py``).
+    bfloat16 is left alone: its matrix-vector product is ~5x *slower* column-major (measured), so
+    cast with ``load(dtype=...)``, not ``model.to(...)`` after loading. ``safetensors.save_file``
+    refuses non-contiguous tensors: ``.contiguous()`` them before saving.
     """
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, nn.Linear) and module.weight.is_contiguous():
-                module.weight.data = module.weight.data.t().contiguous().t()  # (out, in), strides (1, out)
+            w = module.weight if isinstance(module, nn.Linear) else None
+            if w is not None and w.dtype == torch.float32 and w.is_contiguous():
+                module.weight.data = w.data.t().contiguous().t()  # (out, in), strides (1, out)
     return model
 
 
@@ -428,7 +431,7 @@ def load(
     Args:
         dtype: parameter dtype (the float32 dequantized weights, cast).
         cache: True for :func:`cache_dir`, a folder, or False to read the GGUF file every time.
-        column_major: store linear weights column-major (:func:`column_major_`), faster
+        column_major: store float32 linear weights column-major (:func:`column_major_`), faster
             one-token steps on CPU.
 
     Returns:
