@@ -85,6 +85,7 @@ def bench_cache(lengths: list[int], recompute_max: int) -> list[str]:
         "| new tokens | cached tok/s | recompute tok/s | speed-up | same tokens |",
         "|---:|---:|---:|---:|:---:|",
     ]
+    print("\n".join(rows), flush=True)
     for n in lengths:
         t_cache, cached = timed(
             lambda n=n: decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None)[0], 3 if n <= 256 else 1
@@ -221,6 +222,7 @@ def bench_translate(batch_size: int, max_new: int, n_sentences: int | None, beam
         "same output as HF |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
+    print("\n".join(rows), flush=True)
     for beam in beams:
         name = "greedy" if beam == 1 else f"beam {beam}"
         ours_translate(ours, batches[:1], beam, 4)  # warm-up
