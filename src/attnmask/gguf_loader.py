@@ -230,9 +230,13 @@ def read_gguf(source) -> GGUFCheckpoint:
 
     Raises:
         FileNotFoundError: the path does not exist.
-        ValueError: not a GGUF file, or an architecture/tensor/tokenizer attnmask cannot represent.
+        ValueError: not a GGUF file, or an architecture/tensor/tokenizer attnmask cannot represent,
+            or the ``gguf`` package is missing.
     """
-    from gguf import GGUFReader, dequantize
+    try:
+        from gguf import GGUFReader, dequantize
+    except ImportError as err:
+        raise ValueError("reading GGUF files needs the gguf package: pip install 'attnmask[hf]'") from err
 
     if isinstance(source, GGUFReader):
         reader, path = source, Path(getattr(source.data, "filename", None) or "<GGUFReader>")

@@ -20,13 +20,18 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", metavar="DIR", help="run directory written by `attnmask train` (task lm)")
     src.add_argument("--model", metavar="NAME", help="a pretrained model known to attnmask.pretrained")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("text", nargs="?", metavar="PROMPT", help="the text to continue (or --prompt)")
+    p.add_argument("--prompt", help="the text to continue (same as the positional PROMPT)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="most tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens")
     p.add_argument("--top-p", type=float, default=None, help="sample within the top-p probability mass")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--raw", action="store_true", help="--model: do not apply the model's chat template")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="--model: treat the prompt as an instruction and wrap it in the model's chat template",
+    )
     p.add_argument("--device", default="cpu", help="torch device")
     p.set_defaults(func=run)
 
@@ -44,7 +49,9 @@ def _load_pretrained(name: str):
 def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    prompt = args.prompt
+    if args.text is not None and args.prompt is not None:
+        raise ValueError("give the prompt once: either as PROMPT or as --prompt TEXT, not both")
+    prompt = args.prompt if args.prompt is not None else args.text
     echo = True  # plain continuation: print the prompt, then what follows it
     if not prompt:
         raise ValueError("empty prompt: expected some text to continue (--prompt TEXT)")
@@ -58,7 +65,9 @@ def run(args) -> int:
     else:
         model, tokenizer, chat_template = _load_pretrained(args.model)
         model.to(args.device)
-        if chat_template is not None and not args.raw:
+        if args.chat:
+            if chat_template is None:
+                raise ValueError(f"--chat: model {args.model!r} has no chat template")
             prompt = chat_template(prompt)
             echo = False  # a chat reply: the templated prompt is not part of it
     pieces = generate(
@@ -73,7 +82,7 @@ def run(args) -> int:
         stream=True,
     )
     if echo:
-        print(args.prompt, end="", flush=True)
+        print(prompt, end="", flush=True)
     for piece in pieces:
         if piece:
             print(piece, end="", flush=True)
