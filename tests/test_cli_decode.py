@@ -193,8 +193,17 @@ def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypat
     fake = types.ModuleType("attnmask.pretrained")
     fake.load = lambda name: (run.model, run.tokenizer, chat)
     monkeypatch.setitem(sys.modules, "attnmask.pretrained", fake)
-    assert (
-        main(["generate", "--model", "tiny", "--prompt", "a man", "--temperature", "0", "--max-new-tokens", "5"]) == 0
-    )
+    argv = ["generate", "--model", "tiny", "a man", "--temperature", "0", "--max-new-tokens", "5"]
+    assert main([*argv, "--chat"]) == 0
     want = decode.generate(run.model, run.tokenizer, "<a man>", max_new_tokens=5, temperature=0.0)
     assert seen == ["a man"] and capsys.readouterr().out == want + "\n"  # a chat reply: no echoed prompt
+    # without --chat the prompt is continued as it is, and echoed first
+    assert main(argv) == 0
+    plain = decode.generate(run.model, run.tokenizer, "a man", max_new_tokens=5, temperature=0.0)
+    assert seen == ["a man"] and capsys.readouterr().out == "a man" + plain + "\n"
+
+
+def test_generate_prompt_given_twice_is_one_line_error(lm_run, capsys):
+    assert main(["generate", "--run", str(lm_run), "hello", "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give the prompt once" in err[0]

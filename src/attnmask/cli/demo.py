@@ -158,9 +158,11 @@ def run(args: argparse.Namespace) -> int:
         mark = "✓" if ok else "✗"
         extra = "" if ok else f"   (expected {tgt})"
         print(f"  {mark} {('“' + src + '”').ljust(width)} → {hyp}{extra}")
-    # The shortest shown source, batched with the next longer one: a few padded key columns.
+    # The shortest shown source (translated right, if any is), batched with a longer one: a few
+    # padded key columns.
     by_length = sorted(pairs[:SHOW], key=lambda p: len(p[0]))
-    shortest = by_length[0]
+    correct = [p for p, ok in zip(pairs[:SHOW], right) if ok]
+    shortest = min(correct, key=lambda p: len(p[0])) if correct else by_length[0]
     partner = next((p for p in by_length if len(p[0]) >= len(shortest[0]) + 3), by_length[-1])
     _show_masks(loaded, shortest[0], shortest[1], partner[0])
     print(f"\nloss curve: {out / rundir.LOSS_PLOT}\nmetrics:    {out / rundir.METRICS}  (TensorBoard: {out / 'tb'})")
