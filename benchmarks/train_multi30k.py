@@ -74,6 +74,8 @@ def main() -> None:
     t0 = time.perf_counter()
     result = train(cfg)
     train_wall = time.perf_counter() - t0
+    if result.stopped not in ("max_steps", "time budget"):
+        raise SystemExit(f"interrupted ({result.stopped}); no score")
 
     run = load_run(args.out)
     test = read_parallel(m30k / "test_2016_flickr.de.gz", m30k / "test_2016_flickr.en.gz")

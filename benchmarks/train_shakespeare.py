@@ -69,6 +69,8 @@ def main() -> None:
     t0 = time.perf_counter()
     result = train(cfg)
     wall = time.perf_counter() - t0
+    if result.stopped not in ("max_steps", "time budget"):
+        raise SystemExit(f"interrupted ({result.stopped}); no score")
     tokens = result.step * cfg.lm_batch_size * cfg.block_size
     print(f"\nrecipe {args.recipe}: {json.dumps(recipe)}")
     print(f"threads {args.threads}, precision {args.precision}, budget {args.minutes} min")

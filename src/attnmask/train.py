@@ -602,6 +602,7 @@ class _Trainer:
                 result.stopped = stop
                 return
             rec = self.train_step()
+            self.elapsed = start_elapsed + time.perf_counter() - loop_start  # as saved with this step
             result.losses.append(rec["loss"])
             window.append(rec)
             if self.on_step is not None:
