@@ -84,7 +84,8 @@ def main() -> None:
         t1 = time.perf_counter()
         hyps = translate_all(run, test.sources, beam)
         seconds = time.perf_counter() - t1
-        bleu = sacrebleu.corpus_bleu(hyps, [test.targets])
+        bleu_metric = sacrebleu.BLEU()
+        bleu = bleu_metric.corpus_score(hyps, [test.targets])
         chrf = sacrebleu.corpus_chrf(hyps, [test.targets])
         rows.append((beam, bleu, chrf, seconds))
     print(f"\nrecipe: {json.dumps(recipe)}; threads {args.threads}; budget {args.minutes} min")
@@ -97,7 +98,7 @@ def main() -> None:
     for beam, bleu, chrf, seconds in rows:
         name = "greedy" if beam == 1 else f"beam {beam}"
         print(f"| {name} | {bleu.score:.2f} | {chrf.score:.2f} | {seconds:.0f} s |")
-    print(f"sacreBLEU signature: {sacrebleu.BLEU().get_signature()}")
+    print(f"sacreBLEU signature: {bleu_metric.get_signature()}")  # the metric of the last decoding
 
 
 if __name__ == "__main__":
