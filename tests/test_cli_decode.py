@@ -66,7 +66,7 @@ def expected_translations(run_dir, sentences, beam=1):
     return decode.translate(run.model, run.src_tokenizer, run.tokenizer, sentences, beam=beam)
 
 
-def one_line_error(capsys, argv, match: str):
+def check_one_line_error(capsys, argv, match: str):
     assert main(argv) == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
@@ -102,15 +102,15 @@ def test_translate_files_and_beam(mt_run, tmp_path, capsys):
 
 def test_translate_errors(mt_run, lm_run, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
-    one_line_error(capsys, ["translate", "--run", str(mt_run)], "empty input: no sentences given")
+    check_one_line_error(capsys, ["translate", "--run", str(mt_run)], "empty input: no sentences given")
     empty = tmp_path / "empty.txt"
     empty.write_text("", encoding="utf-8")
-    one_line_error(capsys, ["translate", "--run", str(mt_run), "--input", str(empty)], "has no text")
-    one_line_error(capsys, ["translate", "--run", str(tmp_path / "nope"), "hi"], "not a run directory")
-    one_line_error(capsys, ["translate", "--run", str(tmp_path), "hi"], "not a run directory")
-    one_line_error(capsys, ["translate", "--run", str(mt_run), "a" * 48], "longer than the model's maximum of 48")
-    one_line_error(capsys, ["translate", "--run", str(lm_run), "hi"], "is a 'lm' run")
-    one_line_error(capsys, ["translate", "--run", str(mt_run), "--beam", "0", "hi"], "--beam must be >= 1")
+    check_one_line_error(capsys, ["translate", "--run", str(mt_run), "--input", str(empty)], "has no text")
+    check_one_line_error(capsys, ["translate", "--run", str(tmp_path / "nope"), "hi"], "not a run directory")
+    check_one_line_error(capsys, ["translate", "--run", str(tmp_path), "hi"], "not a run directory")
+    check_one_line_error(capsys, ["translate", "--run", str(mt_run), "a" * 48], "longer than the model's maximum of 48")
+    check_one_line_error(capsys, ["translate", "--run", str(lm_run), "hi"], "is a 'lm' run")
+    check_one_line_error(capsys, ["translate", "--run", str(mt_run), "--beam", "0", "hi"], "--beam must be >= 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,10 +133,14 @@ def test_eval_errors(mt_run, tmp_path, capsys):
     src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
     src.write_text("one\ntwo\n", encoding="utf-8")
     ref.write_text("one\n", encoding="utf-8")
-    one_line_error(capsys, ["eval", "--run", str(mt_run), "--src", str(src), "--ref", str(ref)], "expected aligned")
+    check_one_line_error(
+        capsys, ["eval", "--run", str(mt_run), "--src", str(src), "--ref", str(ref)], "expected aligned"
+    )
     missing = str(tmp_path / "missing.txt")
-    one_line_error(capsys, ["eval", "--run", str(mt_run), "--src", missing, "--ref", str(ref)], "No such file")
-    one_line_error(capsys, ["eval", "--run", str(tmp_path / "x"), "--src", str(src), "--ref", str(src)], "not a run")
+    check_one_line_error(capsys, ["eval", "--run", str(mt_run), "--src", missing, "--ref", str(ref)], "No such file")
+    check_one_line_error(
+        capsys, ["eval", "--run", str(tmp_path / "x"), "--src", str(src), "--ref", str(src)], "not a run"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,15 +175,17 @@ def test_generate_prints_as_tokens_arrive(lm_run, monkeypatch):
 
 def test_generate_errors(lm_run, mt_run, tmp_path, capsys, monkeypatch):
     base = ["generate", "--run", str(lm_run)]
-    one_line_error(
+    check_one_line_error(
         capsys, [*base, "--prompt", "a" * 49], "prompt 1 has 49 tokens, longer than the model's maximum of 48"
     )
-    one_line_error(capsys, [*base, "--prompt", ""], "empty prompt")
-    one_line_error(capsys, ["generate", "--run", str(tmp_path / "nope"), "--prompt", "a"], "not a run directory")
-    one_line_error(capsys, ["generate", "--run", str(mt_run), "--prompt", "a"], "needs a language model")
-    one_line_error(capsys, [*base, "--prompt", "a", "--top-p", "2"], "top_p must be in (0, 1]")
+    check_one_line_error(capsys, [*base, "--prompt", ""], "empty prompt")
+    check_one_line_error(capsys, ["generate", "--run", str(tmp_path / "nope"), "--prompt", "a"], "not a run directory")
+    check_one_line_error(capsys, ["generate", "--run", str(mt_run), "--prompt", "a"], "needs a language model")
+    check_one_line_error(capsys, [*base, "--prompt", "a", "--top-p", "2"], "top_p must be in (0, 1]")
     monkeypatch.setitem(sys.modules, "attnmask.pretrained", None)  # as if the module were not installed
-    one_line_error(capsys, ["generate", "--model", "smollm2", "--prompt", "hi"], "pretrained models are not available")
+    check_one_line_error(
+        capsys, ["generate", "--model", "smollm2", "--prompt", "hi"], "pretrained models are not available"
+    )
 
 
 def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypatch):
