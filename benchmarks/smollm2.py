@@ -32,8 +32,13 @@ import torch
 from attnmask import decode
 from attnmask.convert import llama_key_map
 from attnmask.pretrained import load
+from attnmask.quantized import BlockLinear, kernel_status
 
 PROMPT = "The capital of France is"
+# attnmask's weights -> the dtype of the Hugging Face model it is compared with (the file
+# dequantized, as transformers' own GGUF loading gives it, then cast)
+VARIANTS = {"float32": "float32", "blocks": "float32", "bfloat16": "bfloat16"}
+VARIANT_LABELS = {"float32": "float32", "blocks": "Q4_1/Q8_0 blocks", "bfloat16": "bfloat16"}
 
 
 def hf_twin(model):
@@ -81,11 +86,20 @@ def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
 
 
 def weight_bytes(model) -> int:
+    """Bytes of weights a decoding step reads: every linear layer (``W_pred`` included, once when
+    tied to the embedding) and norm; the embedding table itself is only indexed (one row a token)."""
     seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:  # the tied embedding is read once, as W_pred
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
+    for module in model.modules():
+        if isinstance(module, BlockLinear):
+            tensors = [t for t in (module.codes, module.d, module.m) if t is not None]
+        elif isinstance(module, torch.nn.Embedding):
+            continue
+        else:
+            tensors = list(module.parameters(recurse=False))
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
     return total
 
 
@@ -106,7 +120,13 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="attnmask's weights: float32, bfloat16, or the GGUF's Q4_1/Q8_0 blocks with float32 activations",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
@@ -127,12 +147,22 @@ def main(argv=None) -> None:
     )
     N = args.new_tokens
     print(f"# prompt {PROMPT!r} ({len(ids)} tokens), {N} new tokens, greedy, median of {args.repeats}")
-    print("| dtype | batch | attnmask tok/s | HF generate tok/s | ratio | bandwidth bound tok/s | same tokens |")
-    print("|---|---|---|---|---|---|---|")
-    for dtype_name in args.dtypes:
-        dtype = getattr(torch, dtype_name)
-        model = load("smollm2", dtype=dtype)[0] if dtype != torch.float32 else model32  # layout chosen per dtype
-        hf = copy.deepcopy(hf32).to(dtype)
+    print(f"# quantized kernel: {kernel_status()}")
+    print("| attnmask weights | HF weights | batch | attnmask tok/s | HF generate tok/s | ratio | bandwidth bound tok/s "
+          "| same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for variant in args.variants:
+        hf_dtype = VARIANTS[variant]
+        if variant == "float32":
+            model = model32
+        elif variant == "blocks":
+            model = load("smollm2", quantized=True)[0]
+            with torch.no_grad():
+                qdiff = (model.decode(x) - hf32(x).logits).abs().max().item()
+            print(f"# blocks: max |logit diff| ours vs HF (float32) = {qdiff:.2e}")
+        else:  # the layout is chosen per dtype at load time
+            model = load("smollm2", dtype=getattr(torch, variant))[0]
+        hf = hf32 if hf_dtype == "float32" else copy.deepcopy(hf32).to(getattr(torch, hf_dtype))
         bound_per_step = bw / weight_bytes(model)
         for B in args.batches:
             prompts = [ids] * B
@@ -149,7 +179,7 @@ def main(argv=None) -> None:
             times, outs = interleaved({"ours": ours, "hf": theirs}, args.repeats)
             (t_ours, t_hf), (out_ours, out_hf) = times.values(), outs.values()
             print(
-                f"| {dtype_name} | {B} | {B * N / t_ours:.1f} | {B * N / t_hf:.1f} | {t_hf / t_ours:.2f}x "
+                f"| {VARIANT_LABELS[variant]} | {hf_dtype} | {B} | {B * N / t_ours:.1f} | {B * N / t_hf:.1f} | {t_hf / t_ours:.2f}x "
                 f"| {B * bound_per_step:.1f} | {'yes' if out_ours == out_hf else 'no'} |",
                 flush=True,
             )

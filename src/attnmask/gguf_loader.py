@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from attnmask.model import ModelConfig
+from attnmask.quantized import BLOCK_BYTES
 
 __all__ = ["GGUFCheckpoint", "read_gguf", "config_from_metadata", "unpermute_qk", "permute_qk", "build_tokenizer"]
 
@@ -69,6 +70,10 @@ class GGUFCheckpoint:
     add_bos: bool  # whether the model expects <bos> before a prompt
     chat_template: str | None  # Jinja source from tokenizer.chat_template
     metadata: dict[str, Any] = field(default_factory=dict)  # scalar metadata (general.*, llama.*)
+    # read_gguf(keep_blocks=True): linear weights kept as the file's quantized blocks, attnmask
+    # name -> (format, uint8 rows); those names are absent from state_dict (W_pred of a tied
+    # embedding is "lm_head.weight" here while "embed.weight" stays, dequantized, in state_dict)
+    blocks: dict[str, tuple[str, Tensor]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,11 +227,14 @@ def _attnmask_name(gguf_name: str) -> str | None:
     return None
 
 
-def read_gguf(source) -> GGUFCheckpoint:
+def read_gguf(source, *, keep_blocks: bool = False) -> GGUFCheckpoint:
     """Dequantize a Llama-architecture GGUF file into float32 attnmask weights, config and tokenizer.
 
     ``source`` is a path or an open ``gguf.GGUFReader`` (parsing a file's metadata takes seconds:
-    a reader can be shared with other code reading the same file).
+    a reader can be shared with other code reading the same file). With ``keep_blocks``, the
+    weights of linear layers stored in a format :class:`attnmask.quantized.BlockLinear` runs
+    (Q4_1, Q8_0) are returned undecoded in :attr:`GGUFCheckpoint.blocks` instead (rows of the
+    query/key weights still put back in Hugging Face order).
 
     Raises:
         FileNotFoundError: the path does not exist.
@@ -254,17 +262,21 @@ def read_gguf(source) -> GGUFCheckpoint:
     unknown = sorted(n for n in names if _attnmask_name(n) is None)
     if unknown:
         raise ValueError(f"{path}: tensors attnmask cannot place: {unknown[:5]} (e.g. rope_freqs of Llama 3.1)")
-    state_dict = {}
+    state_dict, blocks = {}, {}
     for t in reader.tensors:
+        name = _attnmask_name(t.name)
+        kind = t.tensor_type.name
+        linear = name.startswith("layers.") and name.endswith("_proj.weight") or name == "lm_head.weight"
+        if keep_blocks and kind in BLOCK_BYTES and (linear or (name == "embed.weight" and config.tie_embeddings)):
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))  # (out, in / 32 * block bytes)
+            blocks["lm_head.weight" if name == "embed.weight" else name] = (kind, _unpermuted(t.name, raw, config))
+            if not linear:  # the tied embedding: W_pred keeps the blocks, the lookup table is float32
+                state_dict[name] = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+            continue
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)  # (out, in)
         if not w.flags.writeable:  # float32 tensors come back as views of the read-only file map
             w = w.copy()
-        w = torch.from_numpy(w)
-        if t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, config.n_heads)
-        elif t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, config.kv_heads)
-        state_dict[_attnmask_name(t.name)] = w
+        state_dict[name] = _unpermuted(t.name, torch.from_numpy(w), config)
     ids = {
         "bos_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -282,4 +294,14 @@ def read_gguf(source) -> GGUFCheckpoint:
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         chat_template=meta.get("tokenizer.chat_template"),
         metadata=scalars,
+        blocks=blocks,
     )
+
+
+def _unpermuted(gguf_name: str, w: Tensor, config: ModelConfig) -> Tensor:
+    """Rows of query/key weights back in Hugging Face order (``w`` float or block rows alike)."""
+    if gguf_name.endswith("attn_q.weight"):
+        return unpermute_qk(w, config.n_heads)
+    if gguf_name.endswith("attn_k.weight"):
+        return unpermute_qk(w, config.kv_heads)
+    return w

@@ -33,13 +33,14 @@ import os
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from attnmask.model import ModelConfig, Rotary, Transformer, sinusoidal_table
+from attnmask.quantized import BlockLinear
 
 __all__ = [
     "MODELS",
@@ -340,6 +341,7 @@ class _Loaded:
     special_ids: dict
     add_bos: bool
     chat_template: str | None
+    blocks: dict = field(default_factory=dict)
 
 
 def _read_cache(file: Path) -> _Loaded:
@@ -359,9 +361,14 @@ def _read_cache(file: Path) -> _Loaded:
     )
 
 
-def _read(path: Path, cache: bool | str | os.PathLike) -> _Loaded:
+def _read(path: Path, cache: bool | str | os.PathLike, quantized: bool = False) -> _Loaded:
     from attnmask.gguf_loader import read_gguf
 
+    if quantized:  # the blocks are read straight from the file (memory-mapped); nothing to cache
+        ckpt = read_gguf(path, keep_blocks=True)
+        return _Loaded(
+            ckpt.config, ckpt.state_dict, ckpt.tokenizer, ckpt.special_ids, ckpt.add_bos, ckpt.chat_template, ckpt.blocks
+        )
     file = None
     if cache:
         file = cache_file(path, None if cache is True else cache)
@@ -379,14 +386,31 @@ def _read(path: Path, cache: bool | str | os.PathLike) -> _Loaded:
     return _Loaded(ckpt.config, ckpt.state_dict, ckpt.tokenizer, ckpt.special_ids, ckpt.add_bos, ckpt.chat_template)
 
 
-def build(config: ModelConfig, state_dict: dict[str, Tensor]) -> Transformer:
+def build(
+    config: ModelConfig,
+    state_dict: dict[str, Tensor],
+    blocks: Mapping[str, tuple[str, Tensor]] | None = None,
+) -> Transformer:
     """``Transformer(config)`` holding ``state_dict``, built without its random initialisation
     (seconds for 135M parameters): parameters are created on the meta device, then take the
-    given tensors; buffers computed at construction are computed again on the CPU."""
+    given tensors; buffers computed at construction are computed again on the CPU.
+
+    ``blocks`` (from :func:`attnmask.gguf_loader.read_gguf` with ``keep_blocks=True``) names linear
+    weights kept as GGUF blocks: their ``nn.Linear`` becomes a :class:`attnmask.quantized.BlockLinear`.
+    """
+    blocks = dict(blocks or {})
     with torch.device("meta"):
         model = Transformer(config)
     missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
-    if config.tie_embeddings:
+    for name, (kind, raw) in blocks.items():
+        path = name.removesuffix(".weight")
+        linear = model.get_submodule(path)
+        if not isinstance(linear, nn.Linear) or linear.bias is not None:
+            raise ValueError(f"{name}: block weights replace bias-free linear layers only, not {linear}")
+        parent, _, child = path.rpartition(".")
+        model.get_submodule(parent).register_module(child, BlockLinear(raw, kind, linear.in_features))
+    missing = [k for k in missing if k not in blocks]
+    if config.tie_embeddings and "lm_head.weight" not in blocks:
         model.lm_head.weight = model.embed.weight
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
@@ -425,6 +449,7 @@ def load(
     dtype: torch.dtype = torch.float32,
     cache: bool | str | os.PathLike = True,
     column_major: bool = True,
+    quantized: bool = False,
 ) -> tuple[Transformer, PretrainedTokenizer, ChatTemplate | None]:
     """Load a pretrained model by name (see :data:`MODELS`) or GGUF path.
 
@@ -433,6 +458,10 @@ def load(
         cache: True for :func:`cache_dir`, a folder, or False to read the GGUF file every time.
         column_major: store float32 linear weights column-major (:func:`column_major_`), faster
             one-token steps on CPU.
+        quantized: keep the file's Q4_1/Q8_0 blocks for the linear layers and ``W_pred``
+            (:class:`attnmask.quantized.BlockLinear`): the same function as the float32 model
+            (products regrouped per block, activations float32) reading ~6x fewer weight bytes per
+            step. Inference only; needs ``dtype=torch.float32``; ``cache`` is not used.
 
     Returns:
         ``(model, tokenizer, chat_template)``: the model in eval mode; ``chat_template(messages)``
@@ -440,11 +469,14 @@ def load(
         has no template.
 
     Raises:
-        ValueError: unknown name, missing package (with its install command), unsupported file.
+        ValueError: unknown name, missing package (with its install command), unsupported file,
+            ``quantized`` with a dtype other than float32.
     """
-    loaded = _read(locate(name), cache)
+    if quantized and dtype != torch.float32:
+        raise ValueError(f"quantized weights compute with float32 activations; got dtype={dtype}, expected torch.float32")
+    loaded = _read(locate(name), cache, quantized)
     state_dict = {k: v.to(dtype) for k, v in loaded.state_dict.items()}
-    model = build(loaded.config, state_dict).eval()
+    model = build(loaded.config, state_dict, loaded.blocks).eval()
     if column_major:
         column_major_(model)
     tokenizer = PretrainedTokenizer.from_special_ids(loaded.tokenizer, loaded.special_ids, add_bos=loaded.add_bos)

@@ -1,0 +1,268 @@
+"""Linear layers whose weights stay in llama.cpp's block formats (Q4_1, Q8_0), exactly as a GGUF file stores them.
+
+A GGUF weight such as SmolLM2's ``Q4_1`` keeps 32 weights in 20 bytes (a float16 scale ``d`` and
+minimum ``m``, then 4-bit codes ``q``): weight = ``d * q + m``. :func:`attnmask.gguf_loader.read_gguf`
+dequantizes every block to float32, which is the function the file defines, and reads all 4 bytes
+of every weight in every decoding step. :class:`BlockLinear` keeps the file's bytes instead and
+multiplies by them directly, regrouping each block's sum (``d * sum q x + m * sum x``) rather than
+approximating it: activations stay float32 and are never quantized, so the result equals the
+float32 product with the dequantized matrix up to rounding order (tested against a float64
+reference). A one-token step then reads about 0.63 bytes per Q4_1 weight instead of 4.
+
+The products run in a small C kernel (``_quantized.c``: AVX2/FMA where the CPU has it, portable C
+otherwise, rows split over PyTorch's thread count with OpenMP). It is compiled with the system C
+compiler the first time it is needed and kept in ``<cache_dir>/kernels`` (see
+:func:`attnmask.pretrained.cache_dir`). Without a compiler, or with ``ATTNMASK_QUANT_KERNEL=0``,
+the same products run in PyTorch (dequantize, then ``F.linear``): correct, but slower than plain
+float32 weights. Long inputs (more than :data:`MAX_KERNEL_ROWS` rows, e.g. prefilling a long prompt)
+dequantize the matrix once and use PyTorch's float32 BLAS.
+
+Inference only: the block weights are buffers, not parameters, and have no gradient.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["BlockLinear", "BLOCK_BYTES", "dequantize_blocks", "kernel_status", "MAX_KERNEL_ROWS"]
+
+QK = 32  # weights per block
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+MAX_KERNEL_ROWS = 16  # longer inputs dequantize once and use the float32 BLAS
+_SOURCE = Path(__file__).with_name("_quantized.c")
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled kernel
+# ---------------------------------------------------------------------------------------------
+def _flags() -> list[str]:
+    flags = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off", "-fopenmp"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def _compile(target: Path, flags: list[str]) -> None:
+    compiler = os.environ.get("CC", "cc")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        attempts = [flags, [f for f in flags if f != "-fopenmp"]]  # no OpenMP runtime: one thread
+        errors = []
+        for attempt in attempts:
+            proc = subprocess.run(
+                [compiler, *attempt, "-o", str(out), str(_SOURCE)], capture_output=True, text=True, timeout=120
+            )
+            if proc.returncode == 0:
+                os.replace(out, target)  # atomic: concurrent processes see a whole library or none
+                return
+            errors.append(proc.stderr.strip().splitlines()[-1:] or ["?"])
+        raise OSError(f"{compiler} could not build {_SOURCE.name}: {errors[-1][0]}")
+
+
+def _load_kernel():
+    """The ctypes library, built on first use; None (after one warning) when it cannot be built."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]
+        lib = None
+        if os.environ.get("ATTNMASK_QUANT_KERNEL", "1") == "0":
+            _state["why"] = "disabled by ATTNMASK_QUANT_KERNEL=0"
+        else:
+            from attnmask.pretrained import cache_dir
+
+            flags = _flags()
+            key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+            target = cache_dir() / "kernels" / f"quantized-{sys.platform}-{os.uname().machine}-{key}.so"
+            try:
+                if not target.is_file():
+                    _compile(target, flags)
+                lib = ctypes.CDLL(str(target))
+                _declare(lib)
+                _state["why"] = f"compiled kernel {target} ({'AVX2' if lib.attnmask_blocks_avx2() else 'portable C'})"
+            except (OSError, subprocess.SubprocessError) as err:
+                lib = None
+                _state["why"] = f"no compiled kernel ({err}); using PyTorch"
+                warnings.warn(
+                    f"attnmask: block-weight kernel unavailable, falling back to PyTorch (slower): {err}", stacklevel=3
+                )
+        _state["lib"] = lib
+        return lib
+
+
+def _declare(lib) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.attnmask_q4_1_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
+    lib.attnmask_q8_0_matmul.argtypes = [p, p, p, p, i64, i64, i64, i32]
+    lib.attnmask_q4_1_matmul.restype = lib.attnmask_q8_0_matmul.restype = i32
+    lib.attnmask_q4_1_dequantize.argtypes = [p, p, p, p, i64, i64, i32]
+    lib.attnmask_q8_0_dequantize.argtypes = [p, p, p, i64, i64, i32]
+    lib.attnmask_q4_1_dequantize.restype = lib.attnmask_q8_0_dequantize.restype = None
+    lib.attnmask_blocks_avx2.restype = i32
+
+
+def kernel_status() -> str:
+    """Which implementation :class:`BlockLinear` uses here (building the kernel if needed)."""
+    _load_kernel()
+    return str(_state["why"])
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF bytes <-> the kernel's layout (see _quantized.c), and dequantization in PyTorch
+# ---------------------------------------------------------------------------------------------
+def _halves(raw: Tensor) -> Tensor:
+    """Little-endian float16 pairs of bytes ``(..., 2)`` -> float32."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def dequantize_blocks(blocks: Tensor, kind: str, in_features: int) -> Tensor:
+    """Float32 ``(out, in)`` weight of GGUF ``blocks`` (uint8 ``(out, in / 32 * BLOCK_BYTES[kind])``):
+    the values ``gguf.dequantize`` gives, ``d * q + m`` (Q4_1) or ``d * q`` (Q8_0) in float32."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, in_features // QK, BLOCK_BYTES[kind])
+    if kind == "Q4_1":
+        d, m, qs = _halves(b[..., 0:2]), _halves(b[..., 2:4]), b[..., 4:]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # (n, blocks, 32)
+        w = d.unsqueeze(-1) * q + m.unsqueeze(-1)
+    else:
+        d, qs = _halves(b[..., 0:2]), b[..., 2:].contiguous().view(torch.int8)
+        w = qs.float() * d.unsqueeze(-1)
+    return w.reshape(n, in_features)
+
+
+def repack(blocks: Tensor, kind: str, in_features: int) -> dict[str, Tensor]:
+    """GGUF bytes -> the kernel's tensors: ``codes`` (uint8 rows), ``d`` (and ``m`` for Q4_1) float32
+    ``(out, blocks)``. Values are moved, not changed: :func:`unpack` inverts it exactly."""
+    n, nb = blocks.shape[0], in_features // QK
+    b = blocks.reshape(n, nb, BLOCK_BYTES[kind])
+    if kind == "Q4_1":
+        nbp = nb + nb % 2  # blocks in pairs; a zero block (d = m = 0) pads an odd count
+        d, m, qs = _halves(b[..., 0:2]), _halves(b[..., 2:4]), b[..., 4:]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1)  # (n, nb, 32) codes in weight order
+        if nbp != nb:
+            q, d, m = F.pad(q, (0, 0, 0, 1)), F.pad(d, (0, 1)), F.pad(m, (0, 1))
+        q = q.reshape(n, nbp // 2, 4, 2, 8)  # weight 8k + i of a pair, k = 2c + h: (pair, c, h, i)
+        lanes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 1, 3, 2)  # byte c of lane i: (pair, i, c)
+        return {"codes": lanes.reshape(n, nbp * 16).contiguous(), "d": d.contiguous(), "m": m.contiguous()}
+    d, qs = _halves(b[..., 0:2]), b[..., 2:]
+    lanes = qs.reshape(n, nb, 4, 8).transpose(2, 3)  # byte k of lane i = weight 8k + i
+    return {"codes": lanes.reshape(n, nb * QK).contiguous(), "d": d.contiguous()}
+
+
+def unpack(packed: dict[str, Tensor], kind: str, in_features: int) -> Tensor:
+    """Float32 ``(out, in)`` weight of :func:`repack`'s tensors, in PyTorch (the fallback path)."""
+    codes, d = packed["codes"], packed["d"]
+    n, nb = codes.shape[0], in_features // QK
+    if kind == "Q4_1":
+        nbp = d.shape[1]
+        lanes = codes.reshape(n, nbp // 2, 8, 4).transpose(2, 3)  # (pair, c, i)
+        q = torch.stack([lanes & 15, lanes >> 4], dim=3).reshape(n, nbp, QK)[:, :nb]  # (n, nb, 32)
+        w = d[:, :nb, None] * q.float() + packed["m"][:, :nb, None]
+    else:
+        q = codes.reshape(n, nb, 8, 4).transpose(2, 3).contiguous().view(torch.int8).reshape(n, nb, QK)
+        w = q.float() * d[:, :, None]
+    return w.reshape(n, in_features)
+
+
+# ---------------------------------------------------------------------------------------------
+# The module
+# ---------------------------------------------------------------------------------------------
+class BlockLinear(nn.Module):
+    """``y = x W^T`` with ``W`` held as GGUF blocks; a drop-in for a bias-free ``nn.Linear`` at inference.
+
+    Args:
+        blocks: uint8 ``(out_features, in_features / 32 * BLOCK_BYTES[kind])``, the tensor's bytes
+            as the GGUF file stores them (rows may be reordered, as for the query/key permutation).
+            They are repacked once into the kernel's layout (:func:`repack`); the values are unchanged.
+        kind: ``"Q4_1"`` or ``"Q8_0"``.
+        in_features: K, a multiple of 32.
+    """
+
+    def __init__(self, blocks: Tensor, kind: str, in_features: int):
+        super().__init__()
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"block format {kind!r} is not supported; expected one of {sorted(BLOCK_BYTES)}")
+        if in_features % QK:
+            raise ValueError(f"in_features={in_features} is not a multiple of the block size {QK}")
+        row_bytes = in_features // QK * BLOCK_BYTES[kind]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
+            raise ValueError(
+                f"{kind} blocks for in_features={in_features} must be uint8 (out_features, {row_bytes}); "
+                f"got {tuple(blocks.shape)} {blocks.dtype}"
+            )
+        self.kind = kind
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+        for name, t in repack(blocks, kind, in_features).items():
+            self.register_buffer(name, t)
+        if kind == "Q8_0":
+            self.m = None
+
+    @classmethod
+    def from_numpy(cls, data: np.ndarray, kind: str, in_features: int) -> BlockLinear:
+        return cls(torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8)), kind, in_features)
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized float32 weight ``(out, in)``, computed on each access."""
+        return self.dequantize()
+
+    def _packed(self) -> dict[str, Tensor]:
+        return {"codes": self.codes, "d": self.d, "m": self.m}
+
+    def dequantize(self) -> Tensor:
+        lib = _load_kernel()
+        if lib is None or self.codes.device.type != "cpu":
+            return unpack(self._packed(), self.kind, self.in_features)
+        out = torch.empty(self.out_features, self.in_features)
+        n, k, threads = self.out_features, self.in_features, torch.get_num_threads()
+        if self.kind == "Q4_1":
+            lib.attnmask_q4_1_dequantize(
+                self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), out.data_ptr(), n, k, threads
+            )
+        else:
+            lib.attnmask_q8_0_dequantize(self.codes.data_ptr(), self.d.data_ptr(), out.data_ptr(), n, k, threads)
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features; this layer expects {self.in_features}")
+        lib = _load_kernel()
+        rows = x.numel() // self.in_features
+        if lib is None or rows > MAX_KERNEL_ROWS or x.device.type != "cpu" or x.requires_grad:
+            return F.linear(x, self.dequantize().to(x.dtype))
+        xs = x.reshape(rows, self.in_features)
+        if xs.dtype != torch.float32 or not xs.is_contiguous():
+            xs = xs.to(torch.float32).contiguous()
+        out = torch.empty(*x.shape[:-1], self.out_features)
+        n, k, threads = self.out_features, self.in_features, torch.get_num_threads()
+        if self.kind == "Q4_1":
+            status = lib.attnmask_q4_1_matmul(
+                self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), xs.data_ptr(), out.data_ptr(), rows, n, k,
+                threads,
+            )
+        else:
+            status = lib.attnmask_q8_0_matmul(
+                self.codes.data_ptr(), self.d.data_ptr(), xs.data_ptr(), out.data_ptr(), rows, n, k, threads
+            )
+        if status:
+            raise MemoryError("the block kernel could not allocate its scratch buffer")
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
