@@ -148,8 +148,10 @@ def main(argv=None) -> None:
     N = args.new_tokens
     print(f"# prompt {PROMPT!r} ({len(ids)} tokens), {N} new tokens, greedy, median of {args.repeats}")
     print(f"# quantized kernel: {kernel_status()}")
-    print("| attnmask weights | HF weights | batch | attnmask tok/s | HF generate tok/s | ratio | bandwidth bound tok/s "
-          "| same tokens |")
+    print(
+        "| attnmask weights | HF weights | batch | attnmask tok/s | HF generate tok/s | ratio "
+        "| bandwidth bound tok/s | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for variant in args.variants:
         hf_dtype = VARIANTS[variant]
@@ -179,7 +181,8 @@ def main(argv=None) -> None:
             times, outs = interleaved({"ours": ours, "hf": theirs}, args.repeats)
             (t_ours, t_hf), (out_ours, out_hf) = times.values(), outs.values()
             print(
-                f"| {VARIANT_LABELS[variant]} | {hf_dtype} | {B} | {B * N / t_ours:.1f} | {B * N / t_hf:.1f} | {t_hf / t_ours:.2f}x "
+                f"| {VARIANT_LABELS[variant]} | {hf_dtype} | {B} | {B * N / t_ours:.1f} | {B * N / t_hf:.1f} "
+                f"| {t_hf / t_ours:.2f}x "
                 f"| {B * bound_per_step:.1f} | {'yes' if out_ours == out_hf else 'no'} |",
                 flush=True,
             )

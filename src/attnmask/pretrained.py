@@ -366,9 +366,8 @@ def _read(path: Path, cache: bool | str | os.PathLike, quantized: bool = False) 
 
     if quantized:  # the blocks are read straight from the file (memory-mapped); nothing to cache
         ckpt = read_gguf(path, keep_blocks=True)
-        return _Loaded(
-            ckpt.config, ckpt.state_dict, ckpt.tokenizer, ckpt.special_ids, ckpt.add_bos, ckpt.chat_template, ckpt.blocks
-        )
+        fields = (ckpt.config, ckpt.state_dict, ckpt.tokenizer, ckpt.special_ids, ckpt.add_bos, ckpt.chat_template)
+        return _Loaded(*fields, blocks=ckpt.blocks)
     file = None
     if cache:
         file = cache_file(path, None if cache is True else cache)
@@ -473,7 +472,7 @@ def load(
             ``quantized`` with a dtype other than float32.
     """
     if quantized and dtype != torch.float32:
-        raise ValueError(f"quantized weights compute with float32 activations; got dtype={dtype}, expected torch.float32")
+        raise ValueError(f"quantized weights compute with float32 activations; got dtype={dtype}, expected float32")
     loaded = _read(locate(name), cache, quantized)
     state_dict = {k: v.to(dtype) for k, v in loaded.state_dict.items()}
     model = build(loaded.config, state_dict, loaded.blocks).eval()

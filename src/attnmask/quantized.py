@@ -253,7 +253,14 @@ class BlockLinear(nn.Module):
         n, k, threads = self.out_features, self.in_features, torch.get_num_threads()
         if self.kind == "Q4_1":
             status = lib.attnmask_q4_1_matmul(
-                self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), xs.data_ptr(), out.data_ptr(), rows, n, k,
+                self.codes.data_ptr(),
+                self.d.data_ptr(),
+                self.m.data_ptr(),
+                xs.data_ptr(),
+                out.data_ptr(),
+                rows,
+                n,
+                k,
                 threads,
             )
         else:
