@@ -65,7 +65,7 @@ static float dot(const float *a, const float *b, int64_t n) {
 /* x (R rows of K) -> xq (R rows of nbp * 32: x * 16^-k' at weight 8k + i of each pair; zero
  * padded) and xsum (R rows of nbp block sums) */
 static void q4_1_prepare(const float *x, float *xq, float *xsum, int64_t M, int64_t K, int64_t nbp) {
-    static const float scale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 1.0f, 0x1p-4f, 0x1p-8f};
+    static const float scale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
     for (int64_t r = 0; r < M; r++) {
         for (int64_t j = 0; j < nbp * QK; j++)
             xq[r * nbp * QK + j] = j < K ? x[r * K + j] * scale[(j % 64) / 8] : 0.0f;
@@ -88,12 +88,9 @@ static inline __attribute__((always_inline)) void q4_1_row_r(const uint32_t *cod
     const __m256i nib = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4b000000);
     for (int64_t p = 0; p < nbp / 2; p++) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + p * 8));
-        const __m256i high = _mm256_srli_epi32(raw, 20);
         __m256 v[8];
-        for (int k = 0; k < 8; k++) /* (bits | 2^23) - 2^23 = the integer in the bits, exactly */
-            v[k] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(
-                                     _mm256_and_si256(k < 5 ? raw : high, _mm256_slli_epi32(nib, 4 * (k % 5))), magic)),
-                                 _mm256_castsi256_ps(magic));
+        for (int k = 0; k < 7; k++) v[k] = _mm256_cvtepi32_ps(_mm256_and_si256(raw, _mm256_slli_epi32(nib, 4 * k)));
+        v[7] = _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 28));
         const __m256 d0 = _mm256_broadcast_ss(d + 2 * p), d1 = _mm256_broadcast_ss(d + 2 * p + 1);
         for (int r = 0; r < R; r++) {
             const float *xp = xq + r * nbp * QK + p * 64;

@@ -545,9 +545,13 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=bias)
+        # set by attnmask.model.fuse_projections_: one product for q, k and v of self-attention
+        self.qkv_proj: nn.Module | None = None
 
     def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values ``(B, Hkv, Tk, D)`` of ``context`` (B, Tk, C) — cacheable for cross-attention."""
+        if self.k_proj is None:
+            raise ValueError("this attention's projections are fused (fuse_projections_): it attends to itself only")
         B, Tk, _ = context.shape
         k = self.k_proj(context).view(B, Tk, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, Tk, D)
         v = self.v_proj(context).view(B, Tk, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, Tk, D)
@@ -578,11 +582,20 @@ class MultiHeadAttention(nn.Module):
         B, Tq, _ = x.shape
         if context is not None and (context.dim() != 3 or context.shape[0] != B or context.shape[-1] != self.dim):
             raise ValueError(f"context has shape {tuple(context.shape)}, expected (B={B}, Tk, C={self.dim})")
-        q = self.q_proj(x).view(B, Tq, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, Tq, D)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            if context is not None or static_kv is not None:
+                raise ValueError("this attention's projections are fused (fuse_projections_): it attends to itself only")
+            q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = q.view(B, Tq, H, D).transpose(1, 2)  # (B, H, Tq, D)
+            k, v = (t.view(B, Tq, Hkv, D).transpose(1, 2) for t in (k, v))  # (B, Hkv, Tq, D)
+        else:
+            q = self.q_proj(x).view(B, Tq, H, D).transpose(1, 2)  # (B, H, Tq, D)
         if static_kv is not None:
             k, v = static_kv
         else:
-            k, v = self.project_kv(x if context is None else context)  # (B, Hkv, Tk, D)
+            if self.qkv_proj is None:
+                k, v = self.project_kv(x if context is None else context)  # (B, Hkv, Tk, D)
             if rope is not None:
                 q, k = rope(q, k)
             if kv_cache is not None:

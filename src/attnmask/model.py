@@ -152,9 +152,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.dim, cfg.d_ffn, bias=cfg.bias)
         self.down_proj = nn.Linear(cfg.d_ffn, cfg.dim, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections_: gate and up in one product
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.activation == "swiglu":
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.activation == "swiglu":
             h = F.silu(self.gate_proj(x)) * self.up_proj(x)
         else:
             h = self.up_proj(x)
@@ -532,3 +536,54 @@ class Transformer(nn.Module):
             return ModelOutput(logits=logits)
         loss, n = lm_loss(logits, labels, label_smoothing=label_smoothing)
         return ModelOutput(logits=logits, loss=loss, num_tokens=n)
+
+
+def _concat_linear(layers: list[nn.Module]) -> nn.Module | None:
+    """One module computing ``cat([layer(x) ...], -1)``: a stacked ``nn.Linear``, or the layers'
+    own ``concat`` (:meth:`attnmask.quantized.BlockLinear.concat`); None when they do not stack."""
+    kinds = {type(layer) for layer in layers}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if kind is nn.Linear:
+        if len({(layer.in_features, layer.weight.dtype, layer.bias is None) for layer in layers}) != 1:
+            return None
+        with torch.no_grad():
+            fused = nn.Linear(layers[0].in_features, sum(layer.out_features for layer in layers), bias=False)
+            fused.weight = nn.Parameter(torch.cat([layer.weight for layer in layers]), requires_grad=False)
+            if layers[0].bias is not None:
+                fused.bias = nn.Parameter(torch.cat([layer.bias for layer in layers]), requires_grad=False)
+        return fused
+    concat = getattr(kind, "concat", None)
+    try:
+        return concat(layers) if concat is not None else None
+    except ValueError:  # e.g. block layers of different formats
+        return None
+
+
+def fuse_projections_(model: nn.Module) -> nn.Module:
+    """For inference: every self-attention computes q, k and v in one product, every SwiGLU MLP
+    its gate and up projections in one, in place. Each fused product's rows are the stacked rows
+    of the separate ones, so each output is the same number; at one token a step this saves two
+    of every seven matrix calls and their overhead.
+
+    The separate projection modules are removed (``state_dict`` keys change: fuse after loading,
+    do not train or save a fused model); a fused attention can no longer attend to a context.
+    Layers whose projections cannot stack (different types, block formats or dtypes) are left as they are.
+    """
+    for block in model.modules():
+        if not isinstance(block, Block):
+            continue
+        attn = block.self_attn
+        if attn.qkv_proj is None and attn.q_proj is not None:
+            fused = _concat_linear([attn.q_proj, attn.k_proj, attn.v_proj])
+            if fused is not None:
+                attn.qkv_proj = fused
+                attn.q_proj = attn.k_proj = attn.v_proj = None
+        mlp = block.mlp
+        if mlp.activation == "swiglu" and mlp.gate_up_proj is None and mlp.gate_proj is not None:
+            fused = _concat_linear([mlp.gate_proj, mlp.up_proj])
+            if fused is not None:
+                mlp.gate_up_proj = fused
+                mlp.gate_proj = mlp.up_proj = None
+    return model

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from attnmask.model import ModelConfig, Rotary, Transformer, sinusoidal_table
+from attnmask.model import ModelConfig, Rotary, Transformer, fuse_projections_, sinusoidal_table
 from attnmask.quantized import BlockLinear
 
 __all__ = [
@@ -460,7 +460,9 @@ def load(
         quantized: keep the file's Q4_1/Q8_0 blocks for the linear layers and ``W_pred``
             (:class:`attnmask.quantized.BlockLinear`): the same function as the float32 model
             (products regrouped per block, activations float32) reading ~6x fewer weight bytes per
-            step. Inference only; needs ``dtype=torch.float32``; ``cache`` is not used.
+            step. Inference only: q/k/v and gate/up projections are fused
+            (:func:`attnmask.model.fuse_projections_`). Needs ``dtype=torch.float32``; ``cache`` is
+            not used.
 
     Returns:
         ``(model, tokenizer, chat_template)``: the model in eval mode; ``chat_template(messages)``
@@ -476,6 +478,8 @@ def load(
     loaded = _read(locate(name), cache, quantized)
     state_dict = {k: v.to(dtype) for k, v in loaded.state_dict.items()}
     model = build(loaded.config, state_dict, loaded.blocks).eval()
+    if quantized:
+        fuse_projections_(model)
     if column_major:
         column_major_(model)
     tokenizer = PretrainedTokenizer.from_special_ids(loaded.tokenizer, loaded.special_ids, add_bos=loaded.add_bos)

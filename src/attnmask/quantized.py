@@ -3,19 +3,21 @@
 A GGUF weight such as SmolLM2's ``Q4_1`` keeps 32 weights in 20 bytes (a float16 scale ``d`` and
 minimum ``m``, then 4-bit codes ``q``): weight = ``d * q + m``. :func:`attnmask.gguf_loader.read_gguf`
 dequantizes every block to float32, which is the function the file defines, and reads all 4 bytes
-of every weight in every decoding step. :class:`BlockLinear` keeps the file's bytes instead and
-multiplies by them directly, regrouping each block's sum (``d * sum q x + m * sum x``) rather than
-approximating it: activations stay float32 and are never quantized, so the result equals the
-float32 product with the dequantized matrix up to rounding order (tested against a float64
-reference). A one-token step then reads about 0.63 bytes per Q4_1 weight instead of 4.
+of every weight in every decoding step. :class:`BlockLinear` keeps the file's codes instead
+(repacked once into a layout the kernel reads without byte shuffles; the values are unchanged)
+and multiplies by them directly, regrouping each block's sum (``d * sum q x + m * sum x``) rather
+than approximating it: activations stay float32 and are never quantized, so the result equals
+the float32 product with the dequantized matrix up to rounding order (tested against a float64
+reference). A one-token step then reads 0.75 bytes per Q4_1 weight (4-bit codes, and ``d`` and
+``m`` as float32 per 32 weights) instead of 4.
 
 The products run in a small C kernel (``_quantized.c``: AVX2/FMA where the CPU has it, portable C
 otherwise, rows split over PyTorch's thread count with OpenMP). It is compiled with the system C
 compiler the first time it is needed and kept in ``<cache_dir>/kernels`` (see
 :func:`attnmask.pretrained.cache_dir`). Without a compiler, or with ``ATTNMASK_QUANT_KERNEL=0``,
-the same products run in PyTorch (dequantize, then ``F.linear``): correct, but slower than plain
-float32 weights. Long inputs (more than :data:`MAX_KERNEL_ROWS` rows, e.g. prefilling a long prompt)
-dequantize the matrix once and use PyTorch's float32 BLAS.
+each layer decodes its blocks once and keeps the float32 weight (``F.linear``): correct, as fast
+and as large as plain float32 weights. Longer inputs (more than :data:`MAX_KERNEL_ROWS` rows, e.g.
+prefilling a prompt) decode the matrix for that call and use PyTorch's float32 BLAS.
 
 Inference only: the block weights are buffers, not parameters, and have no gradient.
 """
@@ -208,10 +210,26 @@ class BlockLinear(nn.Module):
         self.kind = kind
         self.in_features = in_features
         self.out_features = blocks.shape[0]
-        for name, t in repack(blocks, kind, in_features).items():
-            self.register_buffer(name, t)
-        if kind == "Q8_0":
-            self.m = None
+        self._dense: Tensor | None = None  # the float32 weight, kept only when there is no kernel
+        packed = repack(blocks, kind, in_features)
+        for name in ("codes", "d", "m"):
+            self.register_buffer(name, packed.get(name))
+
+    @classmethod
+    def concat(cls, layers: list[BlockLinear]) -> BlockLinear:
+        """One layer computing ``cat([layer(x) for layer in layers], -1)`` in one product (rows stacked)."""
+        kinds, ins = {layer.kind for layer in layers}, {layer.in_features for layer in layers}
+        if len(kinds) != 1 or len(ins) != 1:
+            raise ValueError(f"only layers of one format and input size concatenate; got {kinds} and {ins}")
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.kind, fused.in_features = kinds.pop(), ins.pop()
+        fused.out_features = sum(layer.out_features for layer in layers)
+        fused._dense = None
+        for name in ("codes", "d", "m"):
+            parts = [getattr(layer, name) for layer in layers]
+            fused.register_buffer(name, None if parts[0] is None else torch.cat(parts))
+        return fused
 
     @classmethod
     def from_numpy(cls, data: np.ndarray, kind: str, in_features: int) -> BlockLinear:
@@ -244,7 +262,11 @@ class BlockLinear(nn.Module):
             raise ValueError(f"input has {x.shape[-1]} features; this layer expects {self.in_features}")
         lib = _load_kernel()
         rows = x.numel() // self.in_features
-        if lib is None or rows > MAX_KERNEL_ROWS or x.device.type != "cpu" or x.requires_grad:
+        if lib is None or x.device.type != "cpu":  # no kernel: decode the blocks once, keep float32
+            if self._dense is None or self._dense.device != x.device:
+                self._dense = self.dequantize().to(x.device)
+            return F.linear(x, self._dense.to(x.dtype))
+        if rows > MAX_KERNEL_ROWS or x.requires_grad:
             return F.linear(x, self.dequantize().to(x.dtype))
         xs = x.reshape(rows, self.in_features)
         if xs.dtype != torch.float32 or not xs.is_contiguous():

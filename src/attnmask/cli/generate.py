@@ -32,18 +32,24 @@ def add_parser(sub) -> None:
         action="store_true",
         help="--model: treat the prompt as an instruction and wrap it in the model's chat template",
     )
+    p.add_argument(
+        "--quantized",
+        action="store_true",
+        help="--model: keep the GGUF file's quantized blocks (Q4_1/Q8_0) and multiply by them directly: "
+        "the same function with float32 activations, ~2x faster on CPU (needs a C compiler at first use)",
+    )
     p.add_argument("--device", default="cpu", help="torch device")
     p.set_defaults(func=run)
 
 
-def _load_pretrained(name: str):
+def _load_pretrained(name: str, quantized: bool = False):
     try:
         pretrained = importlib.import_module("attnmask.pretrained")
     except ModuleNotFoundError as e:
         if e.name != "attnmask.pretrained":
             raise
         raise ValueError(f"--model {name}: pretrained models are not available (no attnmask.pretrained)") from e
-    return pretrained.load(name)
+    return pretrained.load(name, quantized=quantized)
 
 
 def run(args) -> int:
@@ -56,6 +62,8 @@ def run(args) -> int:
     if not prompt:
         raise ValueError("empty prompt: expected some text to continue (--prompt TEXT)")
     if args.run is not None:
+        if args.quantized:
+            raise ValueError("--quantized applies to --model (a GGUF file's weights), not to --run")
         from attnmask.run import load_run
 
         loaded = load_run(args.run, device=args.device)
@@ -63,7 +71,9 @@ def run(args) -> int:
             raise ValueError(f"{args.run} is a {loaded.task!r} run; generate needs a language model (task 'lm')")
         model, tokenizer = loaded.model, loaded.tokenizer
     else:
-        model, tokenizer, chat_template = _load_pretrained(args.model)
+        if args.quantized and args.device != "cpu":
+            raise ValueError(f"--quantized runs on the CPU; got --device {args.device}")
+        model, tokenizer, chat_template = _load_pretrained(args.model, args.quantized)
         model.to(args.device)
         if args.chat:
             if chat_template is None:
