@@ -585,7 +585,7 @@ class MultiHeadAttention(nn.Module):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             if context is not None or static_kv is not None:
-                raise ValueError("this attention's projections are fused (fuse_projections_): it attends to itself only")
+                raise ValueError("this attention's projections are fused (fuse_projections_): it attends to x only")
             q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = q.view(B, Tq, H, D).transpose(1, 2)  # (B, H, Tq, D)
             k, v = (t.view(B, Tq, Hkv, D).transpose(1, 2) for t in (k, v))  # (B, Hkv, Tq, D)
