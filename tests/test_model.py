@@ -224,3 +224,41 @@ def test_encoder_decoder_needs_a_source():
     model = make_model("encoder_decoder")
     with pytest.raises(ValueError, match="needs src_ids"):
         model(random_ids(1, 3, seed=0))
+
+
+# ---------------------------------------------------------------------------------------------
+# fuse_projections_: one q/k/v product and one gate/up product, same function
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_projections_compute_the_same_logits(arch):
+    import copy
+
+    from attnmask import decode
+    from attnmask.model import fuse_projections_
+
+    model = make_model(arch, activation="swiglu", positions="rotary", n_kv_heads=2)
+    fused = fuse_projections_(copy.deepcopy(model))
+    keys = set(fused.state_dict())
+    assert "layers.0.self_attn.qkv_proj.weight" in keys and "layers.0.mlp.gate_up_proj.weight" in keys
+    assert not any(k.endswith(("self_attn.q_proj.weight", "mlp.gate_proj.weight")) for k in keys)
+    inp = random_ids(2, 9, seed=1)
+    src = random_ids(2, 7, seed=2) if arch == "encoder_decoder" else None
+    assert_close(fused(inp, src).logits, model(inp, src).logits, rtol=0, atol=1e-12)  # float64
+    kwargs = {"src": src} if src is not None else {"prompts": inp[:, :3].tolist()}
+    assert decode.greedy(fused, max_new_tokens=12, eos_id=None, **kwargs) == decode.greedy(
+        model, max_new_tokens=12, eos_id=None, **kwargs
+    )
+    if arch == "encoder_decoder":  # cross-attention keeps its own projections: it reads the encoder
+        assert fused.layers[0].cross_attn.qkv_proj is None and fused.layers[0].cross_attn.k_proj is not None
+
+
+def test_a_fused_attention_refuses_a_context():
+    from attnmask.model import fuse_projections_
+
+    model = fuse_projections_(make_model("decoder"))
+    attn = model.layers[0].self_attn
+    x = torch.randn(1, 3, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="fused"):
+        attn(x, context=x)
+    with pytest.raises(ValueError, match="fused"):
+        attn.project_kv(x)
