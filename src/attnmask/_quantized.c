@@ -11,11 +11,11 @@
  *   Q8_0: per block 8 uint32 lanes, lane i holding in byte k (k = 0..3) weight 8k + i; then d[nb].
  *
  * Each block's sum is regrouped, not approximated: sum_j (d q_j + m) x_j = d * sum_j q_j x_j +
- * m * sum_j x_j, with x never quantized. A Q4_1 code is taken out of its lane in place, as
- * q * 16^k' (k' = k for k < 5, k - 5 for the lane shifted right by 20), and made a float exactly by
- * or-ing it under the exponent of 2^23 and subtracting 2^23; it then multiplies x * 16^-k', a
- * power-of-two scaling, so every product and sum is the one q * x would give. The result equals
- * the float32 product with the dequantized matrix up to summation order.
+ * m * sum_j x_j, with x never quantized. A Q4_1 code k < 7 is taken out of its lane in place, as
+ * the integer q * 16^k (lane & 15 << 4k; code 7 is lane >> 28), converted to float exactly, and
+ * multiplied by x * 16^-k: a power-of-two scaling, so every product and sum is the one q * x
+ * would give. The result equals the float32 product with the dequantized matrix up to summation
+ * order.
  *
  * Rows of W are split over `threads` OpenMP threads (the libgomp PyTorch has loaded).
  */
@@ -62,8 +62,8 @@ static float dot(const float *a, const float *b, int64_t n) {
 /* ------------------------------------------------------------------------------------------ */
 /* Q4_1                                                                                        */
 /* ------------------------------------------------------------------------------------------ */
-/* x (R rows of K) -> xq (R rows of nbp * 32: x * 16^-k' at weight 8k + i of each pair; zero
- * padded) and xsum (R rows of nbp block sums) */
+/* x (R rows of K) -> xq (R rows of nbp * 32: x * 16^-k at weight 8k + i of each pair, k < 7;
+ * zero padded) and xsum (R rows of nbp block sums) */
 static void q4_1_prepare(const float *x, float *xq, float *xsum, int64_t M, int64_t K, int64_t nbp) {
     static const float scale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
     for (int64_t r = 0; r < M; r++) {
@@ -85,7 +85,7 @@ static inline __attribute__((always_inline)) void q4_1_row_r(const uint32_t *cod
                                                              int64_t N, int64_t nbp) {
     __m256 acc0[MAX_R], acc1[MAX_R];
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    const __m256i nib = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4b000000);
+    const __m256i nib = _mm256_set1_epi32(15);
     for (int64_t p = 0; p < nbp / 2; p++) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + p * 8));
         __m256 v[8];
@@ -125,7 +125,7 @@ static void q4_1_row(const uint32_t *codes, const float *d, const float *m, cons
             for (int k = 0; k < 8; k++)
                 for (int i = 0; i < 8; i++) {
                     const uint32_t lane = codes[p * 8 + i];
-                    const float q = (float)((k < 5 ? lane : lane >> 20) & (15u << (4 * (k % 5))));
+                    const float q = (float)(k < 7 ? lane & (15u << (4 * k)) : lane >> 28);
                     t[k / 4] += q * xp[k * 8 + i];
                 }
             total += d[2 * p] * t[0] + d[2 * p + 1] * t[1];

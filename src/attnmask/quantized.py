@@ -266,11 +266,9 @@ class BlockLinear(nn.Module):
             if self._dense is None or self._dense.device != x.device:
                 self._dense = self.dequantize().to(x.device)
             return F.linear(x, self._dense.to(x.dtype))
-        if rows > MAX_KERNEL_ROWS or x.requires_grad:
-            return F.linear(x, self.dequantize().to(x.dtype))
-        xs = x.reshape(rows, self.in_features)
-        if xs.dtype != torch.float32 or not xs.is_contiguous():
-            xs = xs.to(torch.float32).contiguous()
+        if rows > MAX_KERNEL_ROWS or x.requires_grad or x.dtype != torch.float32:
+            return F.linear(x, self.dequantize().to(x.dtype))  # other dtypes compute in their own
+        xs = x.reshape(rows, self.in_features).contiguous()
         out = torch.empty(*x.shape[:-1], self.out_features)
         n, k, threads = self.out_features, self.in_features, torch.get_num_threads()
         if self.kind == "Q4_1":
@@ -291,7 +289,7 @@ class BlockLinear(nn.Module):
             )
         if status:
             raise MemoryError("the block kernel could not allocate its scratch buffer")
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
