@@ -196,8 +196,14 @@ def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypat
         seen.append(prompt)
         return f"<{prompt}>"
 
+    loads = []
+
+    def load(name, quantized=False):
+        loads.append((name, quantized))
+        return run.model, run.tokenizer, chat
+
     fake = types.ModuleType("attnmask.pretrained")
-    fake.load = lambda name: (run.model, run.tokenizer, chat)
+    fake.load = load
     monkeypatch.setitem(sys.modules, "attnmask.pretrained", fake)
     argv = ["generate", "--model", "tiny", "a man", "--temperature", "0", "--max-new-tokens", "5"]
     assert main([*argv, "--chat"]) == 0
@@ -207,6 +213,19 @@ def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypat
     assert main(argv) == 0
     plain = decode.generate(run.model, run.tokenizer, "a man", max_new_tokens=5, temperature=0.0)
     assert seen == ["a man"] and capsys.readouterr().out == "a man" + plain + "\n"
+    # --quantized asks the loader for the file's blocks
+    assert main([*argv, "--quantized"]) == 0
+    assert loads == [("tiny", False), ("tiny", False), ("tiny", True)]
+    assert capsys.readouterr().out == "a man" + plain + "\n"
+
+
+def test_generate_quantized_errors(lm_run, capsys):
+    check_one_line_error(
+        capsys, ["generate", "--run", str(lm_run), "a", "--quantized"], "--quantized applies to --model"
+    )
+    check_one_line_error(
+        capsys, ["generate", "--model", "smollm2", "a", "--quantized", "--device", "cuda"], "runs on the CPU"
+    )
 
 
 def test_generate_prompt_given_twice_is_one_line_error(lm_run, capsys):
