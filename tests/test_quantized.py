@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import test_pretrained
-from attnmask import decode, quantized
+from attnmask import decode, pretrained, quantized
 from attnmask.gguf_loader import read_gguf
 from attnmask.pretrained import build, load
 from attnmask.quantized import BLOCK_BYTES, MAX_KERNEL_ROWS, BlockLinear, dequantize_blocks, kernel_status
@@ -354,8 +354,19 @@ def test_tiny_gguf_quantized_equals_float32(tmp_path, tied):
         expected = dense["embed.weight" if tied and name == "lm_head.weight" else name]
         assert torch.equal(BlockLinear(raw, kind, expected.shape[1]).dequantize(), expected), name
 
-    model, tok, _ = load(path, quantized=True)
+    model, tok, _ = load(path, quantized=True, cache=tmp_path / "cache")
     plain, _, _ = load(path, cache=False)
+    # the blocks are cached in a file of their own; a second load reads it, not the GGUF file
+    cached = pretrained.cache_file(path, tmp_path / "cache", quantized=True)
+    assert cached.is_file() and not pretrained.cache_file(path, tmp_path / "cache").exists()
+    path.write_bytes(b"")  # the cache is named by the file's hash: keep the name, lose the content
+    with pytest.raises(ValueError):
+        load(path, quantized=True, cache=tmp_path / "cache")
+    again = pretrained._read_cache(cached)
+    assert {k: (kind, raw.shape) for k, (kind, raw) in again.blocks.items()} == {
+        k: (kind, raw.shape) for k, (kind, raw) in blocks.items()
+    }
+    assert all(torch.equal(again.blocks[k][1], raw) for k, (_, raw) in blocks.items())
     assert not [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]  # all BlockLinear
     assert isinstance(model.lm_head, BlockLinear) and model.lm_head.kind == "Q8_0"
     assert linear_weight_count(model) == linear_weight_count(plain) > 0
@@ -384,10 +395,10 @@ def test_tiny_gguf_quantized_equals_float32(tmp_path, tied):
 # The real SmolLM2-135M-Instruct
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smol_q(one_thread):
+def smol_q(one_thread, tmp_path_factory):
     """SmolLM2 as ``load("smollm2", quantized=True)`` gives it: (model, tokenizer)."""
     _smollm2_path()  # skips when the weights are not installed
-    model, tok, _ = load("smollm2", quantized=True)
+    model, tok, _ = load("smollm2", quantized=True, cache=tmp_path_factory.mktemp("cache"))
     return model, tok
 
 
