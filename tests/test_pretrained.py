@@ -374,7 +374,7 @@ def test_smollm2_load_by_name_through_the_cache(smol, tmp_path):
     # the GGUF -> cache path is tested on the tiny file; here the cache is filled from the
     # checkpoint already read, to spare a second parse of the real file
     pretrained.write_cache(pretrained.cache_file(locate("smollm2"), tmp_path), smol[1])
-    model, tok, chat = load("smollm2", cache=tmp_path)  # what `attnmask generate --model smollm2` calls
+    model, tok, chat = load("smollm2", cache=tmp_path, fuse=False)
     cfg = model.config
     assert (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.d_ffn, cfg.vocab_size) == (30, 576, 9, 3, 1536, 49152)
     assert (cfg.positions, cfg.norm, cfg.activation, cfg.tie_embeddings) == ("rotary", "rmsnorm", "swiglu", True)
@@ -384,6 +384,13 @@ def test_smollm2_load_by_name_through_the_cache(smol, tmp_path):
     assert model.lm_head.weight is model.embed.weight
     assert chat is not None and chat.source == SMOL_TEMPLATE
     assert tok.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+    # what `attnmask generate --model smollm2` calls: q/k/v and gate/up fused, the same logits
+    fused, _, _ = load("smollm2", cache=tmp_path)
+    assert fused.layers[0].self_attn.qkv_proj.weight.shape == (576 + 2 * 192, 576)
+    assert fused.layers[0].mlp.gate_up_proj.weight.stride() == (1, 2 * 1536)  # fused, then column-major
+    ids = torch.tensor([tok.encode("The capital of France is Paris, and")])
+    with torch.no_grad():
+        assert_close(fused.decode(ids), smol[0].decode(ids), rtol=0, atol=1e-5)
 
 
 def test_smollm2_weights_equal_transformers_reading(smol, smol_hf):
