@@ -231,7 +231,7 @@ def test_load_dtype_bfloat16(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.lm_head.weight is model.embed.weight
     assert model.rotary.inv_freq.dtype == torch.float32  # rotary angles are not rounded to bfloat16
-    assert model.layers[0].mlp.up_proj.weight.is_contiguous()  # column-major is for float32 only
+    assert model.layers[0].mlp.gate_up_proj.weight.is_contiguous()  # column-major is for float32 only
 
 
 # ---------------------------------------------------------------------------------------------
