@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,7 @@ _state: dict[str, object] = {}
 def _flags() -> list[str]:
     flags = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off", "-fopenmp"]
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma", "-mf16c"]
+        flags += ["-mavx2", "-mfma"]
     return flags
 
 
@@ -90,7 +91,7 @@ def _load_kernel():
 
             flags = _flags()
             key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-            target = cache_dir() / "kernels" / f"quantized-{sys.platform}-{os.uname().machine}-{key}.so"
+            target = cache_dir() / "kernels" / f"quantized-{sys.platform}-{platform.machine()}-{key}.so"
             try:
                 if not target.is_file():
                     _compile(target, flags)
