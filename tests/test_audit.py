@@ -10,14 +10,7 @@ from attnmask.audit import CHECKS, Subject, Tolerance, audit, from_callable
 from attnmask.audit_faults import FAULTS, inject, tiny_model
 from attnmask.cli import main
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: on a busy 2-core machine, thread hand-offs cost more than the arithmetic
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 T = 10

@@ -15,13 +15,7 @@ from attnmask.model import ModelConfig, Transformer
 STEPS = 104  # tokens fed one at a time after the prefix (the issue asks for >= 100)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is ~10x faster than two fighting over a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(arch: str, positions: str = "sinusoidal", *, seed: int = 0, vocab: int = 40) -> Transformer:

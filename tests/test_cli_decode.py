@@ -21,13 +21,7 @@ TEXT = "a man rides a horse. ein Mann reitet ein Pferd! two dogs play in the sno
 SENTENCES = ["a man rides", "zwei Hunde", "the snow"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is ~10x faster than two fighting over a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_run(path, task: str):

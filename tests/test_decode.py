@@ -19,13 +19,7 @@ KINDS = ["decoder", "encoder_decoder"]
 INPUTS = [[5, 6, 7, 8, 9], [10, 11], [4, 5, 6], [7], [8, 9, 10, 11, 4, 5]]  # prompts or sources
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is ~10x faster than two fighting over a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_model(

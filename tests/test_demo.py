@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from attnmask.cli import main
 from attnmask.run import load_run, read_metrics
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A tiny model gains nothing from intra-op threads; on a busy machine they slow it down."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_demo_runs_end_to_end(tmp_path, capsys):

@@ -39,12 +39,7 @@ WORKER = textwrap.dedent(
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def settings(out: Path, **overrides) -> dict:

@@ -36,12 +36,7 @@ def config(out: Path, **overrides) -> TrainConfig:
     return TrainConfig(out=str(out), deterministic=True, progress=False, **fields, **overrides)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

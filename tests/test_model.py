@@ -21,14 +21,7 @@ PAD = 0
 V = 23
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared, busy machine OpenMP
-    threads that spin-wait for each other can make a step 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(arch: str, **overrides) -> Transformer:

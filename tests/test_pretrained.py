@@ -305,16 +305,6 @@ def _smollm2_path():
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """The SmolLM2 tests run single-threaded: on a shared 2-core machine, torch's two threads
-    waiting on each other made a 16-token greedy run ~5x slower than one thread (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def smol_reader(one_thread):
     return gguf.GGUFReader(_smollm2_path())
 

@@ -36,7 +36,6 @@ from test_pretrained import _prompts, _smollm2_path, write_tiny_gguf
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[hf]')")
 
 # module-scoped fixtures of the float32 SmolLM2 tests, shared (pytest sets them up again for this module)
-one_thread = test_pretrained.one_thread
 smol_reader = test_pretrained.smol_reader
 smol_hf = test_pretrained.smol_hf
 

@@ -16,15 +16,7 @@ from attnmask.corpus import translation_corpus
 from attnmask.run import load_run, read_metrics
 from attnmask.train import TrainConfig, learning_rate, param_groups, resume_config, train
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared, busy machine OpenMP
-    threads that spin-wait for each other can make a step 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(out: Path, **overrides) -> TrainConfig:

@@ -17,12 +17,7 @@ from attnmask.viz import (
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_mask_grid_is_seed_000_look_ahead():

@@ -508,6 +508,9 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
 # ---------------------------------------------------------------------------------------------
 # The module
 # ---------------------------------------------------------------------------------------------
+_FUSED_SELF_ONLY = "this attention's projections are fused (fuse_projections_): it attends to its own input only"
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head (grouped-query) attention for self- and cross-attention.
 
@@ -551,7 +554,7 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values ``(B, Hkv, Tk, D)`` of ``context`` (B, Tk, C) — cacheable for cross-attention."""
         if self.k_proj is None:
-            raise ValueError("this attention's projections are fused (fuse_projections_): it attends to itself only")
+            raise ValueError(_FUSED_SELF_ONLY)
         B, Tk, _ = context.shape
         k = self.k_proj(context).view(B, Tk, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, Tk, D)
         v = self.v_proj(context).view(B, Tk, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, Tk, D)
@@ -585,7 +588,7 @@ class MultiHeadAttention(nn.Module):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             if context is not None or static_kv is not None:
-                raise ValueError("this attention's projections are fused (fuse_projections_): it attends to x only")
+                raise ValueError(_FUSED_SELF_ONLY)
             q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = q.view(B, Tq, H, D).transpose(1, 2)  # (B, H, Tq, D)
             k, v = (t.view(B, Tq, Hkv, D).transpose(1, 2) for t in (k, v))  # (B, Hkv, Tq, D)

@@ -266,7 +266,7 @@ def read_gguf(source, *, keep_blocks: bool = False) -> GGUFCheckpoint:
     for t in reader.tensors:
         name = _attnmask_name(t.name)
         kind = t.tensor_type.name
-        linear = name.startswith("layers.") and name.endswith("_proj.weight") or name == "lm_head.weight"
+        linear = (name.startswith("layers.") and name.endswith("_proj.weight")) or name == "lm_head.weight"
         if keep_blocks and kind in BLOCK_BYTES and (linear or (name == "embed.weight" and config.tie_embeddings)):
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))  # (out, in / 32 * block bytes)
             blocks["lm_head.weight" if name == "embed.weight" else name] = (kind, _unpermuted(t.name, raw, config))

@@ -142,16 +142,7 @@ def _halves(raw: Tensor) -> Tensor:
 def dequantize_blocks(blocks: Tensor, kind: str, in_features: int) -> Tensor:
     """Float32 ``(out, in)`` weight of GGUF ``blocks`` (uint8 ``(out, in / 32 * BLOCK_BYTES[kind])``):
     the values ``gguf.dequantize`` gives, ``d * q + m`` (Q4_1) or ``d * q`` (Q8_0) in float32."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, in_features // QK, BLOCK_BYTES[kind])
-    if kind == "Q4_1":
-        d, m, qs = _halves(b[..., 0:2]), _halves(b[..., 2:4]), b[..., 4:]
-        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # (n, blocks, 32)
-        w = d.unsqueeze(-1) * q + m.unsqueeze(-1)
-    else:
-        d, qs = _halves(b[..., 0:2]), b[..., 2:].contiguous().view(torch.int8)
-        w = qs.float() * d.unsqueeze(-1)
-    return w.reshape(n, in_features)
+    return unpack(repack(blocks, kind, in_features), kind, in_features)
 
 
 def repack(blocks: Tensor, kind: str, in_features: int) -> dict[str, Tensor]:
@@ -214,11 +205,11 @@ class BlockLinear(nn.Module):
                 f"{kind} blocks for in_features={in_features} must be uint8 (out_features, {row_bytes}); "
                 f"got {tuple(blocks.shape)} {blocks.dtype}"
             )
-        self.kind = kind
-        self.in_features = in_features
-        self.out_features = blocks.shape[0]
+        self._adopt(repack(blocks, kind, in_features), kind, in_features)
+
+    def _adopt(self, packed: dict[str, Tensor], kind: str, in_features: int) -> None:
+        self.kind, self.in_features, self.out_features = kind, in_features, packed["codes"].shape[0]
         self._dense: Tensor | None = None  # the float32 weight, kept only when there is no kernel
-        packed = repack(blocks, kind, in_features)
         for name in ("codes", "d", "m"):
             self.register_buffer(name, packed.get(name))
 
@@ -228,14 +219,10 @@ class BlockLinear(nn.Module):
         kinds, ins = {layer.kind for layer in layers}, {layer.in_features for layer in layers}
         if len(kinds) != 1 or len(ins) != 1:
             raise ValueError(f"only layers of one format and input size concatenate; got {kinds} and {ins}")
+        packed = {name: torch.cat([layer._packed()[name] for layer in layers]) for name in layers[0]._packed()}
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
-        fused.kind, fused.in_features = kinds.pop(), ins.pop()
-        fused.out_features = sum(layer.out_features for layer in layers)
-        fused._dense = None
-        for name in ("codes", "d", "m"):
-            parts = [getattr(layer, name) for layer in layers]
-            fused.register_buffer(name, None if parts[0] is None else torch.cat(parts))
+        fused._adopt(packed, kinds.pop(), ins.pop())
         return fused
 
     @classmethod
@@ -248,7 +235,7 @@ class BlockLinear(nn.Module):
         return self.dequantize()
 
     def _packed(self) -> dict[str, Tensor]:
-        return {"codes": self.codes, "d": self.d, "m": self.m}
+        return {name: t for name, t in (("codes", self.codes), ("d", self.d), ("m", self.m)) if t is not None}
 
     def dequantize(self) -> Tensor:
         lib = _load_kernel()
