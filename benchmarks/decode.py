@@ -13,7 +13,7 @@ Two measurements (``--part cache``, ``--part translate``, or both):
    translated with greedy decoding and beam 4 by attnmask and by Hugging Face ``generate`` on a
    ``MarianMTModel``, both holding the *same* weights: a Marian of the same dimensions (C=512, 6+6
    layers, 8 heads, FFN 2048, swish, post-norm, scaled embeddings) is initialized at random by
-   Hugging Face and converted to attnmask with :func:`attnmask.convert.from_hf`; the logits of both
+   Hugging Face and converted to attnmask with :func:`attnmask.pretrained.hf.from_hf`; the logits of both
    are compared first. The joint BPE vocabulary (8000) is trained on Multi30k's training set. Both
    decode the same length-sorted batches with the same limit (``--max-new`` tokens, no other
    constraint) and the generated tokens are counted (up to and including ``<eos>``). With random
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from attnmask import decode, masks
-from attnmask.beam import beam_search
+from attnmask.decode.beam import beam_search
 from attnmask.model import ModelConfig, Transformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def bench_cache(lengths: list[int], recompute_max: int) -> list[str]:
 def build_models(vocab_size: int, max_len: int):
     from transformers import MarianConfig, MarianMTModel
 
-    from attnmask.convert import from_hf
+    from attnmask.pretrained.hf import from_hf
 
     hf_cfg = MarianConfig(
         vocab_size=vocab_size,
@@ -192,7 +192,7 @@ def ours_translate(model, batches, beam: int, max_new: int) -> list[list[int]]:
 
 def bench_translate(batch_size: int, max_new: int, n_sentences: int | None, beams: list[int]) -> list[str]:
     from attnmask.data import read_lines
-    from attnmask.tokenizer import Tokenizer
+    from attnmask.data.tokenizer import Tokenizer
 
     root = data_dir() / "multi30k"
     if not (root / "test_2016_flickr.de.gz").is_file():

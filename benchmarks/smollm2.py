@@ -6,7 +6,7 @@ compared first). attnmask's model is what ``load(...)`` returns: q/k/v and gate/
 fused (:func:`attnmask.model.fuse_projections_`), float32 linear weights stored column-major
 (:func:`attnmask.pretrained.column_major_`). Variants (``--variants``): ``float32`` and ``bfloat16``
 (Hugging Face's model cast with ``.to(dtype)``), and ``blocks``: ``load(quantized=True)``, the file's
-Q4_1/Q8_0 blocks multiplied directly with float32 activations (:mod:`attnmask.quantized`), against
+Q4_1/Q8_0 blocks multiplied directly with float32 activations (:mod:`attnmask.pretrained.quantized`), against
 Hugging Face in float32 on the dequantized file, which is the same function. For each variant and
 batch size (1, 16), both decode the same prompt (repeated ``B`` times, so nothing is padded) for
 the same number of new tokens, never stopping early; the generated tokens are compared.
@@ -35,9 +35,9 @@ import time
 import torch
 
 from attnmask import decode
-from attnmask.convert import llama_key_map
 from attnmask.pretrained import load
-from attnmask.quantized import BlockLinear, kernel_status
+from attnmask.pretrained.hf import llama_key_map
+from attnmask.pretrained.quantized import BlockLinear, kernel_status
 
 PROMPT = "The capital of France is"
 # attnmask's weights -> the dtype of the Hugging Face model it is compared with (the file

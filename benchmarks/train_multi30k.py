@@ -21,8 +21,8 @@ import sacrebleu
 import torch
 
 from attnmask.data import read_parallel
-from attnmask.run import load_run
 from attnmask.train import TrainConfig, train
+from attnmask.train.rundir import load_run
 
 DATA = Path(os.environ.get("ATTNMASK_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
@@ -39,7 +39,7 @@ def translate_all(run, sentences: list[str], beam: int) -> list[str]:
     except ImportError:
         if beam > 1:
             raise
-        from attnmask.evaluate import translate_ids
+        from attnmask.train.evaluate import translate_ids
 
         ids = translate_ids(run.model, run.src_tokenizer.encode_batch(sentences), run.tokenizer, run.src_tokenizer,
                             device=torch.device("cpu"))  # fmt: skip

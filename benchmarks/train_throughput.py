@@ -1,7 +1,7 @@
 """Training throughput: attnmask's Transformer vs Hugging Face MarianMTModel, same function, same batches.
 
 Both models are built from one ``MarianConfig`` (random init, nothing downloaded); attnmask's copy
-is made with :func:`attnmask.convert.from_hf_model`, so they hold the same weights and compute the
+is made with :func:`attnmask.pretrained.hf.from_hf_model`, so they hold the same weights and compute the
 same function (checked: equal losses on the first batch). Each then trains with its own AdamW on
 the same Multi30k de->en batches (joint BPE, token-bucketed as ``attnmask train`` does), in
 alternating rounds so machine noise hits both alike. Throughput counts non-pad target tokens
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from attnmask.batching import TokenBucketBatcher
-from attnmask.convert import from_hf_model
 from attnmask.data import make_translation_batch, read_parallel, translation_lengths
+from attnmask.data.batching import TokenBucketBatcher
+from attnmask.data.tokenizer import Tokenizer
 from attnmask.model import lm_loss
-from attnmask.tokenizer import Tokenizer
+from attnmask.pretrained.hf import from_hf_model
 
 DATA = Path(os.environ.get("ATTNMASK_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 

@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from attnmask import attention as A
 from attnmask import masks
-from attnmask.attention import BACKENDS, MultiHeadAttention, attention, prepare_mask
+from attnmask.attention import BACKENDS, MultiHeadAttention, attention, backends, prepare_mask
 
 BACKEND_NAMES = ("reference", "sdpa", "sdpa_blocks", "auto")
 HALF_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -332,7 +332,7 @@ class SDPASpy:
             self.calls.append({"q": tuple(q.shape), "k": tuple(k.shape), **kw})
             return real(q, k, v, **kw)
 
-        monkeypatch.setattr(A.F, "scaled_dot_product_attention", spy)
+        monkeypatch.setattr(backends.F, "scaled_dot_product_attention", spy)
 
 
 @pytest.mark.parametrize(
@@ -495,7 +495,7 @@ def test_module_kv_cache_hook_and_q_offset():
     x = torch.randn(B, T, C)
     full = mha(x, mask=masks.causal())
 
-    class Cache:  # what attnmask.cache provides: update(k, v) -> all keys/values so far
+    class Cache:  # what attnmask.model.cache provides: update(k, v) -> all keys/values so far
         def __init__(self):
             self.k = self.v = None
 

@@ -7,7 +7,7 @@ import torch
 
 from attnmask import masks
 from attnmask.audit import CHECKS, Subject, Tolerance, audit, from_callable
-from attnmask.audit_faults import FAULTS, inject, tiny_model
+from attnmask.audit.faults import FAULTS, inject, tiny_model
 from attnmask.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -338,9 +338,9 @@ def test_cli_exit_codes_and_json(capsys, tmp_path):
 
 
 def test_cli_audits_a_run_directory(capsys, tmp_path):
-    from attnmask.checkpoint import save_weights
-    from attnmask.run import TOKENIZER, WEIGHTS, write_config
-    from attnmask.tokenizer import Tokenizer
+    from attnmask.data.tokenizer import Tokenizer
+    from attnmask.train.checkpoint import save_weights
+    from attnmask.train.rundir import TOKENIZER, WEIGHTS, write_config
 
     tok = Tokenizer.train_chars(["abc def"])
     model = tiny_model("encoder_decoder", vocab_size=tok.vocab_size)

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnmask import masks
-from attnmask.cache import KVCache
 from attnmask.model import ModelConfig, Transformer
+from attnmask.model.cache import KVCache
 
 STEPS = 104  # tokens fed one at a time after the prefix (the issue asks for >= 100)
 
@@ -114,8 +114,10 @@ def test_incremental_logits_equal_full_recomputation(arch, side, positions):
     memory, memory_mask = source(model, side)
     inc = incremental_logits(model, ids, keep, memory, memory_mask, n_prefix=P)
     full = full_logits(model, ids, keep, memory, memory_mask)
-    assert full.abs().max() > 1.0  # logits are O(1): a 1e-5 agreement is not trivial
-    torch.testing.assert_close(inc, full, atol=1e-5, rtol=0)
+    scale = float(full.abs().max())
+    assert scale > 1.0  # logits are O(1): agreement to a few float32 ulps of the largest is not trivial
+    # float32 sums in a different order (one query vs the whole block): ~1e-5 of the largest logit
+    torch.testing.assert_close(inc, full, atol=1e-5 * scale, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])

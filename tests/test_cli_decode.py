@@ -11,11 +11,11 @@ import sacrebleu
 import torch
 
 from attnmask import decode
-from attnmask.checkpoint import save_weights
 from attnmask.cli import main
+from attnmask.data.tokenizer import EOS_ID, Tokenizer
 from attnmask.model import ModelConfig, Transformer
-from attnmask.run import TOKENIZER, WEIGHTS, load_run, write_config
-from attnmask.tokenizer import EOS_ID, Tokenizer
+from attnmask.train.checkpoint import save_weights
+from attnmask.train.rundir import TOKENIZER, WEIGHTS, load_run, write_config
 
 TEXT = "a man rides a horse. ein Mann reitet ein Pferd! two dogs play in the snow, zwei Hunde spielen im Schnee."
 SENTENCES = ["a man rides", "zwei Hunde", "the snow"]

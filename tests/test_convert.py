@@ -13,8 +13,8 @@ import torch
 from torch.testing import assert_close
 
 from attnmask import masks
-from attnmask.convert import config_from_hf, from_hf, from_hf_model, load_hf_dir, state_dict_from_hf
 from attnmask.model import ModelConfig
+from attnmask.pretrained.hf import config_from_hf, from_hf, from_hf_model, load_hf_dir, state_dict_from_hf
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
@@ -161,7 +161,7 @@ def test_gpt2_logits_match(kw):
 
 
 def test_gpt2_cached_decoding_matches_hf_past_key_values():
-    from attnmask.cache import KVCache
+    from attnmask.model.cache import KVCache
 
     hf = _gpt2()
     ours = from_hf_model(hf)
@@ -237,7 +237,7 @@ def test_marian_logits_match_with_source_padding(kw):
 
 
 def test_marian_cached_decoding_matches_full_hf_pass():
-    from attnmask.cache import KVCache
+    from attnmask.model.cache import KVCache
 
     hf = _marian()
     ours = from_hf_model(hf)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from attnmask import decode, masks
-from attnmask.beam import beam_search, best_tokens
+from attnmask.data.tokenizer import EOS_ID, SOS_ID, Tokenizer
+from attnmask.decode.beam import beam_search, best_tokens
+from attnmask.decode.sampling import filter_logits, sample
 from attnmask.model import ModelConfig, Transformer
-from attnmask.sampling import filter_logits, sample
-from attnmask.tokenizer import EOS_ID, SOS_ID, Tokenizer
 
 KINDS = ["decoder", "encoder_decoder"]
 INPUTS = [[5, 6, 7, 8, 9], [10, 11], [4, 5, 6], [7], [8, 9, 10, 11, 4, 5]]  # prompts or sources
@@ -253,7 +253,7 @@ def test_bad_sampling_settings_raise(kw):
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
 def reference_beam(model, row, K, max_new, alpha):
-    """The rules of attnmask.beam written out for one row, no cache, full recomputation."""
+    """The rules of attnmask.decode.beam written out for one row, no cache, full recomputation."""
     memory = model.encode(torch.tensor([row])) if model.is_encoder_decoder else None
     start = [SOS_ID] if model.is_encoder_decoder else list(row)
     beams, finished = [([], 0.0)], []
@@ -424,7 +424,7 @@ def hf_tokens(out: torch.Tensor, start: int) -> list[list[int]]:
 def test_greedy_and_beam_match_hf_generate_on_a_llama(seed):
     """Left-padded prompts, rotary positions from the padding, grouped-query heads, per-row <eos>."""
     transformers = pytest.importorskip("transformers")
-    from attnmask.convert import from_hf
+    from attnmask.pretrained.hf import from_hf
 
     cfg = transformers.LlamaConfig(
         vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -456,7 +456,7 @@ def test_greedy_and_beam_match_hf_generate_on_a_llama(seed):
 def test_greedy_and_beam_match_hf_generate_on_a_marian():
     """Right-padded sources, cross-attention, post-norm; rows end at different steps."""
     transformers = pytest.importorskip("transformers")
-    from attnmask.convert import from_hf
+    from attnmask.pretrained.hf import from_hf
 
     cfg = transformers.MarianConfig(
         vocab_size=16, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

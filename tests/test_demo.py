@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from attnmask.cli import main
-from attnmask.run import load_run, read_metrics
+from attnmask.train.rundir import load_run, read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnmask.run import load_run, read_metrics
 from attnmask.train import TrainConfig, train
+from attnmask.train.rundir import load_run, read_metrics
 
 WORKER = textwrap.dedent(
     """

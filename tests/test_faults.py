@@ -18,9 +18,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnmask import checkpoint
-from attnmask.run import load_run, read_metrics
-from attnmask.train import TrainConfig, resume_config, train
+from attnmask.train import TrainConfig, checkpoint, resume_config, train
+from attnmask.train.rundir import load_run, read_metrics
 
 MAX_STEPS = 60
 FLAGS = {

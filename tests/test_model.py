@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from attnmask.model import IGNORE_INDEX, ModelConfig, Transformer, lm_loss
+from attnmask.data import IGNORE_INDEX
+from attnmask.model import ModelConfig, Transformer, lm_loss
 
 PAD = 0
 V = 23

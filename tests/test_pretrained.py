@@ -24,7 +24,6 @@ import torch
 from torch.testing import assert_close
 
 from attnmask import decode, pretrained
-from attnmask.gguf_loader import permute_qk, read_gguf, unpermute_qk
 from attnmask.pretrained import (
     MODELS,
     ChatTemplate,
@@ -35,6 +34,7 @@ from attnmask.pretrained import (
     load,
     locate,
 )
+from attnmask.pretrained.gguf_file import permute_qk, read_gguf, unpermute_qk
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[hf]')")
 
@@ -384,7 +384,7 @@ def test_smollm2_load_by_name_through_the_cache(smol, tmp_path):
 
 
 def test_smollm2_weights_equal_transformers_reading(smol, smol_hf):
-    from attnmask.convert import state_dict_from_hf
+    from attnmask.pretrained.hf import state_dict_from_hf
 
     _, ckpt = smol
     theirs = state_dict_from_hf(smol_hf.state_dict(), smol_hf.config)

@@ -1,4 +1,4 @@
-"""Weights kept as GGUF blocks (:class:`attnmask.quantized.BlockLinear`) compute the float32 product
+"""Weights kept as GGUF blocks (:class:`attnmask.pretrained.quantized.BlockLinear`) compute the float32 product
 with the dequantized matrix, up to summation order.
 
 The claim is checked against a float64 reference: ``x @ W.T`` with ``W`` as ``gguf.dequantize``
@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 import test_pretrained
-from attnmask import decode, pretrained, quantized
+from attnmask import decode, pretrained
 from attnmask.audit import audit
-from attnmask.gguf_loader import read_gguf
-from attnmask.pretrained import build, load
-from attnmask.quantized import BLOCK_BYTES, BlockLinear, dequantize_blocks, kernel_status
+from attnmask.pretrained import build, load, quantized, registry
+from attnmask.pretrained.gguf_file import read_gguf
+from attnmask.pretrained.quantized import BLOCK_BYTES, BlockLinear, dequantize_blocks, kernel_status
 from test_pretrained import _prompts, _smollm2_path, write_tiny_gguf
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[hf]')")
@@ -380,7 +380,7 @@ def test_tiny_gguf_quantized_equals_float32(tmp_path, tied):
     path.write_bytes(b"")  # the cache is named by the file's hash: keep the name, lose the content
     with pytest.raises(ValueError):
         load(path, quantized=True, cache=tmp_path / "cache")
-    again = pretrained._read_cache(cached)
+    again = registry._read_cache(cached)
     assert {k: (kind, raw.shape) for k, (kind, raw) in again.blocks.items()} == {
         k: (kind, raw.shape) for k, (kind, raw) in blocks.items()
     }

@@ -1,4 +1,4 @@
-"""Tests for attnmask.tasks: the synthetic dates task and the task registry."""
+"""Tests for attnmask.data.synthetic: the synthetic dates task and the task registry."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnmask.tasks import (
+from attnmask.data.synthetic import (
     DATE_TEMPLATES,
     SPLITS,
     TWO_DIGIT_YEAR_WINDOW,

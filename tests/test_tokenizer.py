@@ -1,4 +1,4 @@
-"""Tests for attnmask.tokenizer: special ids, exact round trips, persistence and errors."""
+"""Tests for attnmask.data.tokenizer: special ids, exact round trips, persistence and errors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from attnmask.tokenizer import (
+from attnmask.data.tokenizer import (
     EOS,
     EOS_ID,
     MIN_BPE_VOCAB_SIZE,

@@ -1,4 +1,4 @@
-"""attnmask.train, attnmask.run and `attnmask train`: teacher forcing, checkpoints, resume, bad data."""
+"""attnmask.train, attnmask.train.rundir and `attnmask train`: teacher forcing, checkpoints, resume, bad data."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnmask import checkpoint
 from attnmask.cli import main
-from attnmask.corpus import translation_corpus
-from attnmask.run import load_run, read_metrics
-from attnmask.train import TrainConfig, learning_rate, param_groups, resume_config, train
+from attnmask.train import TrainConfig, checkpoint, learning_rate, param_groups, resume_config, train
+from attnmask.train.rundir import load_run, read_metrics
+from attnmask.train.tasks import translation_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,8 +71,8 @@ def test_a_tiny_model_overfits_a_tiny_dataset_and_decodes_it_back(tmp_path):
     assert result.losses[-1] < 0.05
     assert result.eval["exact_match"] == 1.0  # decoded by attnmask.decode when present
 
-    # the simple uncached greedy of attnmask.evaluate agrees, on targets of different lengths
-    from attnmask.evaluate import greedy_translate, source_tensor
+    # the simple uncached greedy of attnmask.train.evaluate agrees, on targets of different lengths
+    from attnmask.train.evaluate import greedy_translate, source_tensor
 
     loaded = load_run(tmp_path / "run")
     ids = loaded.src_tokenizer.encode_batch([s for s, _ in pairs])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from attnmask import masks
-from attnmask.audit_faults import tiny_model
+from attnmask.audit.faults import tiny_model
 from attnmask.cli import main
 from attnmask.viz import (
     mask_grid,
@@ -103,9 +103,9 @@ def test_save_dependency_png(tmp_path):
 # attnmask attention --run DIR "sentence"
 # ---------------------------------------------------------------------------------------------
 def make_run(path, task: str):
-    from attnmask.checkpoint import save_weights
-    from attnmask.run import TOKENIZER, WEIGHTS, write_config
-    from attnmask.tokenizer import Tokenizer
+    from attnmask.data.tokenizer import Tokenizer
+    from attnmask.train.checkpoint import save_weights
+    from attnmask.train.rundir import TOKENIZER, WEIGHTS, write_config
 
     tok = Tokenizer.train_chars(["hello world", "the cat sat"])
     arch = "encoder_decoder" if task == "translation" else "decoder"

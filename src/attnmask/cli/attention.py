@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from attnmask.tokenizer import EOS_ID, SOS_ID
+from attnmask.data.tokenizer import EOS_ID, SOS_ID
 
 
 def add_parser(sub) -> None:
@@ -77,7 +77,7 @@ def _grid(mask, B: int, Tq: int, Tk: int) -> Tensor:
 
 
 def run(args) -> int:
-    from attnmask.run import load_run
+    from attnmask.train.rundir import load_run
     from attnmask.viz import record_attention, save_attention_png
 
     if args.max_new_tokens is not None and args.max_new_tokens < 1:

@@ -16,7 +16,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def add_parser(sub) -> None:
-    from attnmask.audit_faults import FAULTS
+    from attnmask.audit.faults import FAULTS
 
     p = sub.add_parser(
         "audit",
@@ -109,8 +109,8 @@ def hf_model(spec: str, *, seed: int = 0):
 
 
 def build_subject(args):
-    from attnmask import audit_subjects
-    from attnmask.audit_faults import inject, tiny_model
+    from attnmask.audit import subjects as audit_subjects
+    from attnmask.audit.faults import inject, tiny_model
 
     if args.inject and args.hf_config:
         raise ValueError("--inject breaks attnmask models only; use it with --run or --tiny")
@@ -120,7 +120,7 @@ def build_subject(args):
             model = model.to(DTYPES[args.dtype])
         return audit_subjects.from_hf(model, name=f"Hugging Face {type(model).__name__} ({args.hf_config}, random)")
     if args.run:
-        from attnmask.run import load_run
+        from attnmask.train.rundir import load_run
 
         run = load_run(args.run)
         model, name = run.model, f"run {run.path} ({run.task}, {run.model.config.arch})"

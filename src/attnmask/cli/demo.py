@@ -1,7 +1,7 @@
 """``attnmask demo``: the built-in main job. No download, no data file.
 
 Teaches a small encoder-decoder Transformer to rewrite dates written in many human formats as
-ISO 8601 (``"Sunday, the 22nd of November 2026"`` → ``"2026-11-22"``, :mod:`attnmask.tasks`), a
+ISO 8601 (``"Sunday, the 22nd of November 2026"`` → ``"2026-11-22"``, :mod:`attnmask.data.synthetic`), a
 task that needs real attention over the source: the answer's digits come from words, ordinals and
 reordered fields. Then it scores held-out examples (exact match, recorded in ``metrics.jsonl``),
 shows a few translations, prints the masks one example was trained with, and points to the
@@ -16,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from attnmask import run as rundir
+from attnmask.train import rundir
 
 DEFAULT_OUT = "runs/demo"
 TEST_SIZE = 1000  # held-out pairs scored at the end
@@ -116,9 +116,9 @@ def _show_masks(loaded, src_text: str, tgt_text: str, longer_src: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from attnmask.evaluate import translate_ids
-    from attnmask.tasks import get_task
+    from attnmask.data.synthetic import get_task
     from attnmask.train import train
+    from attnmask.train.evaluate import translate_ids
 
     out = Path(args.out)
     _clear_previous_demo(out)

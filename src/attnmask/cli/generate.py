@@ -64,7 +64,7 @@ def run(args) -> int:
     if args.run is not None:
         if args.quantized:
             raise ValueError("--quantized applies to --model (a GGUF file's weights), not to --run")
-        from attnmask.run import load_run
+        from attnmask.train.rundir import load_run
 
         loaded = load_run(args.run, device=args.device)
         if loaded.task != "lm":

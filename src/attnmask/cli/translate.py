@@ -54,7 +54,7 @@ def check_options(args) -> None:
 
 
 def load_translation_run(path: str, device: str):
-    from attnmask.run import load_run
+    from attnmask.train.rundir import load_run
 
     run = load_run(path, device=device)
     if run.task != "translation":

@@ -10,11 +10,11 @@ Layout of a run directory::
                                          "src": "src_tokenizer.json" | null}}
                          "tgt" is the target (translation) or only (LM) tokenizer; "src" is null
                          when the source shares it (joint vocabulary) or for language models.
-    tokenizer.json       Hugging Face tokenizers file (attnmask.tokenizer.Tokenizer.save)
+    tokenizer.json       Hugging Face tokenizers file (attnmask.data.tokenizer.Tokenizer.save)
     src_tokenizer.json   only with separate source/target vocabularies
     model.safetensors    weights (tied tensors stored once); metadata {"step": "<n>"}
     trainer_state.pt     resume state: step, weights, optimizer, RNG states of every rank, data
-                         position of every rank, elapsed time (attnmask.checkpoint)
+                         position of every rank, elapsed time (attnmask.train.checkpoint)
     metrics.jsonl        one JSON object a line: {"step", "split": "train"|"valid"|"test", ...}
     tb/                  TensorBoard event files (the same scalars)
     loss.png             loss curves, written at the end of training
@@ -32,9 +32,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from attnmask.checkpoint import atomic_write_text, load_weights
+from attnmask.data.tokenizer import Tokenizer
 from attnmask.model import ModelConfig, Transformer
-from attnmask.tokenizer import Tokenizer
+from attnmask.train.checkpoint import atomic_write_text, load_weights
 
 FORMAT_VERSION = 1
 CONFIG = "config.json"

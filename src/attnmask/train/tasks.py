@@ -3,11 +3,11 @@
 Two kinds, chosen by ``TrainConfig.task``:
 
 - :class:`TranslationCorpus`: aligned ``(source, target)`` pairs from two files (or from a
-  built-in task of :mod:`attnmask.tasks`), tokenized once, served as teacher-forcing batches
+  built-in task of :mod:`attnmask.data.synthetic`), tokenized once, served as teacher-forcing batches
   (:func:`attnmask.data.make_translation_batch`) under a token budget with length bucketing
-  (:class:`attnmask.batching.TokenBucketBatcher`).
+  (:class:`attnmask.data.batching.TokenBucketBatcher`).
 - :class:`LMCorpus`: one token stream, served as random fixed-length blocks
-  (:class:`attnmask.batching.LMStream`), evaluated on consecutive blocks of the validation stream.
+  (:class:`attnmask.data.batching.LMStream`), evaluated on consecutive blocks of the validation stream.
 
 Tokenizers are trained on the training split only (a resumed run loads the saved ones instead).
 """
@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnmask import tasks
-from attnmask.batching import LMStream, TokenBucketBatcher
 from attnmask.data import (
     DataError,
     TranslationBatch,
@@ -29,10 +27,12 @@ from attnmask.data import (
     read_text,
     translation_lengths,
 )
-from attnmask.tokenizer import Tokenizer
+from attnmask.data import synthetic as tasks
+from attnmask.data.batching import LMStream, TokenBucketBatcher
+from attnmask.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from attnmask.train import TrainConfig
+    from attnmask.train.loop import TrainConfig
 
 # Without validation files, the last pairs of the training data are held out: this share, capped.
 HOLDOUT_FRACTION = 0.05

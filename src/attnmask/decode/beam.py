@@ -5,7 +5,7 @@ tokens' log-probabilities. Every step extends each hypothesis by every token, ke
 ``2 * beam_size`` best candidates of the row, turns the ``<eos>`` ones that rank among the best
 ``beam_size`` into finished hypotheses (as fairseq and Hugging Face do, so ``beam_size=1`` *is*
 greedy decoding), and continues with the ``beam_size`` best others. The cache rows are then copied
-from each survivor's parent (:meth:`attnmask.cache.KVCache.reorder`).
+from each survivor's parent (:meth:`attnmask.model.cache.KVCache.reorder`).
 
 A finished hypothesis of ``n`` generated tokens (``<eos>`` included) scores
 ``logprob / n ** length_penalty``; ``length_penalty > 0`` favours longer outputs, ``0`` compares raw
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnmask.decode import Ids, StopIds, decode_step, eval_mode, is_stop, start, stop_set
-from attnmask.tokenizer import EOS_ID, SOS_ID
+from attnmask.data.tokenizer import EOS_ID, SOS_ID
+from attnmask.decode.steps import Ids, StopIds, decode_step, eval_mode, is_stop, start, stop_set
 
 __all__ = ["Hypothesis", "beam_search", "best_tokens"]
 

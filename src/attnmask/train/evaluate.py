@@ -1,6 +1,6 @@
 """Evaluation during training: validation loss, greedy translations scored with sacreBLEU, perplexity.
 
-Every function takes the *unwrapped* model (not the DDP wrapper) and a :class:`~attnmask.distributed.Dist`:
+Every function takes the *unwrapped* model (not the DDP wrapper) and a :class:`~attnmask.train.distributed.Dist`:
 each rank evaluates its share, and sums / translations are gathered, so every rank returns the
 same numbers as a single process would.
 """
@@ -15,12 +15,12 @@ import sacrebleu
 import torch
 from torch import Tensor
 
-from attnmask import distributed
-from attnmask.batching import iter_eval_blocks
-from attnmask.corpus import LMCorpus, TranslationCorpus
 from attnmask.data import make_translation_batch
+from attnmask.data.batching import iter_eval_blocks
+from attnmask.data.tokenizer import Tokenizer
 from attnmask.model import Transformer, lm_loss
-from attnmask.tokenizer import Tokenizer
+from attnmask.train import distributed
+from attnmask.train.tasks import LMCorpus, TranslationCorpus
 
 
 def source_tensor(src_ids: list[list[int]], tokenizer: Tokenizer) -> Tensor:

@@ -1,7 +1,7 @@
 """Audits that prove no token peeks: causality, padding invariance, cache parity, no NaN.
 
 The seeds' whole point is that no position may see a future token or a pad. These checks measure
-it from the outside, on any model (see :mod:`attnmask.audit_subjects`): an attnmask Transformer or
+it from the outside, on any model (see :mod:`attnmask.audit.subjects`): an attnmask Transformer or
 run directory, a Hugging Face model, or a callable from ids to logits.
 
 Checks, in the order they run and report:
@@ -43,8 +43,8 @@ import torch
 from torch import Tensor
 
 from attnmask import masks
-from attnmask.audit_report import AuditReport, CheckResult, Leak
-from attnmask.audit_subjects import Subject, as_subject, from_callable, from_hf, from_run, from_transformer
+from attnmask.audit.report import AuditReport, CheckResult, Leak
+from attnmask.audit.subjects import Subject, as_subject, from_callable, from_hf, from_run, from_transformer
 
 __all__ = [
     "audit",
@@ -119,7 +119,7 @@ def audit(
 
     Args:
         model: an attnmask Transformer, a run directory, a Hugging Face model, a
-            :class:`~attnmask.audit_subjects.Subject`, or a callable ``(input_ids, attention_mask)
+            :class:`~attnmask.audit.subjects.Subject`, or a callable ``(input_ids, attention_mask)
             -> logits`` (then pass ``vocab_size=``, and ``encoder_decoder=True`` for a callable
             ``(src_ids, src_mask, tgt_ids, tgt_mask) -> logits``).
         length: target length T of the audited sequences; src_length: source length S.
@@ -131,7 +131,7 @@ def audit(
         checks: a subset of :data:`CHECKS` to run (default all that apply).
         rtol, atol: override the dtype's tolerance.
         chunk_size: most rows per forward call.
-        subject_kwargs: passed to :func:`~attnmask.audit_subjects.as_subject`.
+        subject_kwargs: passed to :func:`~attnmask.audit.subjects.as_subject`.
 
     Returns:
         an :class:`AuditReport`; ``report.passed`` / ``report.exit_code`` gate CI.

@@ -5,9 +5,9 @@ renamed over the old one with :func:`os.replace`, which is atomic on POSIX file 
 (or a resumed run after ``kill -9``) sees either the previous version or the new one. The
 directory is fsynced too, so the rename itself survives a power cut.
 
-A training checkpoint is two files in the run directory (see :mod:`attnmask.run`):
+A training checkpoint is two files in the run directory (see :mod:`attnmask.train.rundir`):
 
-- ``model.safetensors``: the weights, for inference (:func:`attnmask.run.load_run`);
+- ``model.safetensors``: the weights, for inference (:func:`attnmask.train.rundir.load_run`);
 - ``trainer_state.pt``: everything a resume needs, **weights included**, in one file. Resuming
   reads only this file, so a crash between the two renames can never pair step-N weights with
   step-N+1 optimizer state.

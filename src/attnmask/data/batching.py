@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from attnmask.data import DataError
+from attnmask.data.files import DataError
 
 Lengths = Sequence[int] | Sequence[tuple[int, int]]
 

@@ -178,7 +178,7 @@ def make_date_pairs(
     if not 1 <= min_year <= max_year <= 9999:
         raise ValueError(f"min_year={min_year}, max_year={max_year}; expected 1 <= min_year <= max_year <= 9999")
     # A string seed is hashed with SHA-512 by random.Random, so it is stable across processes.
-    rng = random.Random(f"attnmask.tasks.dates:{seed}:{split}")
+    rng = random.Random(f"attnmask.data.synthetic.dates:{seed}:{split}")
     first = datetime.date(min_year, 1, 1).toordinal()
     last = datetime.date(max_year, 12, 31).toordinal()
     four_digit = [t for t in DATE_TEMPLATES if "{Y2}" not in t]

@@ -3,7 +3,7 @@
 Greedy decoding starts from ``<sos>`` (encoder-decoder) or from a prompt (decoder-only), takes the
 arg-max of the last position's logits, appends it, and repeats until ``<eos>`` or a length limit.
 The logits of positions already decoded never change as the output grows (the look-ahead mask
-hides later tokens), so their keys and values are kept in an :class:`~attnmask.cache.KVCache` and
+hides later tokens), so their keys and values are kept in an :class:`~attnmask.model.cache.KVCache` and
 each step runs only the new token through the decoder, and only the last position through
 ``W_pred``.
 
@@ -12,11 +12,11 @@ The pieces, small and separate (gpt-fast style):
 - :func:`start`: encode the source once / prefill the prompt; returns a :class:`DecodeState` and
   the first logits;
 - :func:`decode_step`: one token per row through the decoder -> logits ``(B, V)``;
-- :func:`attnmask.sampling.sample`: arg-max (temperature 0), or a draw with temperature, top-k,
+- :func:`attnmask.decode.sampling.sample`: arg-max (temperature 0), or a draw with temperature, top-k,
   top-p and an explicit ``torch.Generator``;
 - :func:`stream`: the loop, yielding each step's tokens ``(B,)`` as they come;
 - :func:`greedy` / :func:`generate_ids`: the loop collected into id lists;
-- :mod:`attnmask.beam`: beam search on the same pieces;
+- :mod:`attnmask.decode.beam`: beam search on the same pieces;
 - :func:`translate` / :func:`generate`: text in, text out.
 
 Batches: every row stops on its own. A finished row emits ``<pad>`` in :func:`stream` and is dropped
@@ -40,26 +40,11 @@ from torch import Tensor
 
 from attnmask import masks
 from attnmask.attention import PreparedMask, prepare_mask
-from attnmask.cache import KVCache
-from attnmask.sampling import check_sampling, sample
-from attnmask.tokenizer import EOS_ID, SOS_ID
+from attnmask.data.tokenizer import EOS_ID, SOS_ID
+from attnmask.decode.sampling import check_sampling, sample
+from attnmask.model.cache import KVCache
 
-__all__ = [
-    "DecodeState",
-    "pad_batch",
-    "start",
-    "decode_step",
-    "stream",
-    "generate_ids",
-    "greedy",
-    "translate",
-    "generate",
-    "source_ids",
-    "stop_set",
-    "default_max_len",
-]
-
-Ids = Sequence[Sequence[int]] | Tensor
+Ids = Sequence[Sequence[int]] | Tensor  # token ids: lists of rows, or a (B, T) tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,154 +421,3 @@ def greedy(
     return generate_ids(
         model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, temperature=0.0, eos_id=eos_id, sos_id=sos_id
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Text in, text out
-# ---------------------------------------------------------------------------------------------
-def translate(
-    model,
-    src_tokenizer,
-    tgt_tokenizer,
-    sentences: Sequence[str],
-    *,
-    beam: int = 1,
-    max_len: int | None = None,
-    batch_size: int = 64,
-    length_penalty: float = 1.0,
-    progress: bool = False,
-) -> list[str]:
-    """Translate ``sentences`` (in their order) with greedy decoding (``beam=1``) or beam search.
-
-    Sentences are batched by length (longest first); ``max_len`` limits the generated tokens per
-    sentence (default :func:`default_max_len` of its source, so a sentence's translation does not
-    depend on its batch).
-
-    Raises ValueError for a source longer than the model's maximum, TypeError for a non-string.
-    """
-    from attnmask.beam import beam_search, best_tokens  # beam builds on this module
-
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    sentences = list(sentences)
-    ids = source_ids(src_tokenizer, sentences)
-    model_max = model.config.max_seq_len
-    for i, s in enumerate(ids):
-        _check_length(len(s), f"sentence {i + 1} (with <eos>)", model_max)
-    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-    out: list[str] = [""] * len(ids)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(ids), unit="sent", desc="translate", leave=False)
-    for first in range(0, len(order), batch_size):
-        chunk = order[first : first + batch_size]
-        src = [ids[i] for i in chunk]
-        limits = [max_len or default_max_len(len(s), model_max) for s in src]
-        if beam == 1:
-            hyps = greedy(model, src=src, max_new_tokens=limits)
-        else:
-            results = beam_search(model, src=src, beam_size=beam, max_new_tokens=limits, length_penalty=length_penalty)
-            hyps = best_tokens(results)
-        for i, h in zip(chunk, hyps):
-            out[i] = tgt_tokenizer.decode(h)
-        if bar is not None:
-            bar.update(len(chunk))
-    if bar is not None:
-        bar.close()
-    return out
-
-
-class _TextStream:
-    """Turns a growing list of ids into new text pieces, holding back incomplete characters."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # a byte-level token split a UTF-8 character: wait for the rest
-            return ""
-        return self.flush(text)
-
-    def flush(self, text: str | None = None) -> str:
-        text = self.tokenizer.decode(self.ids) if text is None else text
-        piece, self.sent = text[self.sent :], len(text)
-        return piece
-
-
-def generate(
-    model,
-    tokenizer,
-    prompts: str | Sequence[str],
-    *,
-    max_new_tokens: int = 200,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    stream: bool = False,
-    eos_id: int | None = None,
-):
-    """Continue text prompt(s) with a decoder-only model.
-
-    Returns the continuation (a ``str`` for one prompt, a list for a list), or with ``stream=True``
-    an iterator of text pieces as tokens arrive (``str`` pieces for one prompt, one list of pieces
-    per step for a list). ``temperature=0`` is greedy; ``seed`` makes sampling reproducible.
-    ``eos_id`` (one id or several) defaults to the tokenizer's ``stop_ids`` if it has them (chat
-    models), else its ``eos_id``.
-
-    Raises ValueError for an empty prompt or one longer than the model's maximum.
-    """
-    single = isinstance(prompts, str)
-    texts = [prompts] if single else list(prompts)
-    if not texts:
-        raise ValueError("no prompts given; expected at least one")
-    ids = [tokenizer.encode(t) for t in texts]
-    for i, p in enumerate(ids):
-        if not p:
-            raise ValueError(f"prompt {i + 1} is empty; expected some text to continue")
-        _check_length(len(p), f"prompt {i + 1}", model.config.max_seq_len)
-    check_sampling(temperature, top_k, top_p)
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    eos = eos_id
-    if eos is None:
-        eos = getattr(tokenizer, "stop_ids", None) or getattr(tokenizer, "eos_id", EOS_ID)
-    steps = _steps(
-        model,
-        src=None,
-        prompts=ids,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        generator=generator,
-        eos_id=eos,
-        sos_id=SOS_ID,
-    )
-    pieces = _text_pieces(steps, tokenizer, len(texts), stop_set(eos))
-    if stream:
-        return (p[0] for p in pieces) if single else pieces
-    parts = [[] for _ in texts]
-    for step in pieces:
-        for r, piece in enumerate(step):
-            parts[r].append(piece)
-    out = ["".join(p) for p in parts]
-    return out[0] if single else out
-
-
-def _text_pieces(steps, tokenizer, n: int, stops: frozenset[int]) -> Iterator[list[str]]:
-    streams = [_TextStream(tokenizer) for _ in range(n)]
-    for _, rows, tokens in steps:
-        pieces = [""] * n
-        for r, t in zip(rows.tolist(), tokens.tolist()):
-            if t not in stops:
-                pieces[r] = streams[r].push(t)
-        yield pieces
-    tail = [s.flush() for s in streams]  # whatever an unfinished character held back
-    if any(tail):
-        yield tail

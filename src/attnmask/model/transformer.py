@@ -13,7 +13,7 @@ The prediction head ``W_pred`` (``lm_head``) maps hidden states ``(B, T, C)`` to
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,233 +21,9 @@ from torch import Tensor, nn
 
 from attnmask import masks
 from attnmask.attention import MultiHeadAttention, prepare_mask
-
-IGNORE_INDEX = -100
-
-ARCHS = ("encoder_decoder", "decoder")
-POSITIONS = ("sinusoidal", "learned", "rotary")
-NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
-
-
-@dataclass
-class ModelConfig:
-    """Hyper-parameters of an attnmask Transformer. Checked in ``__post_init__``."""
-
-    vocab_size: int  # target (or only) vocabulary, V
-    arch: str = "decoder"  # "encoder_decoder" or "decoder"
-    src_vocab_size: int | None = None  # encoder vocabulary; None = shared with the decoder
-    dim: int = 256  # model width C
-    n_layers: int = 4  # decoder layers
-    n_encoder_layers: int | None = None  # encoder layers; None = n_layers
-    n_heads: int = 4  # query heads H
-    n_kv_heads: int | None = None  # key/value heads Hkv (grouped-query when < n_heads); None = n_heads
-    head_dim: int | None = None  # None = dim // n_heads
-    ffn_dim: int | None = None  # None = 4 * dim
-    max_seq_len: int = 512  # longest sequence for learned/sinusoidal positions and decoding
-    positions: str = "sinusoidal"  # "sinusoidal" | "learned" | "rotary"
-    rope_theta: float = 10000.0  # rotary base
-    # rotary frequency scaling of long-context checkpoints: None, {"rope_type": "linear", "factor": f}
-    # or Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"} (Hugging Face's names)
-    rope_scaling: dict | None = None
-    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
-    norm_eps: float = 1e-5
-    norm_position: str = "pre"  # "pre" (GPT-2/Llama) or "post" (original Transformer, Marian)
-    final_norm: bool = True  # a norm after the last layer (pre-norm models)
-    activation: str = "gelu"  # "relu" | "gelu" | "gelu_tanh" | "silu" | "swiglu"
-    bias: bool = True  # biases in linear layers
-    dropout: float = 0.0
-    tie_embeddings: bool = True  # lm_head shares the (target) embedding matrix
-    embed_scale: bool = False  # multiply embeddings by sqrt(dim) (original Transformer, Marian)
-    lm_head_bias: bool = False  # a bias on the logits (Marian's final_logits_bias)
-    pad_id: int | None = 0  # None: no padding id (pretrained LMs whose every id is a real token)
-    attn_backend: str = "auto"
-    extra: dict = field(default_factory=dict)  # free-form notes (e.g. where weights came from)
-
-    def __post_init__(self):
-        for name, val, allowed in (
-            ("arch", self.arch, ARCHS),
-            ("positions", self.positions, POSITIONS),
-            ("norm", self.norm, NORMS),
-            ("norm_position", self.norm_position, NORM_POSITIONS),
-            ("activation", self.activation, ACTIVATIONS),
-        ):
-            if val not in allowed:
-                raise ValueError(f"ModelConfig.{name}={val!r}, expected one of {allowed}")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_heads % self.kv_heads != 0:
-            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
-        if self.head_dim is None and self.dim % self.n_heads != 0:
-            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads} (or set head_dim)")
-        if self.positions == "rotary" and self.d_head % 2:
-            raise ValueError(f"rotary positions need an even head dim, got {self.d_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.rope_scaling is not None:
-            check_rope_scaling(self.rope_scaling)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def d_head(self) -> int:
-        return self.head_dim or self.dim // self.n_heads
-
-    @property
-    def d_ffn(self) -> int:
-        return self.ffn_dim or 4 * self.dim
-
-    @property
-    def encoder_layers(self) -> int:
-        return self.n_layers if self.n_encoder_layers is None else self.n_encoder_layers
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; expected some of {sorted(known)}")
-        return cls(**d)
-
-
-# ---------------------------------------------------------------------------------------------
-# Building blocks
-# ---------------------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        # normalize in at least float32 for bfloat16 stability, then scale in x's dtype (as Llama
-        # does); F.rms_norm computes x * rsqrt(mean(x^2) + eps)
-        wide = x.float() if x.element_size() < 4 else x  # float64 stays float64
-        normed = F.rms_norm(wide, (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.dim, cfg.norm_eps)
-    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
-
-
-class MLP(nn.Module):
-    """Position-wise feed-forward: ``down(act(up(x)))`` or SwiGLU ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.activation = cfg.activation
-        if cfg.activation == "swiglu":
-            self.gate_proj = nn.Linear(cfg.dim, cfg.d_ffn, bias=cfg.bias)
-        self.up_proj = nn.Linear(cfg.dim, cfg.d_ffn, bias=cfg.bias)
-        self.down_proj = nn.Linear(cfg.d_ffn, cfg.dim, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
-        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections_: gate and up in one product
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        elif self.activation == "swiglu":
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        else:
-            h = self.up_proj(x)
-            if self.activation == "relu":
-                h = F.relu(h)
-            elif self.activation == "gelu":
-                h = F.gelu(h)
-            elif self.activation == "gelu_tanh":
-                h = F.gelu(h, approximate="tanh")
-            else:
-                h = F.silu(h)
-        return self.down_proj(self.dropout(h) if self.training else h)
-
-
-def sinusoidal_table(n_pos: int, dim: int) -> Tensor:
-    """``(n_pos, dim)``: sines in the first half, cosines in the second (Marian's layout)."""
-    half = (dim + 1) // 2
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # (ceil(C/2),)
-    ang = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv_freq[None]  # (n_pos, ceil(C/2))
-    table = torch.zeros(n_pos, dim, dtype=torch.float64)
-    table[:, :half] = ang.sin()
-    table[:, half:] = ang[:, : dim - half].cos()
-    return table.float()
-
-
-ROPE_SCALING_KEYS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-
-
-def check_rope_scaling(scaling: dict) -> None:
-    kind = scaling.get("rope_type")
-    if kind not in ROPE_SCALING_KEYS:
-        raise ValueError(f"rope_scaling rope_type={kind!r}, expected one of {sorted(ROPE_SCALING_KEYS)}")
-    missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in scaling]
-    if missing:
-        raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}; got {scaling}")
-
-
-def scale_rope_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
-    """Long-context frequency scaling, as Hugging Face's ``modeling_rope_utils`` computes it."""
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-    return torch.where(medium, blended, scaled)
-
-
-class Rotary(nn.Module):
-    """Rotary position embedding, Hugging Face Llama's "rotate half" layout."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (D/2,)
-        if scaling is not None:
-            inv_freq = scale_rope_frequencies(inv_freq, scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions ``(B, T)`` -> cos, sin ``(B, 1, T, D)``."""
-        ang = positions.float()[..., None] * self.inv_freq  # (B, T, D/2)
-        emb = torch.cat([ang, ang], dim=-1)[:, None]  # (B, 1, T, D)
-        return emb.cos(), emb.sin()
-
-    @staticmethod
-    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return (x * cos + rotated * sin).to(x.dtype)
-
-    @staticmethod
-    def signed_sin(sin: Tensor) -> Tensor:
-        """``sin`` with its first half negated, so that ``rotate_half(x) * sin == x.roll(D/2) * signed``."""
-        half = sin.shape[-1] // 2
-        return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # (B, 1, T, D)
-
-    @staticmethod
-    def rotate_signed(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-        """:meth:`rotate` in 3 ops instead of 7 (it runs twice per layer per decoded token); the same
-        products and sum, so bitwise the same result."""
-        out = x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+from attnmask.data.batches import IGNORE_INDEX
+from attnmask.model.config import ModelConfig
+from attnmask.model.layers import MLP, Rotary, make_norm, sinusoidal_table
 
 
 class Block(nn.Module):
@@ -474,7 +250,7 @@ class Transformer(nn.Module):
                 from ``ids`` (without cache) or look-ahead alone (with cache: pass padding
                 explicitly, :mod:`attnmask.decode` does).
             positions: ``(B, T)`` absolute positions; default ``past + arange(T)``.
-            cache: a :class:`attnmask.cache.KVCache`; advanced by T in place.
+            cache: a :class:`attnmask.model.cache.KVCache`; advanced by T in place.
             last_only: only the last position goes through ``W_pred`` (decoding).
         Returns logits ``(B, T|1, V)`` (hidden states ``(B, T, C)`` with ``return_hidden``).
         """
@@ -540,7 +316,7 @@ class Transformer(nn.Module):
 
 def _concat_linear(layers: list[nn.Module]) -> nn.Module | None:
     """One module computing ``cat([layer(x) ...], -1)``: a stacked ``nn.Linear``, or the layers'
-    own ``concat`` (:meth:`attnmask.quantized.BlockLinear.concat`); None when they do not stack."""
+    own ``concat`` (:meth:`attnmask.pretrained.quantized.BlockLinear.concat`); None when they do not stack."""
     kinds = {type(layer) for layer in layers}
     if len(kinds) != 1:
         return None

@@ -1,7 +1,7 @@
 """Linear layers whose weights stay in llama.cpp's block formats (Q4_1, Q8_0), exactly as a GGUF file stores them.
 
 A GGUF weight such as SmolLM2's ``Q4_1`` keeps 32 weights in 20 bytes (a float16 scale ``d`` and
-minimum ``m``, then 4-bit codes ``q``): weight = ``d * q + m``. :func:`attnmask.gguf_loader.read_gguf`
+minimum ``m``, then 4-bit codes ``q``): weight = ``d * q + m``. :func:`attnmask.pretrained.gguf_file.read_gguf`
 dequantizes every block to float32, which is the function the file defines, and reads all 4 bytes
 of every weight in every decoding step. :class:`BlockLinear` keeps the file's codes instead
 (repacked once into a layout the kernel reads without byte shuffles; the values are unchanged)
@@ -46,6 +46,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from attnmask.pretrained.storage import cache_dir
 
 __all__ = ["BlockLinear", "BLOCK_BYTES", "dequantize_blocks", "kernel_status"]
 
@@ -93,8 +95,6 @@ def _load_kernel():
         if os.environ.get("ATTNMASK_QUANT_KERNEL", "1") == "0":
             _state["why"] = "disabled by ATTNMASK_QUANT_KERNEL=0"
         else:
-            from attnmask.pretrained import cache_dir
-
             flags = _flags()
             key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
             target = cache_dir() / "kernels" / f"quantized-{sys.platform}-{platform.machine()}-{key}.so"

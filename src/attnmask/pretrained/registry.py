@@ -1,7 +1,7 @@
 """Pretrained models by name: ``load("smollm2") -> (model, tokenizer, chat_template)``.
 
 The model is attnmask's own :class:`~attnmask.model.Transformer`, configured from the checkpoint
-(see :mod:`attnmask.gguf_loader`); nothing is downloaded at run time. Weight files come from
+(see :mod:`attnmask.pretrained.gguf_file`); nothing is downloaded at run time. Weight files come from
 Python packages that ship them, located with :func:`importlib.util.find_spec` *without importing
 the package* (its own dependencies are not needed):
 
@@ -20,7 +20,7 @@ config and tokenizer are cached as one safetensors file named by the GGUF file's
 
 Pretrained tokenizers keep their own special tokens (SmolLM2: ``<|endoftext|>`` = 0,
 ``<|im_start|>`` = 1, ``<|im_end|>`` = 2), so they are wrapped by :class:`PretrainedTokenizer`,
-which exposes the same ids as :class:`attnmask.tokenizer.Tokenizer` (``pad_id``, ``sos_id``,
+which exposes the same ids as :class:`attnmask.data.tokenizer.Tokenizer` (``pad_id``, ``sos_id``,
 ``eos_id``, ``unk_id``) plus ``stop_ids``, the tokens that end a generation.
 """
 
@@ -40,7 +40,8 @@ import torch
 from torch import Tensor, nn
 
 from attnmask.model import ModelConfig, Rotary, Transformer, fuse_projections_, sinusoidal_table
-from attnmask.quantized import BlockLinear
+from attnmask.pretrained.quantized import BlockLinear
+from attnmask.pretrained.storage import cache_dir
 
 __all__ = [
     "MODELS",
@@ -82,7 +83,7 @@ MODELS: dict[str, PretrainedSpec] = {
 class PretrainedTokenizer:
     """A pretrained model's own tokenizer (a Hugging Face ``tokenizers.Tokenizer``) and special ids.
 
-    Unlike :class:`attnmask.tokenizer.Tokenizer`, special tokens spelled in the text (as a rendered
+    Unlike :class:`attnmask.data.tokenizer.Tokenizer`, special tokens spelled in the text (as a rendered
     chat template spells ``<|im_start|>``) encode to their ids, as in Hugging Face.
     """
 
@@ -293,14 +294,6 @@ def locate(name: str | os.PathLike) -> Path:
     )
 
 
-def cache_dir() -> Path:
-    """``$ATTNMASK_CACHE``, else ``$XDG_CACHE_HOME/attnmask``, else ``~/.cache/attnmask``."""
-    if os.environ.get("ATTNMASK_CACHE"):
-        return Path(os.environ["ATTNMASK_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "attnmask"
-
-
 def _digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -319,7 +312,7 @@ def cache_file(gguf_path: Path, folder: str | os.PathLike | None = None, *, quan
 
 
 def write_cache(file: Path, ckpt) -> None:
-    """Store a :class:`~attnmask.gguf_loader.GGUFCheckpoint` as one safetensors file (weights, and
+    """Store a :class:`~attnmask.pretrained.gguf_file.GGUFCheckpoint` as one safetensors file (weights, and
     config/tokenizer/template as metadata; quantized blocks as ``blocks.<name>`` uint8 tensors)."""
     from safetensors.torch import save_file
 
@@ -372,7 +365,7 @@ def _read_cache(file: Path) -> _Loaded:
 def _read(path: Path, cache: bool | str | os.PathLike, quantized: bool = False) -> _Loaded:
     """The checkpoint of a GGUF file, from the cache when it has it (parsing a file's metadata alone
     takes seconds); ``quantized`` keeps the linear layers' blocks (a cache file of its own)."""
-    from attnmask.gguf_loader import read_gguf
+    from attnmask.pretrained.gguf_file import read_gguf
 
     file = None
     if cache:
@@ -401,8 +394,8 @@ def build(
     (seconds for 135M parameters): parameters are created on the meta device, then take the
     given tensors; buffers computed at construction are computed again on the CPU.
 
-    ``blocks`` (from :func:`attnmask.gguf_loader.read_gguf` with ``keep_blocks=True``) names linear
-    weights kept as GGUF blocks: their ``nn.Linear`` becomes a :class:`attnmask.quantized.BlockLinear`.
+    ``blocks`` (from :func:`attnmask.pretrained.gguf_file.read_gguf` with ``keep_blocks=True``) names linear
+    weights kept as GGUF blocks: their ``nn.Linear`` becomes a :class:`attnmask.pretrained.quantized.BlockLinear`.
     """
     blocks = dict(blocks or {})
     with torch.device("meta"):
@@ -466,7 +459,7 @@ def load(
         column_major: store float32 linear weights column-major (:func:`column_major_`), faster
             one-token steps on CPU.
         quantized: keep the file's Q4_1/Q8_0 blocks for the linear layers and ``W_pred``
-            (:class:`attnmask.quantized.BlockLinear`): the same function as the float32 model
+            (:class:`attnmask.pretrained.quantized.BlockLinear`): the same function as the float32 model
             (products regrouped per block, activations float32) reading ~6x fewer weight bytes per
             step. Inference only. Needs ``dtype=torch.float32``; cached in a file of its own
             (about 210 MB for SmolLM2).

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from attnmask.model import ModelConfig
-from attnmask.quantized import BLOCK_BYTES
+from attnmask.pretrained.quantized import BLOCK_BYTES
 
 __all__ = ["GGUFCheckpoint", "read_gguf", "config_from_metadata", "unpermute_qk", "permute_qk", "build_tokenizer"]
 
@@ -232,7 +232,7 @@ def read_gguf(source, *, keep_blocks: bool = False) -> GGUFCheckpoint:
 
     ``source`` is a path or an open ``gguf.GGUFReader`` (parsing a file's metadata takes seconds:
     a reader can be shared with other code reading the same file). With ``keep_blocks``, the
-    weights of linear layers stored in a format :class:`attnmask.quantized.BlockLinear` runs
+    weights of linear layers stored in a format :class:`attnmask.pretrained.quantized.BlockLinear` runs
     (Q4_1, Q8_0) are returned undecoded in :attr:`GGUFCheckpoint.blocks` instead (rows of the
     query/key weights still put back in Hugging Face order).
 

@@ -116,7 +116,7 @@ def from_transformer(model, *, name: str | None = None) -> Subject:
     ``pad_id`` in the config, key padding from the 0/1 mask is added to ``model.target_mask``.
     Cached decoding passes ``masks.causal() & masks.padding(keep=...)``, as :mod:`attnmask.decode` does.
     """
-    from attnmask.cache import KVCache
+    from attnmask.model.cache import KVCache
 
     model.eval()
     cfg = model.config
@@ -214,7 +214,7 @@ def from_transformer(model, *, name: str | None = None) -> Subject:
 
 def from_run(path: str | Path) -> Subject:
     """Audit the model of a run directory written by ``attnmask train``."""
-    from attnmask.run import load_run
+    from attnmask.train.rundir import load_run
 
     run = load_run(path)
     return from_transformer(run.model, name=f"run {run.path} ({run.task}, {run.model.config.arch})")

@@ -10,7 +10,7 @@ One loop, :func:`train`, serves the CLI (``attnmask train``, ``attnmask demo``),
   identical to a single process on the same examples;
 - evaluation every ``eval_every`` steps (validation loss, then BLEU/chrF/exact match on greedy
   translations, or perplexity), logged to ``metrics.jsonl``, TensorBoard and a tqdm bar;
-- checkpoints written atomically (:mod:`attnmask.checkpoint`); ``resume=True`` continues exactly
+- checkpoints written atomically (:mod:`attnmask.train.checkpoint`); ``resume=True`` continues exactly
   where the run stopped (same batches, same random numbers, same losses in float32);
 - SIGINT/SIGTERM finish the current step, save, and return; a second SIGINT aborts at once.
 
@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attnmask import checkpoint, distributed, evaluate
-from attnmask import run as rundir
-from attnmask.corpus import LMCorpus, TranslationCorpus, lm_corpus, translation_corpus
-from attnmask.model import IGNORE_INDEX, ModelConfig, Transformer, lm_loss
+from attnmask.data import IGNORE_INDEX
+from attnmask.model import ModelConfig, Transformer, lm_loss
+from attnmask.train import checkpoint, distributed, evaluate, rundir
+from attnmask.train.rundir import TASKS
+from attnmask.train.tasks import LMCorpus, TranslationCorpus, lm_corpus, translation_corpus
 
-TASKS = ("translation", "lm")
 PRECISIONS = ("fp32", "bf16")
 
 # Model sizes; every field can be overridden one by one (TrainConfig.dim, .layers, ...).
@@ -66,7 +66,7 @@ class TrainConfig:
     tgt: str | None = None  # translation: target file, line-aligned with src
     valid_src: str | None = None  # validation pairs; None = hold out the last 5% (max 1000) of src/tgt
     valid_tgt: str | None = None
-    builtin_task: str | None = None  # a task of attnmask.tasks instead of files (e.g. "dates")
+    builtin_task: str | None = None  # a task of attnmask.data.synthetic instead of files (e.g. "dates")
     train_size: int = 20000  # built-in task: training pairs generated
     valid_size: int = 1000  # built-in task: validation pairs generated
     text: str | None = None  # lm: plain text file

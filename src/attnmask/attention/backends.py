@@ -1,0 +1,291 @@
+"""Masked multi-head attention with pluggable backends.
+
+Shape legend (used in every comment of this package)::
+
+    B   batch                 H    query heads          Hkv  key/value heads (H % Hkv == 0)
+    Tq  query length          Tk   key/value length     D    head dim
+    C   model dim             V    vocabulary
+
+``attention(q, k, v, mask)`` computes ``softmax(QKᵀ/√D + M) V`` in every head, where ``M`` is the
+additive form of a boolean mask (True = may attend, see :mod:`attnmask.masks`). Query rows that may
+attend to nothing give **zero output and zero gradient**, never NaN, on every backend and dtype.
+
+Backends live in a registry (:data:`BACKENDS`); models never name a kernel, so a faster one can
+be added with :func:`register_backend` without touching them:
+
+- ``reference``: the seeds' formula written out, with an additive 0/-inf mask; returns weights;
+- ``sdpa``: PyTorch's fused kernel, ``is_causal=True`` only when exactly right (pure causal,
+  ``Tq == Tk``, query row i at position i), the materialized bool mask otherwise;
+- ``sdpa_blocks``: a causal / contiguous-padding mask run as unmasked SDPA calls over the real
+  tokens (see :class:`SdpaCall`), no ``Tq x Tk`` mask; other masks as ``sdpa``;
+- ``auto``: the fastest correct choice: ``reference`` for weights, ``sdpa_blocks`` when a cost
+  model says the blocks are cheaper than one dense call (measured in docs/benchmarks.md), else
+  ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnmask.attention.plan import PreparedMask, SdpaCall, prepare_mask
+
+# ---------------------------------------------------------------------------------------------
+# Backends
+# ---------------------------------------------------------------------------------------------
+Backend = Callable[..., tuple[Tensor, Tensor | None]]
+BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(name: str, fn: Backend) -> None:
+    """Add a kernel: ``fn(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights) -> (out, w)``.
+
+    q is ``(B, H, Tq, D)`` and k, v are ``(B, Hkv, Tk, D)``; the backend must honour grouped-query
+    heads and return zero for ``pm.empty_rows``.
+    """
+    BACKENDS[name] = fn
+
+
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    if groups == 1:
+        return x
+    B, Hkv, T, D = x.shape
+    return x[:, :, None].expand(B, Hkv, groups, T, D).reshape(B, Hkv * groups, T, D)  # (B, H, T, D)
+
+
+def _reference(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
+    """The seeds' formula written out: ``softmax(QKᵀ/√D + M) V`` with an additive 0/-inf mask."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)  # (B, H, Tk, D)
+    # Softmax in at least float32 (half types lose too much in exp and the row sum); float64 stays.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = (q @ k.transpose(-2, -1)).to(acc) * scale  # (B, H, Tq, Tk)
+    allowed = pm.dense(q.device)
+    empty = pm.empty_rows
+    if allowed is not None:
+        if empty is not None:
+            allowed = allowed | empty  # keep the softmax finite; the rows are zeroed below
+        additive = torch.zeros(allowed.shape, dtype=acc, device=q.device)  # (B|1, H|1, Tq, Tk)
+        scores = scores + additive.masked_fill_(~allowed, float("-inf"))
+    weights = scores.softmax(dim=-1)  # (B, H, Tq, Tk)
+    if empty is not None:
+        weights = weights.masked_fill(empty, 0.0)  # zero output and, through masked_fill, zero gradient
+    weights = weights.to(q.dtype)
+    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    out = dropped @ v  # (B, H, Tq, D)
+    return out, (weights if return_weights else None)
+
+
+def _sdpa(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
+    """PyTorch's fused kernel; ``is_causal`` only when exactly right (pure causal, Tq == Tk)."""
+    if return_weights:
+        raise ValueError("backend 'sdpa' cannot return attention weights; use backend='reference' (or 'auto')")
+    groups = q.shape[1] // k.shape[1]
+    attn_mask, empty = pm.allowed, pm.empty_rows
+    if attn_mask is not None and empty is not None:
+        attn_mask = attn_mask | empty  # SDPA would give NaN for rows with nothing to attend to
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=pm.is_causal,
+        scale=scale,
+        enable_gqa=groups > 1,
+    )  # (B, H, Tq, D)
+    if empty is not None:
+        out = out.masked_fill(empty, 0.0)  # zero output, and zero gradient into those rows
+    return out, None
+
+
+def _blocks(q, k, v, blocks: tuple[SdpaCall, ...], *, scale, dropout_p) -> Tensor:
+    """Run a mask decomposed into :class:`SdpaCall` s: one SDPA call per block, no ``Tq x Tk`` mask.
+
+    Padding is sliced away instead of masked, and causal blocks use SDPA's ``is_causal`` path, so
+    the work shrinks with the padding; rows in no block are zero (zero output, zero gradient).
+    Consecutive batch rows with the same blocks share calls. The inputs are cut with ``split`` and
+    the output glued with ``cat``, whose backward passes are views: indexing a slice per block
+    would make autograd allocate and zero a full-size gradient for every block.
+    """
+    B, H, Tq, _ = q.shape
+    gqa = q.shape[1] != k.shape[1]
+
+    def run(qb: Tensor, kb: Tensor, vb: Tensor, blk: SdpaCall) -> Tensor:
+        if (blk.k0, blk.k1) != (0, kb.shape[2]):
+            kb, vb = kb[:, :, blk.k0 : blk.k1], vb[:, :, blk.k0 : blk.k1]  # (n, Hkv, k1 - k0, D)
+        tril = None
+        if blk.diag:  # query t sees its first t + diag + 1 keys: a small mask, not SDPA's is_causal
+            tril = torch.ones(blk.q1 - blk.q0, blk.k1 - blk.k0, dtype=torch.bool, device=q.device).tril(blk.diag)
+        return F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=tril, dropout_p=dropout_p, is_causal=blk.diag == 0, scale=scale, enable_gqa=gqa
+        )  # (n, H, q1 - q0, D)
+
+    plans: list[list[SdpaCall]] = [[] for _ in range(B)]
+    for blk in blocks:
+        for b in blk.rows:
+            plans[b].append(blk)
+    keys = [tuple((x.q0, x.q1, x.k0, x.k1, x.diag) for x in sorted(p, key=lambda x: x.q0)) for p in plans]
+    runs: list[int] = []  # sizes of runs of consecutive batch rows with the same blocks
+    for b in range(B):
+        if b and keys[b] == keys[b - 1]:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    outs, b = [], 0
+    for q_g, k_g, v_g, n in zip(q.split(runs), k.split(runs), v.split(runs), runs):
+        plan = sorted(plans[b], key=lambda x: x.q0)
+        b += n
+        cuts, pos = [], 0  # the query axis cut into gaps (zero rows) and blocks
+        for blk in plan:
+            if blk.q0 > pos:
+                cuts.append((None, blk.q0 - pos))
+            cuts.append((blk, blk.q1 - blk.q0))
+            pos = blk.q1
+        if pos < Tq:
+            cuts.append((None, Tq - pos))
+        pieces = q_g.split([size for _, size in cuts], dim=2) if len(cuts) > 1 else (q_g,)
+        parts = [
+            q_g.new_zeros(n, H, size, v.shape[-1]) if blk is None else run(piece, k_g, v_g, blk)
+            for (blk, size), piece in zip(cuts, pieces)
+        ]  # (n, H, size, D) each
+        outs.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])  # (n, H, Tq, D)
+    return torch.cat(outs) if len(outs) > 1 else outs[0]  # (B, H, Tq, D)
+
+
+# Cost model of the block plan, in units of one (batch row, head, query, key) score. Calibrated on a
+# 2-core AVX2 CPU with torch 2.13 (benchmarks/attention.py, docs/benchmarks.md): one SDPA call costs
+# about as much as 8k scores forward and forward+backward; 16k keeps a margin for the split/cat.
+_CALL_COST = 16384
+_MIN_SAVING = 0.9  # take the blocks only when they cost at most 90% of the dense call
+
+
+def _causal_cost(n: int, device: torch.device) -> float:
+    """Fraction of an ``n x n`` block that SDPA's ``is_causal`` kernel actually computes.
+
+    PyTorch's CPU flash kernel skips key chunks of 512 above the diagonal (query chunks of 256), so it
+    saves nothing below ~600 keys and tends to one half; GPU kernels skip at a fine grain.
+    """
+    if device.type == "cpu":
+        return min(1.0, 0.5 + 256 / max(n, 1))
+    return 0.5
+
+
+def _covers(blk: SdpaCall, B: int, Tq: int) -> bool:
+    return len(blk.rows) == B and (blk.q0, blk.q1) == (0, Tq)
+
+
+def _use_blocks(q: Tensor, k: Tensor, pm: PreparedMask) -> bool:
+    """Whether the block plan beats one SDPA call with the dense mask: the blocks skip padding (and,
+    for long causal blocks, half the scores) but each costs a kernel call."""
+    if not pm.blocks:  # no plan, or every row empty: the dense path keeps the autograd graph
+        return False
+    B, H, Tq, _ = q.shape
+    if len(pm.blocks) == 1 and _covers(pm.blocks[0], B, Tq):
+        return True  # one plain SDPA call (is_causal, or keys sliced) never loses to a masked one
+    dense = B * H * Tq * k.shape[2]
+    work = 0.0
+    for blk in pm.blocks:
+        rect = len(blk.rows) * H * (blk.q1 - blk.q0) * (blk.k1 - blk.k0)
+        work += rect * (_causal_cost(blk.k1 - blk.k0, q.device) if blk.diag == 0 else 1.0) + _CALL_COST
+    return work <= _MIN_SAVING * dense
+
+
+def _sdpa_blocks(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
+    """:func:`_blocks` whenever the mask has a block plan (causal / contiguous padding), else ``sdpa``."""
+    if return_weights:
+        raise ValueError("backend 'sdpa_blocks' cannot return attention weights; use backend='reference' (or 'auto')")
+    if pm.is_causal or not pm.blocks:
+        return _sdpa(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=False)
+    return _blocks(q, k, v, pm.blocks, scale=scale, dropout_p=dropout_p), None
+
+
+def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
+    """The fastest correct choice: weights need the reference kernel; a causal / contiguous padding
+    mask runs as unmasked SDPA blocks when that is cheaper; anything else is SDPA with the mask."""
+    if return_weights:
+        return _reference(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=True)
+    if not pm.is_causal and _use_blocks(q, k, pm):
+        return _blocks(q, k, v, pm.blocks, scale=scale, dropout_p=dropout_p), None
+    return _sdpa(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=False)
+
+
+register_backend("reference", _reference)
+register_backend("sdpa", _sdpa)
+register_backend("sdpa_blocks", _sdpa_blocks)
+register_backend("auto", _auto)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask=None,
+    *,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    return_weights: bool = False,
+    scale: float | None = None,
+    q_offset: int = 0,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Masked scaled dot-product attention.
+
+    Args:
+        q: ``(B, H, Tq, D)``; k, v: ``(B, Hkv, Tk, D)`` with ``H % Hkv == 0`` (grouped-query).
+        mask: None, an :class:`attnmask.masks.Mask`, a :class:`PreparedMask`, a bool tensor
+            (True = may attend) or an additive float tensor (0 / -inf), broadcastable to
+            ``(B, H, Tq, Tk)``.
+        q_offset: absolute position of query row 0 for top-left aligned masks (e.g. a preallocated
+            cache's write position); bottom-right masks place the queries at the last Tq keys and
+            need 0 (see :mod:`attnmask.masks`, "Positions and causal alignment").
+        backend: a name in :data:`BACKENDS`: ``"reference"`` (the seeds' formula, returns weights),
+            ``"sdpa"`` (PyTorch's fused kernel with the mask) or ``"auto"`` (the fastest correct one).
+        return_weights: also return the ``(B, H, Tq, Tk)`` attention weights (reference kernel).
+
+    Returns:
+        ``(B, H, Tq, D)``, or ``(out, weights)`` with ``return_weights``.
+
+    Raises:
+        ValueError/TypeError naming the offending shape, dtype, device or polarity.
+    """
+    _check_qkv(q, k, v)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {sorted(BACKENDS)}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    pm = prepare_mask(mask, B, H, Tq, Tk, q_offset=q_offset, device=q.device, dtype=q.dtype)
+    if (pm.q_len, pm.kv_len) != (Tq, Tk):
+        raise ValueError(f"prepared mask is for (Tq={pm.q_len}, Tk={pm.kv_len}), attention has ({Tq}, {Tk})")
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out, weights = BACKENDS[backend](q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=return_weights)
+    return (out, weights) if return_weights else out
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            want = "(B, H, Tq, D)" if name == "q" else "(B, Hkv, Tk, D)"
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected 4-D {want}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} has dtype {t.dtype}, expected a floating dtype")
+    if k.shape != v.shape:
+        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; expected equal (B, Hkv, Tk, D)")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim; expected "
+            "q (B, H, Tq, D) and k (B, Hkv, Tk, D)"
+        )
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads H={q.shape[1]} must be a multiple of key/value heads Hkv={k.shape[1]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")

@@ -1,0 +1,38 @@
+"""Autoregressive decoding with a KV cache (seed 000): greedy, sampling, beam search, streaming.
+
+- :mod:`.steps`: start (encode / prefill), one decode step, the loop, greedy and sampled ids;
+- :mod:`.sampling`: arg-max or a draw with temperature, top-k, top-p and an explicit generator;
+- :mod:`.beam`: beam search on the same steps;
+- :mod:`.text`: text in, text out (``translate``, ``generate``).
+"""
+
+from attnmask.decode.beam import (  # noqa: F401
+    Hypothesis,
+    beam_search,
+    best_tokens,
+)
+from attnmask.decode.sampling import (  # noqa: F401
+    check_sampling,
+    filter_logits,
+    sample,
+)
+from attnmask.decode.steps import (  # noqa: F401
+    DecodeState,
+    Ids,
+    StopIds,
+    decode_step,
+    default_max_len,
+    eval_mode,
+    generate_ids,
+    greedy,
+    is_stop,
+    pad_batch,
+    source_ids,
+    start,
+    stop_set,
+    stream,
+)
+from attnmask.decode.text import (  # noqa: F401
+    generate,
+    translate,
+)

@@ -1,0 +1,310 @@
+"""Attention masks: one convention, structured, composable.
+
+The one polarity
+----------------
+A mask is **boolean and True means "may attend"**, broadcastable to ``(B, H|1, Tq, Tk)``
+(the convention of PyTorch SDPA, FlexAttention and Hugging Face ``masking_utils``). The additive
+form used by the seeds' formula ``softmax(QKᵀ/√d + M) V`` is derived from it: ``0`` where True,
+``-inf`` where False. Foreign conventions enter and leave only through the named converters at the
+bottom of this module.
+
+Positions and causal alignment
+------------------------------
+Masks are predicates ``(b, h, q_idx, kv_idx) -> bool`` over absolute positions. Key column ``j``
+is position ``j``. Query row ``i`` is position ``start + i``, where ``start`` depends on the
+mask's alignment:
+
+- ``bottom_right`` (the default): ``start = Tk - Tq``, the queries are the *last* ``Tq`` keys, as
+  with a KV cache that returns the filled prefix (FlashAttention >= 2.1). ``q_offset`` must be 0:
+  the alignment already says where the queries are.
+- ``top_left`` (PyTorch's ``is_causal``): ``start = q_offset``, the absolute position of query
+  row 0 -- e.g. the write position of a preallocated cache whose unfilled slots are also keys.
+
+With ``Tq == Tk`` and ``q_offset == 0`` the two agree. Masks without an opinion (padding, document,
+predicates without ``align``, tensors) take the alignment of what they are combined with; alone,
+they are ``bottom_right`` when ``q_offset == 0`` and ``top_left`` (``start = q_offset``) otherwise.
+Padding is indexed by row and column, never by position, so it is the same under any alignment.
+
+Structured masks keep what they are (``Causal``, ``KeyPadding`` with lengths, ``SlidingWindow``,
+``Document``), so attention can pick a kernel without building a ``Tq x Tk`` tensor. Predicates
+become tensors in one place, :func:`_materialize`, by broadcasting index ranges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnmask.masks.lint import _lint_bool_tensor, lint_polarity
+
+ALIGNMENTS = ("bottom_right", "top_left")
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """What a predicate may need beyond the index tensors."""
+
+    batch_size: int
+    q_len: int
+    kv_len: int
+    q_start: int  # absolute position of query row 0
+    device: torch.device
+
+
+class Mask:
+    """Base class: a boolean predicate over (batch, head, query position, key position).
+
+    Subclasses implement ``_eval(ctx, b, h, q, kv)`` returning a bool tensor broadcastable to
+    ``(B, 1, Tq, Tk)``. ``align`` is ``"bottom_right"``, ``"top_left"`` or ``None`` (no opinion).
+    """
+
+    align: str | None = None
+
+    # -- algebra -------------------------------------------------------------------------------
+    def __and__(self, other: Mask) -> Mask:
+        return And(_as_mask(self), _as_mask(other))
+
+    def __rand__(self, other) -> Mask:
+        return And(_as_mask(other), self)
+
+    def __or__(self, other: Mask) -> Mask:
+        return Or(_as_mask(self), _as_mask(other))
+
+    def __ror__(self, other) -> Mask:
+        return Or(_as_mask(other), self)
+
+    def __invert__(self) -> Mask:
+        return Not(self)
+
+    def parts(self) -> list[Mask]:
+        """The conjunction's factors, flattened (``[self]`` for anything but ``And``)."""
+        return [self]
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def _eval(self, ctx: _Ctx, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _device(self) -> torch.device | None:
+        return None
+
+    def _check(self, batch_size: int, q_len: int, kv_len: int) -> None:
+        """Raise ValueError when the mask cannot describe a (batch_size, q_len, kv_len) problem."""
+
+    def validate(
+        self, batch_size: int, q_len: int, kv_len: int, q_offset: int = 0, *, device: torch.device | str | None = None
+    ) -> int:
+        """Run the linter for a ``(B, Tq, Tk)`` problem on ``device`` without materializing anything.
+
+        Returns the absolute position of query row 0 (see "Positions and causal alignment").
+        Raises ValueError/TypeError naming what is wrong.
+        """
+        for name, val in (("batch_size", batch_size), ("q_len", q_len), ("kv_len", kv_len)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {val!r}")
+        if not isinstance(q_offset, int) or isinstance(q_offset, bool) or q_offset < 0:
+            raise ValueError(f"q_offset must be a non-negative int, got {q_offset!r}")
+        for p in _walk(self):
+            p._check(batch_size, q_len, kv_len)
+            # A literal (Tq, Tk) tensor is moved by nobody behind the user's back: a silent copy per
+            # layer is a performance trap, and across devices usually a mistake. Small index tensors
+            # (lengths, keep, segment ids) are moved, as Hugging Face does.
+            if isinstance(p, TensorMask) and device is not None and p.tensor.device != torch.device(device):
+                raise ValueError(
+                    f"mask tensor is on {p.tensor.device} but is needed on {torch.device(device)} (the queries' "
+                    "device); move it with .to() before wrapping it"
+                )
+        return query_start(self, q_len, kv_len, q_offset)
+
+    def to_bool(
+        self,
+        batch_size: int,
+        q_len: int,
+        kv_len: int,
+        q_offset: int = 0,
+        *,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """Materialize as a bool tensor of shape ``(B, 1, Tq, Tk)``, True = may attend.
+
+        The result may be a broadcast (expanded) view: copy it before writing into it.
+        """
+        return _materialize(self, batch_size, q_len, kv_len, q_offset, device)
+
+    def to_additive(
+        self,
+        batch_size: int,
+        q_len: int,
+        kv_len: int,
+        dtype: torch.dtype = torch.float32,
+        q_offset: int = 0,
+        *,
+        finite: bool = False,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """Materialize as an additive mask ``(B, 1, Tq, Tk)``: 0 where allowed, -inf where blocked.
+
+        ``finite=True`` uses ``torch.finfo(dtype).min`` instead of ``-inf`` (what Hugging Face
+        models expect); never a magic ``-1e9``, which overflows float16.
+        """
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"to_additive needs a floating dtype (e.g. torch.float32), got {dtype}")
+        allowed = self.to_bool(batch_size, q_len, kv_len, q_offset, device=device)
+        blocked = torch.finfo(dtype).min if finite else float("-inf")
+        out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return out.masked_fill_(~allowed, blocked)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _as_mask(m) -> Mask:
+    if isinstance(m, Mask):
+        return m
+    if isinstance(m, Tensor):
+        return from_tensor(m)
+    raise TypeError(f"cannot combine a mask with {type(m).__name__}; expected an attnmask Mask or bool tensor")
+
+
+def query_start(mask: Mask, q_len: int, kv_len: int, q_offset: int = 0) -> int:
+    """Absolute position of query row 0 for ``mask`` in a ``(Tq, Tk)`` problem.
+
+    ``Tk - Tq`` for bottom-right alignment, ``q_offset`` for top-left (see the module docstring).
+    Raises ValueError when the mask mixes alignments, or combines bottom-right with ``q_offset``.
+    """
+    aligns = {p.align for p in _walk(mask) if p.align is not None}
+    if len(aligns) > 1:
+        raise ValueError(
+            "mask combines bottom_right and top_left causal alignments; pick one "
+            "(bottom_right: queries are the last Tq keys; top_left: query i is position q_offset + i)"
+        )
+    align = aligns.pop() if aligns else ("top_left" if q_offset else "bottom_right")
+    if align == "top_left":
+        return q_offset
+    if q_offset:
+        raise ValueError(
+            f"q_offset={q_offset} with a bottom_right aligned mask: bottom_right already places the "
+            f"Tq={q_len} queries at the last Tq of the Tk={kv_len} keys, expected q_offset=0; for queries "
+            "at absolute positions q_offset.. (e.g. a preallocated cache) build the mask with align='top_left'"
+        )
+    return kv_len - q_len
+
+
+def _walk(mask: Mask):
+    yield mask
+    for child in getattr(mask, "children", ()):
+        yield from _walk(child)
+
+
+def _materialize(mask: Mask, batch_size: int, q_len: int, kv_len: int, q_offset: int = 0, device=None) -> Tensor:
+    """The one place where predicates become tensors: broadcast index ranges, never loop."""
+    if device is None:
+        device = next((d for d in (p._device() for p in _walk(mask)) if d is not None), torch.device("cpu"))
+    device = torch.device(device)
+    q_start = mask.validate(batch_size, q_len, kv_len, q_offset, device=device)
+    ctx = _Ctx(batch_size, q_len, kv_len, q_start, device)
+    b = torch.arange(batch_size, device=device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)  # (1, 1, 1, 1)
+    q = (q_start + torch.arange(q_len, device=device)).view(1, 1, -1, 1)  # (1, 1, Tq, 1)
+    kv = torch.arange(kv_len, device=device).view(1, 1, 1, -1)  # (1, 1, 1, Tk)
+    out = mask._eval(ctx, b, h, q, kv)
+    if not isinstance(out, Tensor) or out.dtype != torch.bool:
+        got = out.dtype if isinstance(out, Tensor) else type(out).__name__
+        raise TypeError(f"mask predicate must return a bool tensor, got {got}")
+    if out.dim() > 4:
+        raise ValueError(
+            f"mask predicate returned shape {tuple(out.shape)}, expected broadcastable to "
+            f"(B={batch_size}, 1, Tq={q_len}, Tk={kv_len})"
+        )
+    try:
+        return out.to(device).expand(batch_size, 1, q_len, kv_len)  # (B, 1, Tq, Tk)
+    except RuntimeError as e:
+        raise ValueError(
+            f"mask predicate returned shape {tuple(out.shape)}, expected broadcastable to "
+            f"(B={batch_size}, 1, Tq={q_len}, Tk={kv_len})"
+        ) from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Combinators
+# ---------------------------------------------------------------------------------------------
+class And(Mask):
+    def __init__(self, *children: Mask):
+        self.children = tuple(children)
+
+    def parts(self) -> list[Mask]:
+        return [p for c in self.children for p in c.parts()]
+
+    def _eval(self, ctx, b, h, q, kv):
+        out = self.children[0]._eval(ctx, b, h, q, kv)
+        for c in self.children[1:]:
+            out = out & c._eval(ctx, b, h, q, kv)
+        return out
+
+    def __repr__(self):
+        return " & ".join(f"({c!r})" for c in self.children)
+
+
+class Or(Mask):
+    def __init__(self, *children: Mask):
+        self.children = tuple(children)
+
+    def _eval(self, ctx, b, h, q, kv):
+        out = self.children[0]._eval(ctx, b, h, q, kv)
+        for c in self.children[1:]:
+            out = out | c._eval(ctx, b, h, q, kv)
+        return out
+
+    def __repr__(self):
+        return " | ".join(f"({c!r})" for c in self.children)
+
+
+class Not(Mask):
+    def __init__(self, child: Mask):
+        self.children = (child,)
+
+    def _eval(self, ctx, b, h, q, kv):
+        return ~self.children[0]._eval(ctx, b, h, q, kv)
+
+    def __repr__(self):
+        return f"~({self.children[0]!r})"
+
+
+class TensorMask(Mask):
+    """A literal bool tensor ``(Tq, Tk)`` or ``(B, 1, Tq, Tk)`` (any of B, Tq, Tk may be 1 to
+    broadcast, e.g. a ``(B, 1, 1, Tk)`` padding mask); it ignores positions."""
+
+    def __init__(self, t: Tensor):
+        self.tensor = _lint_bool_tensor(t, "mask")
+
+    def _device(self):
+        return self.tensor.device
+
+    def _check(self, batch_size, q_len, kv_len):
+        t = self.tensor
+        shape4 = t.shape if t.dim() == 4 else (1, 1, *t.shape)
+        if any(got not in (1, want) for got, want in zip(shape4, (batch_size, 1, q_len, kv_len))):
+            raise ValueError(
+                f"mask has shape {tuple(t.shape)}, expected broadcastable to "
+                f"(B={batch_size}, 1, Tq={q_len}, Tk={kv_len})"
+            )
+
+    def _eval(self, ctx, b, h, q, kv):
+        t = self.tensor.to(ctx.device)
+        return t if t.dim() == 4 else t.view(1, 1, *t.shape)
+
+    def __repr__(self):
+        return f"TensorMask(shape={tuple(self.tensor.shape)})"
+
+
+def from_tensor(t: Tensor) -> TensorMask:
+    """Wrap a bool tensor (True = may attend) of shape ``(Tq, Tk)`` or ``(B|1, 1, Tq, Tk)``.
+
+    Raises TypeError for other dtypes (0/1 integers have unknown polarity: use :func:`from_hf` or
+    :func:`from_tf`), ValueError for other shapes and for an inverted causal mask (see
+    :func:`lint_polarity`).
+    """
+    mask = TensorMask(t)
+    lint_polarity(mask.tensor, "mask")
+    return mask

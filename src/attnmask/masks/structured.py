@@ -1,0 +1,305 @@
+"""Structured masks: causal, sliding window, padding, prefix LM, documents, predicates, tensors.
+
+Each keeps what it is, so attention can pick a kernel without building a ``Tq x Tk`` tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from attnmask.masks.core import ALIGNMENTS, Mask, _Ctx
+
+
+# ---------------------------------------------------------------------------------------------
+# Structured masks
+# ---------------------------------------------------------------------------------------------
+def _check_align(align: str) -> str:
+    if align not in ALIGNMENTS:
+        raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+    return align
+
+
+class Causal(Mask):
+    """Look-ahead mask: query at position p sees keys ``j <= p`` (seed 000, eq. 1)."""
+
+    def __init__(self, align: str = "bottom_right"):
+        self.align = _check_align(align)
+
+    def _eval(self, ctx, b, h, q, kv):
+        return kv <= q
+
+    def __repr__(self):
+        return f"Causal(align={self.align!r})"
+
+
+class SlidingWindow(Mask):
+    """Causal local attention: query at position p sees keys ``p - size < j <= p``."""
+
+    def __init__(self, size: int, align: str = "bottom_right"):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"sliding window size must be an int >= 1, got {size!r}")
+        self.size = size
+        self.align = _check_align(align)
+
+    def _eval(self, ctx, b, h, q, kv):
+        return (kv <= q) & (kv > q - self.size)
+
+    def __repr__(self):
+        return f"SlidingWindow(size={self.size}, align={self.align!r})"
+
+
+def _lengths_tensor(lengths, name: str) -> Tensor:
+    t = torch.as_tensor(lengths)
+    if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise TypeError(f"{name} must be integers, got dtype {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must have shape (B,), got {tuple(t.shape)}")
+    if (t < 0).any():
+        raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
+    return t.long()
+
+
+class _Padding(Mask):
+    """Shared machinery of key and query padding: which positions along one axis are real."""
+
+    axis_name = "key"
+
+    def __init__(self, *, lengths=None, keep=None, side: str = "right"):
+        if (lengths is None) == (keep is None):
+            got = "both lengths= and keep=" if lengths is not None else "neither"
+            raise ValueError(
+                f"padding needs exactly one of lengths=(B,) ints, keep=(B, T) bool, or token_ids=; got {got}"
+            )
+        if side not in ("right", "left"):
+            raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
+        self.side = side
+        self.lengths = _lengths_tensor(lengths, "lengths") if lengths is not None else None
+        if keep is not None:
+            keep = torch.as_tensor(keep)
+            if keep.dtype != torch.bool:
+                raise TypeError(
+                    f"keep must be a bool tensor (True = real token), got dtype {keep.dtype}; "
+                    "for Hugging Face 0/1 attention masks use masks.from_hf"
+                )
+            if keep.dim() != 2:
+                raise ValueError(f"keep must have shape (B, T), got {tuple(keep.shape)}")
+        self.keep = keep
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths) if self.lengths is not None else self.keep.shape[0]
+
+    def _device(self):
+        return (self.lengths if self.lengths is not None else self.keep).device
+
+    def _axis_len(self, q_len: int, kv_len: int) -> int:
+        return kv_len
+
+    def _check(self, batch_size, q_len, kv_len):
+        n = self._axis_len(q_len, kv_len)
+        if self.batch_size not in (1, batch_size):
+            raise ValueError(f"{self.axis_name} padding has batch size {self.batch_size}, expected {batch_size}")
+        if self.lengths is not None:
+            too_long = self.lengths > n
+            if too_long.any():
+                raise ValueError(
+                    f"{self.axis_name} padding lengths {self.lengths.tolist()} exceed the sequence length {n}"
+                )
+        elif self.keep.shape[1] != n:
+            raise ValueError(
+                f"{self.axis_name} padding keep has shape {tuple(self.keep.shape)}, expected (B={batch_size}, T={n})"
+            )
+
+    def spans(self, batch_size: int, n: int) -> tuple[list[int], list[int]] | None:
+        """Each row's real tokens as one interval ``[lo, hi)`` along the padded axis of length ``n``.
+
+        Returns ``(lo, hi)`` lists of ``batch_size`` ints, or None when some row's real tokens are
+        not contiguous (a ``keep`` with holes). Attention uses this to slice instead of masking.
+        """
+        if self.lengths is not None:
+            lengths = self.lengths.expand(batch_size).tolist()
+            if self.side == "right":
+                return [0] * batch_size, lengths
+            return [n - L for L in lengths], [n] * batch_size
+        if n == 0:
+            return [0] * batch_size, [0] * batch_size
+        keep = self.keep.expand(batch_size, n)  # (B, n)
+        count = keep.sum(dim=1)  # (B,)
+        lo = keep.to(torch.uint8).argmax(dim=1)  # (B,) first real token (0 when there is none)
+        pos = torch.arange(n, device=keep.device)  # (n,)
+        interval = (pos >= lo[:, None]) & (pos < (lo + count)[:, None])  # (B, n)
+        if not torch.equal(interval, keep):
+            return None
+        lo, count = lo.tolist(), count.tolist()
+        return lo, [a + c for a, c in zip(lo, count)]
+
+    def _real(self, ctx: _Ctx, pos: Tensor, n: int, start: int) -> Tensor:
+        """Whether absolute positions ``pos`` (any shape, last dims broadcast) are real tokens."""
+        local = pos - start  # index along the padded axis
+        if self.keep is not None:
+            keep = self.keep.to(ctx.device)
+            # pos is (1, 1, T, 1) or (1, 1, 1, T); gather along T for every batch row
+            idx = local.reshape(-1).clamp(0, n - 1)
+            vals = keep[:, idx]  # (B, T)
+            return vals.view(vals.shape[0], 1, *[s for s in pos.shape[2:]])
+        lengths = self.lengths.to(ctx.device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+        if self.side == "right":
+            return local < lengths
+        return local >= n - lengths
+
+    def __repr__(self):
+        what = f"lengths={self.lengths.tolist()}" if self.lengths is not None else "keep=..."
+        return f"{type(self).__name__}({what}, side={self.side!r})"
+
+
+class KeyPadding(_Padding):
+    """Blocks ``<PAD>`` keys (seed 004's padding mask); cross-attention uses it over encoder keys."""
+
+    def _eval(self, ctx, b, h, q, kv):
+        return self._real(ctx, kv, ctx.kv_len, 0)
+
+
+class QueryPadding(_Padding):
+    """Blocks whole query rows that are padding; their attention output is zero."""
+
+    axis_name = "query"
+
+    def _axis_len(self, q_len, kv_len):
+        return q_len
+
+    def _eval(self, ctx, b, h, q, kv):
+        return self._real(ctx, q, ctx.q_len, ctx.q_start)
+
+
+class PrefixLM(Mask):
+    """Bidirectional over each row's prefix, causal after it (T5/UL2 prefix LM)."""
+
+    def __init__(self, prefix_lengths, align: str = "bottom_right"):
+        self.prefix_lengths = _lengths_tensor(prefix_lengths, "prefix_lengths")
+        self.align = _check_align(align)
+
+    def _device(self):
+        return self.prefix_lengths.device
+
+    def _check(self, batch_size, q_len, kv_len):
+        if len(self.prefix_lengths) not in (1, batch_size):
+            raise ValueError(f"prefix_lengths has {len(self.prefix_lengths)} rows, expected {batch_size}")
+
+    def _eval(self, ctx, b, h, q, kv):
+        prefix = self.prefix_lengths.to(ctx.device).view(-1, 1, 1, 1)
+        return (kv <= q) | (kv < prefix)
+
+    def __repr__(self):
+        return f"PrefixLM(prefix_lengths={self.prefix_lengths.tolist()}, align={self.align!r})"
+
+
+class Document(Mask):
+    """Packed sequences: a query sees only keys of its own segment. ``segment_ids`` is (B, Tk)."""
+
+    def __init__(self, segment_ids):
+        seg = torch.as_tensor(segment_ids)
+        if seg.dim() != 2 or seg.dtype.is_floating_point or seg.dtype == torch.bool:
+            raise ValueError(f"segment_ids must be an integer tensor (B, T), got {seg.dtype} {tuple(seg.shape)}")
+        self.segment_ids = seg
+
+    def _device(self):
+        return self.segment_ids.device
+
+    def _check(self, batch_size, q_len, kv_len):
+        B, T = self.segment_ids.shape
+        if B not in (1, batch_size) or kv_len != T:
+            raise ValueError(
+                f"segment_ids has shape {(B, T)}, expected (B={batch_size}, Tk={kv_len}) covering every key"
+            )
+
+    def _eval(self, ctx, b, h, q, kv):
+        seg = self.segment_ids.to(ctx.device)
+        # A query's segment is the segment of the key at its position, so every query must sit on a key.
+        first, last = ctx.q_start, ctx.q_start + ctx.q_len - 1
+        if ctx.q_len and (first < 0 or last >= ctx.kv_len):
+            raise ValueError(
+                f"document mask: queries sit at positions {first}..{last} but segment_ids cover keys "
+                f"0..{ctx.kv_len - 1}; expected every query position to be a key position (Tq <= Tk, and "
+                "with align='top_left' q_offset + Tq <= Tk)"
+            )
+        seg_q = seg[:, q.reshape(-1)].view(seg.shape[0], 1, -1, 1)  # (B, 1, Tq, 1)
+        seg_k = seg.view(seg.shape[0], 1, 1, -1)  # (B, 1, 1, Tk)
+        return seg_q == seg_k
+
+    def __repr__(self):
+        return f"Document(segment_ids shape={tuple(self.segment_ids.shape)})"
+
+
+class Predicate(Mask):
+    """A user predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor`` over broadcast index tensors."""
+
+    def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], align: str | None = None):
+        if not callable(fn):
+            raise TypeError(f"from_predicate needs a callable (b, h, q_idx, kv_idx) -> bool, got {type(fn).__name__}")
+        self.fn = fn
+        self.align = None if align is None else _check_align(align)
+
+    def _eval(self, ctx, b, h, q, kv):
+        out = self.fn(b, h, q, kv)
+        if not isinstance(out, Tensor) or out.dtype != torch.bool:
+            got = out.dtype if isinstance(out, Tensor) else type(out).__name__
+            raise TypeError(f"mask predicate must return a bool tensor, got {got}")
+        return out
+
+    def __repr__(self):
+        return f"Predicate({getattr(self.fn, '__name__', 'fn')})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Public constructors (the names users and tests rely on)
+# ---------------------------------------------------------------------------------------------
+def causal(align: str = "bottom_right") -> Causal:
+    """Look-ahead mask ``M[i, j] = 0 if j <= i else -inf`` (seeds 000-004)."""
+    return Causal(align)
+
+
+def padding(*, lengths=None, keep=None, token_ids=None, pad_id: int | None = None, side: str = "right") -> KeyPadding:
+    """Key-padding mask from exactly one of:
+
+    - ``lengths`` (B,) real-token counts, padding on ``side`` ("right" or "left");
+    - ``keep`` (B, Tk) bool, True = real token;
+    - ``token_ids`` (B, Tk) with ``pad_id``.
+    """
+    if token_ids is not None:
+        if lengths is not None or keep is not None:
+            extra = " and ".join(n for n, v in (("lengths=", lengths), ("keep=", keep)) if v is not None)
+            raise ValueError(f"padding needs exactly one of lengths=, keep=, token_ids=; got token_ids= and {extra}")
+        if pad_id is None:
+            raise ValueError("padding(token_ids=...) needs pad_id=<the id of <PAD>>")
+        ids = torch.as_tensor(token_ids)
+        if ids.dim() != 2:
+            raise ValueError(f"token_ids must have shape (B, T), got {tuple(ids.shape)}")
+        keep = ids != pad_id
+    return KeyPadding(lengths=lengths, keep=keep, side=side)
+
+
+def query_padding(
+    *, lengths=None, keep=None, token_ids=None, pad_id: int | None = None, side: str = "right"
+) -> QueryPadding:
+    """Query-padding mask: rows of pad queries attend to nothing (zero output). Same inputs as padding."""
+    kp = padding(lengths=lengths, keep=keep, token_ids=token_ids, pad_id=pad_id, side=side)
+    return QueryPadding(lengths=kp.lengths, keep=kp.keep, side=side)
+
+
+def sliding_window(size: int, align: str = "bottom_right") -> SlidingWindow:
+    return SlidingWindow(size, align)
+
+
+def prefix_lm(prefix_lengths, align: str = "bottom_right") -> PrefixLM:
+    return PrefixLM(prefix_lengths, align)
+
+
+def document(segment_ids) -> Document:
+    return Document(segment_ids)
+
+
+def from_predicate(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], align: str | None = None) -> Predicate:
+    return Predicate(fn, align)

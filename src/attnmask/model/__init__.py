@@ -1,0 +1,37 @@
+"""Transformer models built from one config: encoder-decoder (translation) and decoder-only.
+
+- :mod:`.config`: :class:`ModelConfig`, one spelling per field;
+- :mod:`.layers`: norms, the MLP, sinusoidal and rotary positions;
+- :mod:`.transformer`: the Transformer layer and model, the loss, fused projections;
+- :mod:`.cache`: the KV cache that decoding fills one token at a time.
+"""
+
+from attnmask.model.cache import (  # noqa: F401
+    KVCache,
+    LayerCache,
+)
+from attnmask.model.config import (  # noqa: F401
+    ACTIVATIONS,
+    ARCHS,
+    NORM_POSITIONS,
+    NORMS,
+    POSITIONS,
+    ROPE_SCALING_KEYS,
+    ModelConfig,
+    check_rope_scaling,
+)
+from attnmask.model.layers import (  # noqa: F401
+    MLP,
+    RMSNorm,
+    Rotary,
+    make_norm,
+    scale_rope_frequencies,
+    sinusoidal_table,
+)
+from attnmask.model.transformer import (  # noqa: F401
+    Block,
+    ModelOutput,
+    Transformer,
+    fuse_projections_,
+    lm_loss,
+)

@@ -1,0 +1,113 @@
+"""One config for every Transformer attnmask builds: :class:`ModelConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+ARCHS = ("encoder_decoder", "decoder")
+POSITIONS = ("sinusoidal", "learned", "rotary")
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("pre", "post")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of an attnmask Transformer. Checked in ``__post_init__``."""
+
+    vocab_size: int  # target (or only) vocabulary, V
+    arch: str = "decoder"  # "encoder_decoder" or "decoder"
+    src_vocab_size: int | None = None  # encoder vocabulary; None = shared with the decoder
+    dim: int = 256  # model width C
+    n_layers: int = 4  # decoder layers
+    n_encoder_layers: int | None = None  # encoder layers; None = n_layers
+    n_heads: int = 4  # query heads H
+    n_kv_heads: int | None = None  # key/value heads Hkv (grouped-query when < n_heads); None = n_heads
+    head_dim: int | None = None  # None = dim // n_heads
+    ffn_dim: int | None = None  # None = 4 * dim
+    max_seq_len: int = 512  # longest sequence for learned/sinusoidal positions and decoding
+    positions: str = "sinusoidal"  # "sinusoidal" | "learned" | "rotary"
+    rope_theta: float = 10000.0  # rotary base
+    # rotary frequency scaling of long-context checkpoints: None, {"rope_type": "linear", "factor": f}
+    # or Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} (Hugging Face's names)
+    rope_scaling: dict | None = None
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_position: str = "pre"  # "pre" (GPT-2/Llama) or "post" (original Transformer, Marian)
+    final_norm: bool = True  # a norm after the last layer (pre-norm models)
+    activation: str = "gelu"  # "relu" | "gelu" | "gelu_tanh" | "silu" | "swiglu"
+    bias: bool = True  # biases in linear layers
+    dropout: float = 0.0
+    tie_embeddings: bool = True  # lm_head shares the (target) embedding matrix
+    embed_scale: bool = False  # multiply embeddings by sqrt(dim) (original Transformer, Marian)
+    lm_head_bias: bool = False  # a bias on the logits (Marian's final_logits_bias)
+    pad_id: int | None = 0  # None: no padding id (pretrained LMs whose every id is a real token)
+    attn_backend: str = "auto"
+    extra: dict = field(default_factory=dict)  # free-form notes (e.g. where weights came from)
+
+    def __post_init__(self):
+        for name, val, allowed in (
+            ("arch", self.arch, ARCHS),
+            ("positions", self.positions, POSITIONS),
+            ("norm", self.norm, NORMS),
+            ("norm_position", self.norm_position, NORM_POSITIONS),
+            ("activation", self.activation, ACTIVATIONS),
+        ):
+            if val not in allowed:
+                raise ValueError(f"ModelConfig.{name}={val!r}, expected one of {allowed}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_heads % self.kv_heads != 0:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
+        if self.head_dim is None and self.dim % self.n_heads != 0:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads} (or set head_dim)")
+        if self.positions == "rotary" and self.d_head % 2:
+            raise ValueError(f"rotary positions need an even head dim, got {self.d_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def d_head(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def d_ffn(self) -> int:
+        return self.ffn_dim or 4 * self.dim
+
+    @property
+    def encoder_layers(self) -> int:
+        return self.n_layers if self.n_encoder_layers is None else self.n_encoder_layers
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; expected some of {sorted(known)}")
+        return cls(**d)
+
+
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(scaling: dict) -> None:
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_SCALING_KEYS:
+        raise ValueError(f"rope_scaling rope_type={kind!r}, expected one of {sorted(ROPE_SCALING_KEYS)}")
+    missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}; got {scaling}")
