@@ -1,9 +1,33 @@
-"""Shared fixtures."""
+"""Shared fixtures, tiny-model factories, and where the development data lives.
+
+The tests mirror the package: ``tests/masks`` tests ``attnmask.masks``, ``tests/train`` tests
+``attnmask.train``, and so on. ``pytest -m "not slow"`` skips the long end-to-end tests
+(kill -9 loops, torchrun, the demo, SmolLM2) for a fast inner loop; CI runs everything.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
+from hypothesis import settings
+
+from attnmask.data.tokenizer import EOS_ID
+from attnmask.model import ModelConfig, Transformer
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Development data (Multi30k, Tiny Shakespeare): $ATTNMASK_DATA, else ../shared/data beside the
+# repository. Tests that need it skip, naming the path, when it is absent.
+DATA = Path(os.environ.get("ATTNMASK_DATA") or REPO.parent / "shared" / "data")
+MULTI30K = DATA / "multi30k"
+
+# CI (CI=true) runs every property test on the same examples, so a red run is reproducible.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev")
 
 
 @pytest.fixture(scope="module")
@@ -15,3 +39,41 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models
+# ---------------------------------------------------------------------------------------------
+TINY = {"dim": 32, "n_layers": 2, "n_heads": 4}
+
+
+def tiny_config(arch: str = "decoder", *, vocab: int = 24, **overrides) -> ModelConfig:
+    """A two-layer, width-32 :class:`ModelConfig`; ``overrides`` are ModelConfig fields."""
+    return ModelConfig(vocab_size=vocab, arch=arch, **{**TINY, **overrides})
+
+
+def tiny_model(
+    arch: str = "decoder",
+    *,
+    vocab: int = 24,
+    seed: int = 0,
+    std: float | None = None,
+    eos_bias: float | None = None,
+    **overrides,
+) -> Transformer:
+    """A seeded tiny :class:`Transformer` in eval mode.
+
+    ``std``: redraw every weight matrix from N(0, std²), so logits are O(1) and a wrong mask shows
+    far above float32 noise. ``eos_bias``: add this bias to ``<eos>`` (needs ``lm_head_bias=True``)
+    so that rows of a batch end at different steps.
+    """
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(arch, vocab=vocab, **overrides)).eval()
+    with torch.no_grad():
+        if std is not None:
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, std)
+        if eos_bias is not None:
+            model.lm_head.bias[EOS_ID] = eos_bias
+    return model

@@ -59,11 +59,8 @@ def save_mask_png(
     k_labels: Sequence[str] | None = None,
 ) -> Path:
     """Draw one or more named bool ``(Tq, Tk)`` masks side by side as labelled grids (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure
 
     k_labels = list(q_labels if k_labels is None else k_labels)
     for _, g in grids:
@@ -71,7 +68,8 @@ def save_mask_png(
     n = len(grids)
     Tq, Tk = grids[0][1].shape
     size = max(2.5, 0.6 * max(Tq, Tk) + 1.5)
-    fig, axes = plt.subplots(1, n, figsize=(size * n, size), squeeze=False)
+    fig = Figure(figsize=(size * n, size))
+    axes = fig.subplots(1, n, squeeze=False)
     cmap = ListedColormap(["#d9d9d9", "#2b6cb0"])  # blocked, allowed
     for ax, (name, g) in zip(axes[0], grids):
         ax.imshow(g.int().numpy(), cmap=cmap, vmin=0, vmax=1)
@@ -88,7 +86,6 @@ def save_mask_png(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -108,11 +105,8 @@ def save_dependency_png(
     Measured values are drawn on a log scale (exact zeros blank); cells in ``leaks`` — pairs
     ``(i, j)`` the intended mask blocks but the model depends on — are outlined in red.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap, LogNorm
+    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
     T = intended.shape[0]
@@ -124,7 +118,8 @@ def save_dependency_png(
     labels = [str(i) for i in range(T)]
     n = 1 + len(measured)
     size = max(3.0, 0.35 * T + 2.0)
-    fig, axes = plt.subplots(1, n, figsize=(size * n + 0.8 * len(measured), size), squeeze=False)
+    fig = Figure(figsize=(size * n + 0.8 * len(measured), size))
+    axes = fig.subplots(1, n, squeeze=False)
     ax = axes[0][0]
     ax.imshow(intended.int().numpy(), cmap=ListedColormap(["#d9d9d9", "#2b6cb0"]), vmin=0, vmax=1)
     ax.set_title("intended mask (blue = may depend)")
@@ -156,12 +151,9 @@ def save_dependency_png(
 
 
 def _save(fig, path: str | Path) -> Path:
-    import matplotlib.pyplot as plt
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -221,11 +213,8 @@ def save_attention_png(
 
     ``weights`` holds one ``(H, Tq, Tk)`` tensor per layer (weights of one sequence).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure
 
     if not weights:
         raise ValueError("no attention weights to draw; expected one (H, Tq, Tk) tensor per layer")
@@ -244,9 +233,8 @@ def save_attention_png(
     Tq, Tk = len(q_labels), len(k_labels)
     # panel size follows the token counts, so labels stay readable and cells stay square
     width, height = 0.22 * Tk + 0.9, 0.22 * Tq + 0.9
-    fig, axes = plt.subplots(
-        L, cols, figsize=(width * cols + 1.2, height * L + 0.5), squeeze=False, layout="constrained"
-    )
+    fig = Figure(figsize=(width * cols + 1.2, height * L + 0.5), layout="constrained")
+    axes = fig.subplots(L, cols, squeeze=False)
     # one colour scale for the whole figure, so heads compare; weights are in [0, 1]
     vmax = max(float(w[:H].max()) for w in weights) or 1.0
     img = None

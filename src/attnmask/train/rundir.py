@@ -196,12 +196,10 @@ def plot_losses(path: str | Path) -> Path | None:
     valid = [(r["step"], r["loss"]) for r in records if r.get("split") == "valid" and "loss" in r]
     if not train and not valid:
         return None
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no backend chosen for the user's process
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train), label="train", color="#2b6cb0", linewidth=1)
     if valid:
@@ -217,5 +215,4 @@ def plot_losses(path: str | Path) -> Path | None:
     fig.tight_layout()
     out = path / LOSS_PLOT
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out

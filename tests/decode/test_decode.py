@@ -14,6 +14,7 @@ from attnmask.data.tokenizer import EOS_ID, SOS_ID, Tokenizer
 from attnmask.decode.beam import beam_search, best_tokens
 from attnmask.decode.sampling import filter_logits, sample
 from attnmask.model import ModelConfig, Transformer
+from tests.conftest import tiny_model
 
 KINDS = ["decoder", "encoder_decoder"]
 INPUTS = [[5, 6, 7, 8, 9], [10, 11], [4, 5, 6], [7], [8, 9, 10, 11, 4, 5]]  # prompts or sources
@@ -27,18 +28,10 @@ def random_model(
 ) -> Transformer:
     """Random weights large enough that the arg-max depends on the whole prefix, and a bias on
     <eos> so that rows end at different steps."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=vocab, arch=arch, dim=32, n_layers=2, n_heads=4, max_seq_len=64, lm_head_bias=True,
+    return tiny_model(
+        arch, vocab=vocab, seed=seed, std=std, eos_bias=eos_bias, max_seq_len=64, lm_head_bias=True,
         tie_embeddings=False, **kw,
     )  # fmt: skip
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, std)
-        model.lm_head.bias[EOS_ID] = eos_bias
-    return model
 
 
 def inputs_of(model, rows):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +23,7 @@ from attnmask.data.tokenizer import (
     UNK_ID,
     Tokenizer,
 )
-
-MULTI30K = Path("/work/shared/data/multi30k")
+from tests.conftest import MULTI30K
 
 CORPUS = [
     "A man in a blue shirt is standing on a ladder cleaning windows.",

@@ -25,13 +25,13 @@ import pytest
 import torch
 from torch import nn
 
-import test_pretrained
 from attnmask import decode, pretrained
 from attnmask.audit import audit
 from attnmask.pretrained import build, load, quantized, registry
 from attnmask.pretrained.gguf_file import read_gguf
 from attnmask.pretrained.quantized import BLOCK_BYTES, BlockLinear, dequantize_blocks, kernel_status
-from test_pretrained import _prompts, _smollm2_path, write_tiny_gguf
+from tests.pretrained import test_pretrained
+from tests.pretrained.test_pretrained import _prompts, _smollm2_path, write_tiny_gguf
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[hf]')")
 
@@ -431,6 +431,7 @@ def smol_f64(smol_reader):
     return build(ckpt.config, ckpt.state_dict).eval().double()
 
 
+@pytest.mark.slow  # the real SmolLM2-135M file, compared with transformers
 def test_smollm2_quantized_layers(smol_q):
     model, _ = smol_q
     assert not [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]  # all BlockLinear
@@ -441,6 +442,7 @@ def test_smollm2_quantized_layers(smol_q):
     assert model.embed.weight.dtype == torch.float32
 
 
+@pytest.mark.slow  # the real SmolLM2-135M file, compared with transformers
 def test_smollm2_quantized_logits_as_accurate_as_float32(smol_q, smol_hf, smol_f64):
     model, tok = smol_q
     prompts = [tok.encode(p) for p in _prompts()[:3]]
@@ -454,6 +456,7 @@ def test_smollm2_quantized_logits_as_accurate_as_float32(smol_q, smol_hf, smol_f
         assert (got - hf32).abs().max().item() <= 5e-4
 
 
+@pytest.mark.slow  # the real SmolLM2-135M file, compared with transformers
 def test_smollm2_quantized_greedy_64_tokens_equal_transformers_generate(smol_q, smol_hf):
     model, tok = smol_q
     prompt = tok.encode("The capital of France is")

@@ -23,8 +23,8 @@ from attnmask.data import (
     read_text,
     translation_lengths,
 )
+from tests.conftest import MULTI30K
 
-MULTI30K = Path("/work/shared/data/multi30k")
 SPECIALS = {"pad_id": 0, "sos_id": 1, "eos_id": 2}
 
 

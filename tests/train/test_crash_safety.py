@@ -81,6 +81,7 @@ def assert_checkpoint_intact(run: Path) -> int:
     return step
 
 
+@pytest.mark.slow  # kill -9 loop: a subprocess per kill
 def test_sigterm_then_sigkills_at_random_moments_and_resume_reproduces_the_run(tmp_path, reference):
     """One run, interrupted again and again: SIGTERM first (a clean stop that must save the step it
     was on, between the periodic checkpoints every 5 steps), then kill -9 at random moments, each

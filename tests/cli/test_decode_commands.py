@@ -8,14 +8,13 @@ import types
 
 import pytest
 import sacrebleu
-import torch
 
 from attnmask import decode
 from attnmask.cli import main
-from attnmask.data.tokenizer import EOS_ID, Tokenizer
-from attnmask.model import ModelConfig, Transformer
+from attnmask.data.tokenizer import Tokenizer
 from attnmask.train.checkpoint import save_weights
 from attnmask.train.rundir import TOKENIZER, WEIGHTS, load_run, write_config
+from tests.conftest import tiny_model
 
 TEXT = "a man rides a horse. ein Mann reitet ein Pferd! two dogs play in the snow, zwei Hunde spielen im Schnee."
 SENTENCES = ["a man rides", "zwei Hunde", "the snow"]
@@ -28,18 +27,10 @@ def make_run(path, task: str):
     """A run directory as `attnmask train` writes it, holding a tiny random model."""
     tok = Tokenizer.train_chars([TEXT])
     arch = "encoder_decoder" if task == "translation" else "decoder"
-    cfg = ModelConfig(
-        vocab_size=tok.vocab_size, arch=arch, dim=32, n_layers=2, n_heads=4, max_seq_len=48,
-        lm_head_bias=True, tie_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.5)
-        model.lm_head.bias[EOS_ID] = 2.0  # rows end at different lengths
-    write_config(path, task=task, model=cfg, train={}, src_tokenizer=False)
+    model = tiny_model(
+        arch, vocab=tok.vocab_size, std=0.5, eos_bias=2.0, max_seq_len=48, lm_head_bias=True, tie_embeddings=False
+    )  # rows end at different lengths
+    write_config(path, task=task, model=model.config, train={}, src_tokenizer=False)
     tok.save(path / TOKENIZER)
     save_weights(path / WEIGHTS, model, {"step": "0"})
     return path

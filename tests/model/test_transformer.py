@@ -17,6 +17,7 @@ from torch.testing import assert_close
 
 from attnmask.data import IGNORE_INDEX
 from attnmask.model import ModelConfig, Transformer, lm_loss
+from tests.conftest import tiny_model
 
 PAD = 0
 V = 23
@@ -26,10 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(arch: str, **overrides) -> Transformer:
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=V, arch=arch, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=32, dropout=0.0)
-    cfg.update(overrides)
-    return Transformer(ModelConfig(**cfg)).double().eval()
+    return tiny_model(arch, vocab=V, **{"ffn_dim": 64, "max_seq_len": 32, "dropout": 0.0, **overrides}).double()
 
 
 def random_ids(B: int, T: int, seed: int) -> torch.Tensor:

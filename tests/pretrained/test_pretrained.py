@@ -360,6 +360,7 @@ def smol_tok(smol):
     return PretrainedTokenizer.from_special_ids(ckpt.tokenizer, ckpt.special_ids, add_bos=ckpt.add_bos)
 
 
+@pytest.mark.slow  # the real SmolLM2-135M file, compared with transformers
 def test_smollm2_load_by_name_through_the_cache(smol, tmp_path):
     # the GGUF -> cache path is tested on the tiny file; here the cache is filled from the
     # checkpoint already read, to spare a second parse of the real file
@@ -383,6 +384,7 @@ def test_smollm2_load_by_name_through_the_cache(smol, tmp_path):
         assert_close(fused.decode(ids), smol[0].decode(ids), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # the real SmolLM2-135M file, compared with transformers
 def test_smollm2_weights_equal_transformers_reading(smol, smol_hf):
     from attnmask.pretrained.hf import state_dict_from_hf
 
@@ -403,6 +405,7 @@ def _prompts():
     ]
 
 
+@pytest.mark.slow  # the real SmolLM2-135M file, compared with transformers
 def test_smollm2_tokenizer_golden(smol_tok):
     tok, chat = smol_tok, ChatTemplate(SMOL_TEMPLATE)
     # ids from transformers' own GGUF tokenizer conversion (AutoTokenizer.from_pretrained(gguf_file=...))
@@ -414,6 +417,7 @@ def test_smollm2_tokenizer_golden(smol_tok):
     assert (tok.eos_id, tok.sos_id, tok.pad_id, tok.stop_ids) == (2, 1, 2, (2, 0))
 
 
+@pytest.mark.slow  # the real SmolLM2-135M file, compared with transformers
 def test_smollm2_logits_match_transformers(smol, smol_hf, smol_tok):
     model, tok = smol[0], smol_tok
     for prompt in _prompts():
@@ -424,6 +428,7 @@ def test_smollm2_logits_match_transformers(smol, smol_hf, smol_tok):
         assert_close(got, expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # the real SmolLM2-135M file, compared with transformers
 def test_smollm2_greedy_64_tokens_equal_transformers_generate(smol, smol_hf, smol_tok):
     model, tok = smol[0], smol_tok
     prompts = [tok.encode(p) for p in _prompts()[:2]]

@@ -7,7 +7,7 @@ import pytest
 from attnmask.cli import main
 from attnmask.train.rundir import load_run, read_metrics
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # trains the demo model end to end
 
 
 def test_demo_runs_end_to_end(tmp_path, capsys):

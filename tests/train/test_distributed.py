@@ -39,7 +39,7 @@ WORKER = textwrap.dedent(
 )
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # torchrun with two processes
 
 
 def settings(out: Path, **overrides) -> dict:

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnmask import masks
-from attnmask.model import ModelConfig, Transformer
+from attnmask.model import Transformer
 from attnmask.model.cache import KVCache
+from tests.conftest import tiny_model
 
 STEPS = 104  # tokens fed one at a time after the prefix (the issue asks for >= 100)
 
@@ -19,24 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(arch: str, positions: str = "sinusoidal", *, seed: int = 0, vocab: int = 40) -> Transformer:
-    """A small model whose logits are O(1), so a wrong mask would show up far above 1e-5."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=vocab,
-        arch=arch,
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,  # grouped-query: the cache stores Hkv heads
-        max_seq_len=128,
-        positions=positions,
-    )
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    return model
+    """A small model whose logits are O(1), so a wrong mask would show up far above 1e-5.
+    Grouped-query (2 of 4 heads): the cache stores Hkv heads."""
+    return tiny_model(arch, vocab=vocab, seed=seed, std=0.3, n_kv_heads=2, max_seq_len=128, positions=positions)
 
 
 def padded_prefix(side: str, B: int = 3, P: int = 6, vocab: int = 40, seed: int = 1):

@@ -1,0 +1,139 @@
+"""The import graph of attnmask: no cycles between modules or between packages, not even through
+imports hidden in functions or under ``TYPE_CHECKING``, and the packages stay on their layers."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import attnmask
+
+SRC = Path(attnmask.__file__).resolve().parent
+
+# Each package may import only packages on lower layers (and itself). A newcomer reads the tree
+# bottom-up: masks, data (text, tokens, batches), viz -> attention -> model -> decode
+# -> pretrained -> train -> audit -> cli.
+LAYERS = {
+    "masks": 0,
+    "data": 0,
+    "viz": 0,
+    "attention": 1,
+    "model": 2,
+    "decode": 3,
+    "pretrained": 4,
+    "train": 5,
+    "audit": 6,
+    "cli": 7,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in SRC.rglob("*.py")}
+
+
+def resolve(name: str) -> str | None:
+    """The attnmask module that ``import name`` loads (a package's ``__init__`` for a package)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str) -> set[str]:
+    """Every attnmask module ``module`` imports, wherever the import statement stands."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            if target.startswith("attnmask") and (hit := resolve(target)) is not None and hit != module:
+                found.add(hit)
+    return found
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_the_graph_is_read():
+    assert len(MODULES) > 40
+    assert "attnmask.masks.core" in GRAPH["attnmask.masks.structured"]
+    assert "attnmask.decode.beam" in GRAPH["attnmask.decode.text"]  # a function-level import is seen
+
+
+def test_no_cycle_between_modules():
+    # A package's __init__ imports its modules; a module importing its own package's __init__
+    # (rather than a sibling module) is a cycle too.
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_cycle_between_packages():
+    packages: dict[str, set[str]] = {}
+    for module, targets in GRAPH.items():
+        src = package_of(module)
+        packages.setdefault(src, set()).update(package_of(t) for t in targets if package_of(t) not in ("", src))
+    cycle = find_cycle(packages)
+    assert cycle is None, "package cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_packages_import_only_lower_layers(package):
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if package_of(module) == package
+        for target in targets
+        if package_of(target) in LAYERS and LAYERS[package_of(target)] > LAYERS[package]
+    )
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_the_detector_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
