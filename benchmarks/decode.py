@@ -79,7 +79,7 @@ def bench_cache(lengths: list[int], recompute_max: int) -> list[str]:
     prompt = torch.randint(4, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
     decode.greedy(model, prompts=[prompt], max_new_tokens=8, eos_id=None)  # warm-up
     rows = [
-        f"decoder-only C={cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, FFN {cfg.d_ffn}, "
+        f"decoder-only C={cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, FFN {cfg.ffn_dim}, "
         f"V={cfg.vocab_size}, {model.num_parameters() / 1e6:.1f}M parameters; batch 1, 16-token prompt",
         "",
         "| new tokens | cached tok/s | recompute tok/s | speed-up | same tokens |",

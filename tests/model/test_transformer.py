@@ -189,7 +189,7 @@ def test_every_option_combination_runs_and_learns_a_step(positions, norm, norm_p
 def test_grouped_query_heads_and_tied_embeddings():
     model = make_model("encoder_decoder", n_heads=4, n_kv_heads=1)
     attn = model.layers[0].self_attn
-    assert attn.k_proj.out_features == model.config.d_head  # one key/value head
+    assert attn.k_proj.out_features == model.config.head_dim  # one key/value head
     assert model.lm_head.weight is model.embed.weight  # W_pred tied to the target embedding
     assert model.src_embed is model.embed  # shared vocabulary: one embedding
     untied = make_model("decoder", tie_embeddings=False)

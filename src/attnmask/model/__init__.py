@@ -29,7 +29,7 @@ from attnmask.model.layers import (  # noqa: F401
     sinusoidal_table,
 )
 from attnmask.model.transformer import (  # noqa: F401
-    Block,
+    TransformerLayer,
     ModelOutput,
     Transformer,
     fuse_projections_,

@@ -99,8 +99,8 @@ class KVCache:
             n_layers=cfg.n_layers,
             batch_size=batch_size,
             max_len=max_len or cfg.max_seq_len,
-            n_kv_heads=cfg.kv_heads,
-            head_dim=cfg.d_head,
+            n_kv_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim,
             dtype=dtype,
         )
 

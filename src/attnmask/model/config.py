@@ -13,7 +13,12 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
 
 @dataclass
 class ModelConfig:
-    """Hyper-parameters of an attnmask Transformer. Checked in ``__post_init__``."""
+    """Hyper-parameters of an attnmask Transformer.
+
+    Fields left as None take their defaults in ``__post_init__`` (``n_kv_heads = n_heads``,
+    ``head_dim = dim // n_heads``, ``ffn_dim = 4 * dim``, ``n_encoder_layers = n_layers`` for an
+    encoder-decoder, 0 for a decoder), so every later reader sees one spelling of each value.
+    """
 
     vocab_size: int  # target (or only) vocabulary, V
     arch: str = "decoder"  # "encoder_decoder" or "decoder"
@@ -47,6 +52,16 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where weights came from)
 
     def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.n_heads > 0 and self.dim % self.n_heads != 0:
+                raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads} (or set head_dim)")
+            self.head_dim = self.dim // max(self.n_heads, 1)
+        if self.ffn_dim is None:
+            self.ffn_dim = 4 * self.dim
+        if self.n_encoder_layers is None:
+            self.n_encoder_layers = self.n_layers if self.arch == "encoder_decoder" else 0
         for name, val, allowed in (
             ("arch", self.arch, ARCHS),
             ("positions", self.positions, POSITIONS),
@@ -59,32 +74,21 @@ class ModelConfig:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_heads % self.kv_heads != 0:
-            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
-        if self.head_dim is None and self.dim % self.n_heads != 0:
-            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads} (or set head_dim)")
-        if self.positions == "rotary" and self.d_head % 2:
-            raise ValueError(f"rotary positions need an even head dim, got {self.d_head}")
+        for name in ("n_kv_heads", "head_dim", "ffn_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.arch == "encoder_decoder" and self.n_encoder_layers < 1:
+            raise ValueError(
+                f"ModelConfig.n_encoder_layers must be >= 1 for an encoder-decoder, got {self.n_encoder_layers}"
+            )
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head dim, got {self.head_dim}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def d_head(self) -> int:
-        return self.head_dim or self.dim // self.n_heads
-
-    @property
-    def d_ffn(self) -> int:
-        return self.ffn_dim or 4 * self.dim
-
-    @property
-    def encoder_layers(self) -> int:
-        return self.n_layers if self.n_encoder_layers is None else self.n_encoder_layers
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -26,7 +26,7 @@ from attnmask.model.config import ModelConfig
 from attnmask.model.layers import MLP, Rotary, make_norm, sinusoidal_table
 
 
-class Block(nn.Module):
+class TransformerLayer(nn.Module):
     """One Transformer layer: self-attention, optional cross-attention, feed-forward."""
 
     def __init__(self, cfg: ModelConfig, *, cross: bool):
@@ -37,8 +37,8 @@ class Block(nn.Module):
             return MultiHeadAttention(
                 dim=cfg.dim,
                 num_heads=cfg.n_heads,
-                num_kv_heads=cfg.kv_heads,
-                head_dim=cfg.d_head,
+                num_kv_heads=cfg.n_kv_heads,
+                head_dim=cfg.head_dim,
                 bias=cfg.bias,
                 dropout=cfg.dropout,
                 backend=cfg.attn_backend,
@@ -133,9 +133,9 @@ class Transformer(nn.Module):
         if self.is_encoder_decoder:
             shared = cfg.src_vocab_size is None or cfg.src_vocab_size == cfg.vocab_size
             self.src_embed = self.embed if shared else nn.Embedding(cfg.src_vocab_size, cfg.dim)
-            self.encoder_layers = nn.ModuleList(Block(cfg, cross=False) for _ in range(cfg.encoder_layers))
+            self.encoder_layers = nn.ModuleList(TransformerLayer(cfg, cross=False) for _ in range(cfg.n_encoder_layers))
             self.encoder_norm = make_norm(cfg) if cfg.final_norm else nn.Identity()
-        self.layers = nn.ModuleList(Block(cfg, cross=self.is_encoder_decoder) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(TransformerLayer(cfg, cross=self.is_encoder_decoder) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else nn.Identity()
         if cfg.positions == "learned":
             self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim)
@@ -144,7 +144,7 @@ class Transformer(nn.Module):
         elif cfg.positions == "sinusoidal":
             self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.dim), persistent=False)
         else:
-            self.rotary = Rotary(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
+            self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.emb_dropout = nn.Dropout(cfg.dropout)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=cfg.lm_head_bias)  # W_pred
         if cfg.tie_embeddings:
@@ -348,7 +348,7 @@ def fuse_projections_(model: nn.Module) -> nn.Module:
     Layers whose projections cannot stack (different types, block formats or dtypes) are left as they are.
     """
     for block in model.modules():
-        if not isinstance(block, Block):
+        if not isinstance(block, TransformerLayer):
             continue
         attn = block.self_attn
         if attn.qkv_proj is None and attn.q_proj is not None:

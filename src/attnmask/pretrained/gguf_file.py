@@ -303,5 +303,5 @@ def _unpermuted(gguf_name: str, w: Tensor, config: ModelConfig) -> Tensor:
     if gguf_name.endswith("attn_q.weight"):
         return unpermute_qk(w, config.n_heads)
     if gguf_name.endswith("attn_k.weight"):
-        return unpermute_qk(w, config.kv_heads)
+        return unpermute_qk(w, config.n_kv_heads)
     return w

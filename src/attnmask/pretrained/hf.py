@@ -279,7 +279,7 @@ def _convert_marian(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Ten
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = _take(sd, "lm_head.weight", "Marian")
     out["lm_head.bias"] = _take(sd, "final_logits_bias", "Marian").reshape(-1)  # (1, V) -> (V,)
-    for i in range(cfg.encoder_layers):
+    for i in range(cfg.n_encoder_layers):
         ours, theirs = f"encoder_layers.{i}", f"model.encoder.layers.{i}"
         out |= attn(f"{ours}.self_attn", f"{theirs}.self_attn")
         out |= norm(f"{ours}.self_norm", f"{theirs}.self_attn_layer_norm")

@@ -415,7 +415,7 @@ def build(
     if missing or unexpected:
         raise ValueError(f"weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if config.positions == "rotary":
-        model.rotary = Rotary(config.d_head, config.rope_theta, config.rope_scaling)
+        model.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
     elif config.positions == "sinusoidal":
         model.pos_table = sinusoidal_table(config.max_seq_len, config.dim)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
