@@ -3,6 +3,7 @@ prompts, sampling, beam search, streaming, and the text-level translate/generate
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from attnmask import decode, masks
+from attnmask.data import make_translation_batch
 from attnmask.data.tokenizer import EOS_ID, SOS_ID, Tokenizer
 from attnmask.decode.beam import beam_search, best_tokens
 from attnmask.decode.sampling import filter_logits, sample
@@ -239,6 +241,50 @@ def test_sampling_is_reproducible_with_a_seed(arch):
 def test_bad_sampling_settings_raise(kw):
     with pytest.raises(ValueError):
         sample(torch.zeros(1, 4), **kw)
+
+
+def test_sampling_settings_are_one_frozen_checked_object():
+    s = decode.Sampling(temperature=0.7, top_k=5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.temperature = 1.0
+    for bad in [{"temperature": -1.0}, {"temperature": float("nan")}, {"top_k": 0}, {"top_k": True}, {"top_p": 2.0}]:
+        with pytest.raises(ValueError):
+            decode.Sampling(**bad)
+    assert decode.GREEDY.greedy and not decode.Sampling().greedy
+    assert decode.Sampling().temperature == decode.DEFAULT_TEMPERATURE == 1.0
+    with pytest.raises(TypeError, match="not both"):
+        sample(torch.zeros(1, 4), s, temperature=1.0)
+    with pytest.raises(TypeError, match="unexpected"):
+        sample(torch.zeros(1, 4), temprature=1.0)
+
+
+@pytest.mark.parametrize("arch", KINDS)
+def test_sampling_object_and_keywords_give_the_same_draws(arch):
+    model = random_model(arch, vocab=40, std=0.1)
+    kw = {"max_new_tokens": 12, **inputs_of(model, INPUTS)}
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    settings = decode.Sampling(temperature=0.9, top_p=0.95, generator=g1)
+    by_object = decode.generate_ids(model, sampling=settings, **kw)
+    assert by_object == decode.generate_ids(model, temperature=0.9, top_p=0.95, generator=g2, **kw)
+    assert decode.generate_ids(model, **kw) == decode.greedy(model, **kw)  # id loops default to greedy
+
+
+def test_source_ids_is_tokens_then_eos_for_text_or_ids(chars):
+    text = ["a cat", "the dog"]
+    rows = decode.source_ids(chars, text)
+    assert rows == [chars.encode(t) + [EOS_ID] for t in text]
+    assert decode.source_ids(chars, [chars.encode(t) for t in text]) == rows  # already encoded
+    batch = make_translation_batch([chars.encode(t) for t in text], [[], []], pad_id=0, sos_id=SOS_ID, eos_id=EOS_ID)
+    assert [r[r != 0].tolist() for r in batch.src] == rows  # what the encoder saw in training
+
+
+def test_default_max_new_tokens_is_one_rule():
+    assert decode.default_max_new_tokens(4, 64) == 16  # 1.5 * 4 + 10
+    assert decode.default_max_new_tokens(60, 64) == 64  # capped at the model's maximum
+    model = random_model("encoder_decoder", eos_bias=-50.0)  # never stops early
+    src = [[5] * 40, [6] * 3]
+    out = decode.greedy(model, src=src, max_new_tokens=[decode.default_max_new_tokens(len(s), 64) for s in src])
+    assert [len(o) for o in out] == [64, 14]  # the model's maximum is reachable: <sos> + 63 fed tokens
 
 
 # ---------------------------------------------------------------------------------------------

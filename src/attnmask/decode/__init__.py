@@ -1,7 +1,8 @@
 """Autoregressive decoding with a KV cache (seed 000): greedy, sampling, beam search, streaming.
 
 - :mod:`.steps`: start (encode / prefill), one decode step, the loop, greedy and sampled ids;
-- :mod:`.sampling`: arg-max or a draw with temperature, top-k, top-p and an explicit generator;
+- :mod:`.sampling`: the frozen :class:`Sampling` settings; arg-max or a draw with temperature,
+  top-k, top-p and an explicit generator;
 - :mod:`.beam`: beam search on the same steps;
 - :mod:`.text`: text in, text out (``translate``, ``generate``).
 """
@@ -12,16 +13,21 @@ from attnmask.decode.beam import (  # noqa: F401
     best_tokens,
 )
 from attnmask.decode.sampling import (  # noqa: F401
+    DEFAULT_TEMPERATURE,
+    GREEDY,
+    Sampling,
     check_sampling,
     filter_logits,
     sample,
 )
 from attnmask.decode.steps import (  # noqa: F401
+    DEFAULT_NEW_TOKENS,
     DecodeState,
     Ids,
     StopIds,
     decode_step,
     default_max_len,
+    default_max_new_tokens,
     eval_mode,
     generate_ids,
     greedy,

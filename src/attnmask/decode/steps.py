@@ -41,7 +41,7 @@ from torch import Tensor
 from attnmask import masks
 from attnmask.attention import PreparedMask, prepare_mask
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
-from attnmask.decode.sampling import check_sampling, sample
+from attnmask.decode.sampling import GREEDY, Sampling, sample
 from attnmask.model.cache import KVCache
 
 Ids = Sequence[Sequence[int]] | Tensor  # token ids: lists of rows, or a (B, T) tensor
@@ -82,16 +82,36 @@ def pad_batch(seqs: Ids, pad_id: int | None, *, side: str, device=None) -> tuple
     return ids, (None if bool(keep.all()) else keep)
 
 
-def source_ids(tokenizer, sentences: Sequence[str]) -> list[list[int]]:
-    """Source sentences as the encoder saw them in training: tokens then ``<eos>``
-    (:func:`attnmask.data.make_translation_batch`)."""
-    return [ids + [EOS_ID] for ids in tokenizer.encode_batch(list(sentences))]
+def source_ids(tokenizer, sentences: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+    """Encoder inputs as training built them (:func:`attnmask.data.make_translation_batch`): each
+    sentence's tokens, then ``<eos>``. ``sentences`` are strings, or token id lists (already encoded,
+    without specials). The one place decoding writes this convention.
+    """
+    sentences = list(sentences)
+    eos = getattr(tokenizer, "eos_id", EOS_ID)
+    if all(isinstance(s, str) for s in sentences):
+        rows = (
+            tokenizer.encode_batch(sentences)
+            if hasattr(tokenizer, "encode_batch")
+            else map(tokenizer.encode, sentences)
+        )
+    else:
+        rows = [tokenizer.encode(s) if isinstance(s, str) else s for s in sentences]
+    return [list(r) + [eos] for r in rows]
 
 
-def default_max_len(src_len: int, model_max: int) -> int:
-    """Output length limit for a source of ``src_len`` tokens: ``1.5 * src_len + 10``, at most the
-    model's maximum (fairseq's ``max_len_a * src_len + max_len_b`` rule)."""
+DEFAULT_NEW_TOKENS = 200  # decoder-only text: the default of generate() and `attnmask generate`
+
+
+def default_max_new_tokens(src_len: int, model_max: int) -> int:
+    """The one default length limit of a translation: ``1.5 * src_len + 10`` new tokens for a source
+    of ``src_len`` tokens (``<eos>`` included), at most ``model_max`` (fairseq's ``max_len_a * src_len
+    + max_len_b`` rule). ``model_max`` is right: the decoder feeds ``<sos>`` and all but the last
+    generated token, ``model_max`` positions at most."""
     return min(int(1.5 * src_len) + 10, model_max)
+
+
+default_max_len = default_max_new_tokens  # the earlier name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,15 +324,11 @@ def _steps(
     src,
     prompts,
     max_new_tokens,
-    temperature,
-    top_k,
-    top_p,
-    generator,
+    sampling: Sampling,
     eos_id,
     sos_id,
 ) -> Iterator[tuple[int, Tensor, Tensor]]:
     """The decoding loop: yields ``(B, rows (b,), tokens (b,))`` for the rows still running."""
-    check_sampling(temperature, top_k, top_p)
     stops = stop_set(eos_id)
     with eval_mode(model):
         state, logits, limits = start(model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, sos_id=sos_id)
@@ -320,7 +336,7 @@ def _steps(
         rows = torch.arange(B, device=limits.device)  # (b,) original row of each running row
         step = 0
         while True:
-            tokens = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)  # (b,)
+            tokens = sample(logits, sampling)  # (b,)
             yield B, rows, tokens
             step += 1
             done = (limits[rows] <= step) | is_stop(tokens, stops)  # (b,)
@@ -340,18 +356,17 @@ def stream(
     src: Ids | None = None,
     prompts: Ids | None = None,
     max_new_tokens: int | Sequence[int] | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
+    sampling: Sampling | None = None,
     eos_id: StopIds = EOS_ID,
     sos_id: int = SOS_ID,
+    **sampling_keywords,
 ) -> Iterator[Tensor]:
     """Yield each step's tokens ``(B,)`` as they are chosen; finished rows get ``<pad>``.
 
     A row finishes after emitting ``eos_id`` (which is yielded; several ids may be given, None never
-    stops) or at its length limit; the loop ends when every row has. ``temperature=0`` is greedy.
-    See :func:`start` for the inputs.
+    stops) or at its length limit; the loop ends when every row has. ``sampling`` defaults to
+    :data:`~attnmask.decode.sampling.GREEDY`; the keywords ``temperature``, ``top_k``, ``top_p``,
+    ``generator`` are accepted instead. See :func:`start` for the inputs.
     """
     pad_id = model.config.pad_id if model.config.pad_id is not None else 0
     for B, rows, tokens in _steps(
@@ -359,10 +374,7 @@ def stream(
         src=src,
         prompts=prompts,
         max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        generator=generator,
+        sampling=Sampling.of(sampling, GREEDY, **sampling_keywords),
         eos_id=eos_id,
         sos_id=sos_id,
     ):
@@ -377,12 +389,10 @@ def generate_ids(
     src: Ids | None = None,
     prompts: Ids | None = None,
     max_new_tokens: int | Sequence[int] | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
+    sampling: Sampling | None = None,
     eos_id: StopIds = EOS_ID,
     sos_id: int = SOS_ID,
+    **sampling_keywords,
 ) -> list[list[int]]:
     """The generated ids of each row (what :func:`stream` yields), without the final ``<eos>``."""
     stops = stop_set(eos_id)
@@ -392,10 +402,7 @@ def generate_ids(
         src=src,
         prompts=prompts,
         max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        generator=generator,
+        sampling=Sampling.of(sampling, GREEDY, **sampling_keywords),
         eos_id=eos_id,
         sos_id=sos_id,
     ):
@@ -419,5 +426,5 @@ def greedy(
     """Seed 000's greedy decoding: from ``<sos>`` (or the prompt), arg-max, append, until ``<eos>``
     or ``max_new_tokens``. Returns the generated ids of each row, without ``<eos>``."""
     return generate_ids(
-        model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, temperature=0.0, eos_id=eos_id, sos_id=sos_id
+        model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, sampling=GREEDY, eos_id=eos_id, sos_id=sos_id
     )

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
-from attnmask.decode.sampling import check_sampling
-from attnmask.decode.steps import _check_length, _steps, default_max_len, greedy, source_ids, stop_set
+from attnmask.decode.sampling import Sampling
+from attnmask.decode.steps import (
+    DEFAULT_NEW_TOKENS,
+    _check_length,
+    _steps,
+    default_max_new_tokens,
+    greedy,
+    source_ids,
+    stop_set,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -29,8 +38,8 @@ def translate(
     """Translate ``sentences`` (in their order) with greedy decoding (``beam=1``) or beam search.
 
     Sentences are batched by length (longest first); ``max_len`` limits the generated tokens per
-    sentence (default :func:`default_max_len` of its source, so a sentence's translation does not
-    depend on its batch).
+    sentence (default :func:`~attnmask.decode.steps.default_max_new_tokens` of its source, so a
+    sentence's translation does not depend on its batch).
 
     Raises ValueError for a source longer than the model's maximum, TypeError for a non-string.
     """
@@ -53,7 +62,7 @@ def translate(
     for first in range(0, len(order), batch_size):
         chunk = order[first : first + batch_size]
         src = [ids[i] for i in chunk]
-        limits = [max_len or default_max_len(len(s), model_max) for s in src]
+        limits = [max_len or default_max_new_tokens(len(s), model_max) for s in src]
         if beam == 1:
             hyps = greedy(model, src=src, max_new_tokens=limits)
         else:
@@ -92,19 +101,21 @@ def generate(
     tokenizer,
     prompts: str | Sequence[str],
     *,
-    max_new_tokens: int = 200,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    max_new_tokens: int = DEFAULT_NEW_TOKENS,
+    sampling: Sampling | None = None,
     seed: int | None = None,
     stream: bool = False,
     eos_id: int | None = None,
+    **sampling_keywords,
 ):
     """Continue text prompt(s) with a decoder-only model.
 
     Returns the continuation (a ``str`` for one prompt, a list for a list), or with ``stream=True``
     an iterator of text pieces as tokens arrive (``str`` pieces for one prompt, one list of pieces
-    per step for a list). ``temperature=0`` is greedy; ``seed`` makes sampling reproducible.
+    per step for a list). ``sampling`` defaults to ``Sampling()``
+    (temperature 1.0, the same default as ``attnmask generate``); the keywords ``temperature``,
+    ``top_k``, ``top_p`` are accepted instead, and ``temperature=0`` is greedy. ``seed`` makes
+    sampling reproducible (a generator of its own; or pass ``Sampling(generator=...)``).
     ``eos_id`` (one id or several) defaults to the tokenizer's ``stop_ids`` if it has them (chat
     models), else its ``eos_id``.
 
@@ -119,10 +130,12 @@ def generate(
         if not p:
             raise ValueError(f"prompt {i + 1} is empty; expected some text to continue")
         _check_length(len(p), f"prompt {i + 1}", model.config.max_seq_len)
-    check_sampling(temperature, top_k, top_p)
-    generator = None
+    settings = Sampling.of(sampling, **sampling_keywords)
     if seed is not None:
+        if settings.generator is not None:
+            raise ValueError("give seed= or Sampling(generator=...), not both")
         generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+        settings = dataclasses.replace(settings, generator=generator)
     eos = eos_id
     if eos is None:
         eos = getattr(tokenizer, "stop_ids", None) or getattr(tokenizer, "eos_id", EOS_ID)
@@ -131,10 +144,7 @@ def generate(
         src=None,
         prompts=ids,
         max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        generator=generator,
+        sampling=settings,
         eos_id=eos,
         sos_id=SOS_ID,
     )
