@@ -367,7 +367,14 @@ def test_smollm2_load_by_name_through_the_cache(smol, tmp_path):
     pretrained.write_cache(pretrained.cache_file(locate("smollm2"), tmp_path), smol[1])
     model, tok, chat = load("smollm2", cache=tmp_path, fuse=False)
     cfg = model.config
-    assert (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == (30, 576, 9, 3, 1536, 49152)
+    assert (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == (
+        30,
+        576,
+        9,
+        3,
+        1536,
+        49152,
+    )
     assert (cfg.positions, cfg.norm, cfg.activation, cfg.tie_embeddings) == ("rotary", "rmsnorm", "swiglu", True)
     assert cfg.rope_theta == 100000.0 and cfg.pad_id is None
     assert_close(model.state_dict(), smol[0].state_dict(), rtol=0, atol=0)

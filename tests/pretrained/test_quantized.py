@@ -465,3 +465,93 @@ def test_smollm2_quantized_greedy_64_tokens_equal_transformers_generate(smol_q, 
     got = decode.greedy(model, prompts=[prompt], max_new_tokens=64, eos_id=None)
     assert got == expected[:, len(prompt) :].tolist()
     assert len(got[0]) == 64 and "Paris" in tok.decode(got[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory safety: every buffer the kernel reads through a raw pointer is checked first
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("convert", ["half", "bfloat16", "double"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_dtype_casts_keep_the_scales_float32(kind, convert):
+    """``.half()`` / ``.to(torch.bfloat16)`` on a model must not hand float16 scales to a kernel
+    that reads float32 (it read past their end and returned values ~1e26 off)."""
+    raw, w = random_bytes_blocks(kind, 24, 160, seed=3)
+    layer = BlockLinear.from_numpy(raw, kind, 160)
+    x = torch.randn(3, 160, generator=torch.Generator().manual_seed(1))
+    want = layer(x)
+    model = nn.Sequential(layer)
+    model.half() if convert == "half" else model.to(getattr(torch, convert))
+    assert layer.d.dtype == torch.float32 and (layer.m is None or layer.m.dtype == torch.float32)
+    assert layer.codes.dtype == torch.uint8
+    assert torch.equal(layer(x), want)  # float32 inputs: the same kernel, the same bits
+    assert_float32_accurate(layer(x), x, w, f"{kind} after .{convert}")
+    low = x.to(torch.bfloat16)  # other input dtypes compute in their own dtype, from float32 scales
+    assert torch.equal(layer(low), torch.nn.functional.linear(low, w.to(torch.bfloat16)))
+
+
+def _good_args(kind):
+    raw, _ = random_blocks(kind, 13, 96, seed=4)
+    layer = BlockLinear.from_numpy(raw, kind, 96)
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(2))
+    return layer, [layer.codes, layer.d, layer.m, x, kind, 96]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_registered_operator_checks_every_buffer(kind):
+    layer, args = _good_args(kind)
+    op = torch.ops.attnmask.block_matmul
+    torch.testing.assert_close(op(*args), layer(args[3]), rtol=0, atol=0)
+    torch.library.opcheck(op, tuple(args))  # schema, fake (shape) rule, torch.compile-friendliness
+    codes, d, m, x = args[:4]
+    bad = {
+        "d float16": (1, d.half()),
+        "d too short": (1, d[:, :-1].contiguous()),
+        "d not contiguous": (1, d.T.contiguous().T),
+        "codes as int32": (0, codes.view(torch.int32)),
+        "codes row short": (0, codes[:, :-4].contiguous()),
+        "x float64": (3, x.double()),
+        "x wrong width": (3, torch.randn(2, 64)),
+        "x not contiguous": (3, torch.randn(96, 2).T),
+        "x on meta": (3, x.to("meta")),  # (the operator hands meta tensors to its shape rule)
+    }
+    if kind == "Q4_1":
+        bad["m missing"] = (2, None)
+        bad["m bfloat16"] = (2, m.to(torch.bfloat16))
+    else:
+        bad["m given"] = (2, d)
+    for what, (i, value) in bad.items():
+        wrong = list(args)
+        wrong[i] = value
+        if what != "x on meta":
+            with pytest.raises(ValueError, match="block kernel|Q4_1 needs|Q8_0 has no"):
+                op(*wrong)
+        with pytest.raises(ValueError):
+            quantized.check_buffers(*wrong[:3], kind, 96, wrong[3])
+
+
+def test_a_damaged_buffer_is_refused_not_read():
+    """A buffer swapped for one of the wrong dtype behind the module's back: one clear error."""
+    layer, args = _good_args("Q8_0")
+    layer.d = layer.d.half()  # plain attribute assignment bypasses _apply
+    with pytest.raises(ValueError, match="d is torch.float16"):
+        layer(args[3])
+
+
+def test_the_operator_composes_with_torch_compile():
+    layer, args = _good_args("Q4_1")
+    x = args[3]
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)  # fullgraph: no break around the kernel
+    assert torch.equal(compiled(x), layer(x))
+
+
+def test_kernel_cache_is_keyed_on_the_compiler_and_its_version():
+    flags = quantized._flags()
+    names = {
+        quantized._kernel_name(flags, "cc", "cc (GCC) 12.2.0"),
+        quantized._kernel_name(flags, "cc", "cc (GCC) 13.1.0"),
+        quantized._kernel_name(flags, "clang", "clang version 17.0.0"),
+        quantized._kernel_name(flags + ["-mavx512f"], "cc", "cc (GCC) 12.2.0"),
+    }
+    assert len(names) == 4
+    compiler, version = quantized._compiler()
+    assert compiler == os.environ.get("CC", "cc") and version
