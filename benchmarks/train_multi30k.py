@@ -27,7 +27,7 @@ from attnmask.train.rundir import load_run
 DATA = Path(os.environ.get("ATTNMASK_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 RECIPE = dict(
-    model="small", dim=256, layers=3, heads=4, ffn_dim=1024, positions="rotary", norm="rmsnorm",
+    model="small", dim=256, n_layers=3, n_heads=4, ffn_dim=1024, positions="rotary", norm="rmsnorm",
     activation="swiglu", tokenizer="bpe", vocab_size=8000, batch_tokens=4096, lr=1e-3, warmup=400,
     min_lr_ratio=0.05, dropout=0.2, label_smoothing=0.1, weight_decay=0.01, max_steps=None,
 )  # fmt: skip
@@ -41,8 +41,7 @@ def translate_all(run, sentences: list[str], beam: int) -> list[str]:
             raise
         from attnmask.train.evaluate import translate_ids
 
-        ids = translate_ids(run.model, run.src_tokenizer.encode_batch(sentences), run.tokenizer, run.src_tokenizer,
-                            device=torch.device("cpu"))  # fmt: skip
+        ids = translate_ids(run.model, run.src_tokenizer.encode_batch(sentences), run.tokenizer, run.src_tokenizer)
         return run.tokenizer.decode_batch(ids)
     return translate(run.model, run.src_tokenizer, run.tokenizer, sentences, beam=beam)
 
@@ -65,7 +64,7 @@ def main() -> None:
         key, value = item.split("=", 1)
         recipe[key] = json.loads(value)
     shutil.rmtree(args.out, ignore_errors=True)
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         task="translation", src=str(m30k / "train.de.gz"), tgt=str(m30k / "train.en.gz"),
         valid_src=str(m30k / "val.de.gz"), valid_tgt=str(m30k / "val.en.gz"), out=args.out,
         max_minutes=args.minutes, eval_every=args.eval_every, eval_sentences=1014, log_every=50, progress=False,

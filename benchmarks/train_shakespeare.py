@@ -30,13 +30,13 @@ RECIPES = {
     # nanoGPT's CPU command line: n_layer 4, n_head 4, n_embd 128, block 64, batch 12, lr 1e-3 -> 1e-4,
     # beta2 0.99, warmup 100, 2000 iterations, dropout 0
     "nanogpt": dict(
-        model="tiny", dim=128, layers=4, heads=4, ffn_dim=512, positions="learned", norm="layernorm",
+        model="tiny", dim=128, n_layers=4, n_heads=4, ffn_dim=512, positions="learned", norm="layernorm",
         activation="gelu", block_size=64, batch_tokens=12 * 64, lr=1e-3, min_lr_ratio=0.1, beta2=0.99,
         warmup=100, weight_decay=0.1, max_steps=2000,
     ),
     # ours: rotary, RMSNorm, SwiGLU, longer blocks, a hotter learning rate, schedule set by the clock
     "ours": dict(
-        model="tiny", dim=128, layers=4, heads=4, ffn_dim=384, positions="rotary", norm="rmsnorm",
+        model="tiny", dim=128, n_layers=4, n_heads=4, ffn_dim=384, positions="rotary", norm="rmsnorm",
         activation="swiglu", block_size=128, batch_tokens=16 * 128, lr=3e-3, min_lr_ratio=0.1, beta2=0.99,
         warmup=50, weight_decay=0.1, max_steps=None,
     ),
@@ -62,7 +62,7 @@ def main() -> None:
         recipe[key] = json.loads(value)
     out = Path(args.out) / args.recipe
     shutil.rmtree(out, ignore_errors=True)
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         task="lm", text=str(text), tokenizer="char", out=str(out), dropout=0.0, max_minutes=args.minutes,
         eval_every=0, log_every=50, precision=args.precision, progress=False, **recipe,
     )  # fmt: skip

@@ -18,6 +18,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from attnmask.cli import build_parser
+from attnmask.cli.train import config_from_args
 from attnmask.train import TrainConfig, checkpoint, resume_config, train
 from attnmask.train.rundir import load_run, read_metrics
 
@@ -30,9 +32,9 @@ FLAGS = {
 
 
 def config(out: Path, **overrides) -> TrainConfig:
-    """FLAGS as a TrainConfig (what the command line builds from them)."""
-    fields = {k.removeprefix("--").replace("-", "_"): v for k, v in FLAGS.items()}
-    return TrainConfig(out=str(out), deterministic=True, progress=False, **fields, **overrides)
+    """FLAGS as the command line turns them into a TrainConfig."""
+    argv = ["train", *(x for k, v in FLAGS.items() for x in (k, str(v))), "--out", str(out), "--deterministic"]
+    return config_from_args(build_parser().parse_args([*argv, "--no-progress"])).replace(**overrides)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,7 +94,7 @@ def test_sigterm_then_sigkills_at_random_moments_and_resume_reproduces_the_run(t
     wait_for(lambda: len(logged_losses(run)[0]) >= 3, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == 143, err[-2000:]  # 128 + SIGTERM, after saving
     last = saved_step(run)
     assert 3 <= last < MAX_STEPS
     assert f"stopped by SIGTERM at step {last}; checkpoint saved, continue with --resume" in out
@@ -131,9 +133,27 @@ def test_sigint_stops_after_the_current_step_and_saves(tmp_path, reference):
             os.kill(os.getpid(), signal.SIGINT)
 
     cfg = config(tmp_path / "run")
+    before = signal.getsignal(signal.SIGINT)
     result = train(cfg, on_step=interrupt, log=lambda msg: None)
     assert result.stopped == "SIGINT" and result.step == 7
     assert saved_step(tmp_path / "run") == 7
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
-    resumed = train(resume_config(cfg.out), log=lambda msg: None)
+    assert signal.getsignal(signal.SIGINT) is before  # the handler found is restored
+    resumed = train(resume_config(cfg.run.out), log=lambda msg: None)
     assert_close(torch.tensor(result.losses + resumed.losses), torch.tensor(reference), rtol=0, atol=0)
+
+
+def test_an_inherited_ignored_sigint_stays_ignored(tmp_path):
+    """Started with SIGINT ignored (``nohup``, ``cmd &``), the trainer leaves it so, as Python does:
+    a SIGINT neither stops the run nor changes the disposition the caller chose."""
+
+    def interrupt(step, model, record):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        result = train(config(tmp_path / "run", max_steps=4), on_step=interrupt, log=lambda msg: None)
+        assert result.stopped == "max_steps" and result.step == 4
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

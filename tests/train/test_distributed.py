@@ -27,7 +27,7 @@ WORKER = textwrap.dedent(
     import torch
     from attnmask.train import TrainConfig, train
 
-    cfg = TrainConfig(**json.loads(sys.argv[1]))
+    cfg = TrainConfig.of(**json.loads(sys.argv[1]))
     snapshots, rank = sys.argv[2], int(os.environ["RANK"])
 
     def snapshot(step, model, record):
@@ -47,7 +47,7 @@ def settings(out: Path, **overrides) -> dict:
     no dropout, so the random streams of two ranks and of one process need not match."""
     cfg = dict(
         out=str(out), builtin_task="dates", train_size=200, valid_size=24, tokenizer="char", model="tiny",
-        dim=32, layers=1, heads=2, ffn_dim=64, batch_tokens=256, warmup=0, min_lr_ratio=1.0, lr=3e-3,
+        dim=32, n_layers=1, n_heads=2, ffn_dim=64, batch_tokens=256, warmup=0, min_lr_ratio=1.0, lr=3e-3,
         dropout=0.0, eval_every=0, eval_sentences=24, log_every=1, progress=False, deterministic=True,
     )  # fmt: skip
     cfg.update(overrides)
@@ -78,7 +78,7 @@ def test_two_processes_match_one_process_on_the_same_global_batch(tmp_path):
         assert_close(rank1, rank0, rtol=0, atol=0, msg=lambda m, s=step: f"step {s}: {m}")
 
     single_dir = tmp_path / "single"
-    single = train(TrainConfig(**settings(single_dir, max_steps=6, grad_accum=2)), log=lambda msg: None)
+    single = train(TrainConfig.of(**settings(single_dir, max_steps=6, grad_accum=2)), log=lambda msg: None)
 
     ddp_records = read_metrics(ddp_dir)
     ddp_losses = [r["loss"] for r in ddp_records if r["split"] == "train"]

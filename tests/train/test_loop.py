@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from attnmask.cli import main
 from attnmask.train import TrainConfig, checkpoint, learning_rate, param_groups, resume_config, train
 from attnmask.train.rundir import load_run, read_metrics
-from attnmask.train.tasks import translation_corpus
+from attnmask.train.tasks import build_task
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,11 +22,11 @@ def tiny(out: Path, **overrides) -> TrainConfig:
     """A seconds-long run on the built-in dates task; dropout on, so resuming must restore the RNG."""
     settings = dict(
         out=str(out), builtin_task="dates", train_size=200, valid_size=16, tokenizer="char", model="tiny",
-        dim=32, layers=1, heads=2, ffn_dim=64, batch_tokens=384, max_steps=10, warmup=2, lr=3e-3,
+        dim=32, n_layers=1, n_heads=2, ffn_dim=64, batch_tokens=384, max_steps=10, warmup=2, lr=3e-3,
         eval_every=0, eval_sentences=8, log_every=1, dropout=0.1, deterministic=True, progress=False,
     )  # fmt: skip
     settings.update(overrides)
-    return TrainConfig(**settings)
+    return TrainConfig.of(**settings)
 
 
 def quiet(msg: str) -> None:
@@ -48,7 +48,7 @@ def write_lines(path: Path, lines: list[str]) -> Path:
 def test_training_batches_shift_the_target_by_one(tmp_path):
     src = write_lines(tmp_path / "src.txt", ["xy"] * 30)
     tgt = write_lines(tmp_path / "tgt.txt", ["ab"] * 30)
-    corpus = translation_corpus(tiny(tmp_path / "run", src=str(src), tgt=str(tgt), builtin_task=None))
+    corpus = build_task(tiny(tmp_path / "run", src=str(src), tgt=str(tgt), builtin_task=None))
     tok = corpus.tokenizer
     a, b = tok.encode("a") + tok.encode("b")
     batch = corpus.batch([0, 1])
@@ -66,17 +66,17 @@ def test_a_tiny_model_overfits_a_tiny_dataset_and_decodes_it_back(tmp_path):
     tgt = write_lines(tmp_path / "tgt.txt", [t for _, t in pairs])
     cfg = tiny(tmp_path / "run", builtin_task=None, src=str(src), tgt=str(tgt), valid_src=str(src),
                valid_tgt=str(tgt), dropout=0.0, label_smoothing=0.0, max_steps=150, warmup=10,
-               lr=1e-2, log_every=10, dim=48, heads=4)  # fmt: skip
+               lr=1e-2, log_every=10, dim=48, n_heads=4)  # fmt: skip
     result = train(cfg, log=quiet)
     assert result.losses[-1] < 0.05
     assert result.eval["exact_match"] == 1.0  # decoded by attnmask.decode when present
 
-    # the simple uncached greedy of attnmask.train.evaluate agrees, on targets of different lengths
-    from attnmask.train.evaluate import greedy_translate, source_tensor
+    # the saved run, loaded back, translates every pair (targets of different lengths, one batch)
+    from attnmask.train.evaluate import translate_ids
 
     loaded = load_run(tmp_path / "run")
     ids = loaded.src_tokenizer.encode_batch([s for s, _ in pairs])
-    hyps = greedy_translate(loaded.model, source_tensor(ids, loaded.src_tokenizer), max_len=20, sos_id=1, eos_id=2)
+    hyps = translate_ids(loaded.model, ids, loaded.tokenizer, loaded.src_tokenizer)
     assert loaded.tokenizer.decode_batch(hyps) == [t for _, t in pairs]
 
 
@@ -100,7 +100,7 @@ def test_resuming_after_a_crash_equals_the_uninterrupted_run(tmp_path):
     cfg = tiny(tmp_path / "run", save_every=3)
     with pytest.raises(Crash):
         train(cfg, on_step=crash_at(8), log=quiet)  # checkpoints at steps 3 and 6, dies in step 8
-    resumed = train(resume_config(cfg.out), log=quiet)
+    resumed = train(resume_config(cfg.run.out), log=quiet)
     assert resumed.step == 10
     # steps 7..10 again, bit for bit (float32, deterministic); the epoch boundary is crossed too
     assert_close(torch.tensor(resumed.losses), torch.tensor(ref.losses[6:]), rtol=0, atol=0)
@@ -116,7 +116,7 @@ def test_resuming_a_run_that_died_before_its_first_checkpoint_starts_it_over(tmp
     with pytest.raises(Crash):
         train(cfg, on_step=crash_at(2), log=quiet)
     assert not (tmp_path / "run" / "trainer_state.pt").exists()
-    result = train(resume_config(cfg.out), log=quiet)
+    result = train(resume_config(cfg.run.out), log=quiet)
     assert result.step == 4 and len(result.losses) == 4
     assert [r["step"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"] == [1, 2, 3, 4]
 
@@ -125,8 +125,8 @@ def test_resume_refuses_changed_settings_and_a_finished_run_stays_finished(tmp_p
     cfg = tiny(tmp_path / "run", max_steps=3)
     train(cfg, log=quiet)
     with pytest.raises(ValueError, match=r"resume settings differ .* lr: saved 0.003, now 0.1"):
-        train(TrainConfig(**{**cfg.to_dict(), "lr": 0.1, "resume": True}), log=quiet)
-    again = train(resume_config(cfg.out), log=quiet)
+        train(cfg.replace(lr=0.1, resume=True), log=quiet)
+    again = train(resume_config(cfg.run.out), log=quiet)
     assert again.step == 3 and again.losses == []
     with pytest.raises(ValueError, match="already holds a run; pass --resume"):
         train(cfg, log=quiet)
@@ -169,7 +169,7 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp
         assert state["step"] == 3 and weights.step == 3
     else:  # trainer_state.pt (written first) is new; the weights stayed at the previous save
         assert state["step"] == 6 and weights.step == 3
-    resumed = train(resume_config(cfg.out), log=quiet)
+    resumed = train(resume_config(cfg.run.out), log=quiet)
     assert resumed.step == 6
 
 
@@ -227,12 +227,12 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
 
 
 def test_learning_rate_warms_up_then_decays_to_the_floor():
-    cfg = TrainConfig(lr=1.0, warmup=4, max_steps=14, min_lr_ratio=0.1)
+    cfg = TrainConfig.of(lr=1.0, warmup=4, max_steps=14, min_lr_ratio=0.1)
     assert [learning_rate(cfg, s, 0.0) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert learning_rate(cfg, 4, 0.0) == pytest.approx(1.0)
     assert learning_rate(cfg, 9, 0.0) == pytest.approx(0.55)  # half way: the cosine's midpoint
     assert learning_rate(cfg, 14, 0.0) == pytest.approx(0.1)
-    timed = TrainConfig(lr=1.0, warmup=0, max_steps=None, max_minutes=1.0, min_lr_ratio=0.0)
+    timed = TrainConfig.of(lr=1.0, warmup=0, max_steps=None, max_minutes=1.0, min_lr_ratio=0.0)
     assert learning_rate(timed, 5, 30.0) == pytest.approx(0.5)  # half the time budget
     assert learning_rate(timed, 5, 60.0) == pytest.approx(0.0)
 
@@ -272,11 +272,21 @@ def test_cli_trains_a_bpe_translator_with_separate_vocabularies(tmp_path, capsys
     assert json.loads((tmp_path / "mt" / "config.json").read_text())["tokenizers"]["src"] == "src_tokenizer.json"
 
 
-def test_cli_resume_refuses_setting_flags(tmp_path, capsys):
-    rc, _, err = run_cli(capsys, "--resume", "--out", tmp_path / "run", "--lr", 0.1)
+def test_cli_resume_accepts_the_same_command_and_refuses_changed_settings(tmp_path, capsys):
+    text = write_lines(tmp_path / "text.txt", ["to be or not to be, that is the question"] * 20)
+    flags = ["--task", "lm", "--text", text, "--tokenizer", "char", "--model", "tiny", "--block-size", 16,
+             "--batch-tokens", 64, "--lr", 0.003, "--out", tmp_path / "lm"]  # fmt: skip
+    rc, _, err = run_cli(capsys, *flags, "--max-steps", 2)
+    assert rc == 0, err
+    rc, out, err = run_cli(capsys, *flags, "--max-steps", 4, "--resume")  # the same command, --resume added
+    assert rc == 0, err
+    assert "done: 4 steps" in out
+    rc, _, err = run_cli(capsys, *flags[:-4], "--lr", 0.1, "--out", tmp_path / "lm", "--resume")
     assert rc == 2
-    assert err.strip() == ("attnmask train: error: --lr cannot change on --resume (the run keeps its saved "
-                           "settings); drop them")  # fmt: skip
+    assert err.strip() == ("attnmask train: error: --lr (saved 0.003, given 0.1) cannot change on --resume "
+                           "(the run keeps its saved settings); drop them")  # fmt: skip
+    rc, _, err = run_cli(capsys, "--resume", "--out", tmp_path / "absent")
+    assert rc == 2 and err.count("\n") == 1 and "not a run directory" in err
 
 
 def _bad_utf8(tmp_path: Path) -> tuple[Path, Path]:
@@ -320,6 +330,7 @@ def test_cli_reports_bad_parallel_data_in_one_line(tmp_path, capsys, make, messa
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith("attnmask train: error: ")
     assert __import__("re").search(message, err), err
+    assert not (tmp_path / "run").exists()  # a failed start leaves no empty run directory behind
 
 
 def test_cli_reports_an_empty_text_file(tmp_path, capsys):
@@ -327,6 +338,54 @@ def test_cli_reports_an_empty_text_file(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "--task", "lm", "--text", text, "--out", tmp_path / "run")
     assert rc == 2
     assert "empty.txt: no text found; expected a non-empty UTF-8 file" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_start_keeps_a_directory_the_user_made(tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    rc, _, _ = run_cli(capsys, "--task", "lm", "--text", tmp_path / "absent.txt", "--out", tmp_path / "mine")
+    assert rc == 2 and (tmp_path / "mine").is_dir()
+
+
+def test_resume_repairs_truncated_weights_from_the_trainer_state(tmp_path):
+    cfg = tiny(tmp_path / "run", max_steps=4)
+    train(cfg, log=quiet)
+    weights = tmp_path / "run" / "model.safetensors"
+    good = load_run(tmp_path / "run").model.state_dict()
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short, e.g. by a full disk
+    lines = []
+    result = train(resume_config(cfg.run.out), log=lines.append)
+    assert result.step == 4 and any("was damaged; rewrote it" in line for line in lines), lines
+    repaired = load_run(tmp_path / "run").model.state_dict()
+    assert all(torch.equal(good[k], repaired[k]) for k in good)
+
+
+def test_resume_stops_in_one_line_on_a_damaged_trainer_state(tmp_path):
+    cfg = tiny(tmp_path / "run", max_steps=2)
+    train(cfg, log=quiet)
+    state = tmp_path / "run" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:200])
+    with pytest.raises(ValueError, match=r"trainer_state.pt: not a readable trainer checkpoint"):
+        train(resume_config(cfg.run.out, max_steps=4), log=quiet)
+
+
+def test_max_minutes_is_a_budget_per_invocation(tmp_path):
+    cfg = tiny(tmp_path / "run", max_steps=None, max_minutes=0.002)  # 0.12 s
+    first = train(cfg, log=quiet)
+    assert first.stopped == "time budget" and first.step >= 1
+    second = train(resume_config(cfg.run.out), log=quiet)  # a new 0.12 s, not the total so far
+    assert second.step > first.step and second.losses
+
+
+def test_zero_steps_in_a_time_budget_is_reported(tmp_path, monkeypatch):
+    from attnmask.train import loop
+
+    cfg = tiny(tmp_path / "run", max_steps=None, max_minutes=0.001)
+    ticks = iter(range(0, 10_000, 60))  # every clock read is a minute later
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: float(next(ticks)))
+    lines = []
+    result = train(cfg, log=lines.append)
+    assert result.step == 0 and any(line.startswith("warning: 0 steps trained") for line in lines), lines
 
 
 def test_cli_skips_and_counts_empty_lines(tmp_path, capsys):

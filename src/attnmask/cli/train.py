@@ -1,13 +1,21 @@
 """``attnmask train``: train a translator (encoder-decoder) or a language model (decoder-only).
 
-Every flag maps to one field of :class:`attnmask.train.TrainConfig`, whose defaults are the only
-ones (flags default to None = "not given"). ``--resume --out DIR`` continues a saved run with its
-saved settings; only the budget and logging flags may change then.
+Every flag maps to one field of a :class:`attnmask.train.TrainConfig` section (by its flat name,
+:data:`attnmask.train.config.FLAT`), whose defaults are the only ones (flags default to None =
+"not given"). ``--resume --out DIR`` continues a saved run with its saved settings: flags equal
+to the saved values are accepted, so the same command works with ``--resume`` added; only the
+budget and logging flags may change.
+
+Exit status: 0 when the budget ended, 130 after SIGINT and 143 after SIGTERM (the checkpoint is
+saved first), 2 for a user mistake (one line on stderr, from rank 0 alone under torchrun).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import sys
 from dataclasses import MISSING, fields
 
 from attnmask.model import ACTIVATIONS, NORM_POSITIONS, NORMS, POSITIONS
@@ -32,10 +40,10 @@ _FLAGS = (
     ("Model", None, None, None),
     ("--model", "model", ("tiny", "small", "base"), "size preset; the flags below override it"),
     ("--dim", "dim", int, "model width"),
-    ("--layers", "layers", int, "decoder layers (and encoder layers unless --encoder-layers)"),
-    ("--encoder-layers", "encoder_layers", int, "encoder layers"),
-    ("--heads", "heads", int, "attention heads"),
-    ("--kv-heads", "kv_heads", int, "key/value heads (fewer than --heads: grouped-query attention)"),
+    ("--layers", "n_layers", int, "decoder layers (and encoder layers unless --encoder-layers)"),
+    ("--encoder-layers", "n_encoder_layers", int, "encoder layers"),
+    ("--heads", "n_heads", int, "attention heads"),
+    ("--kv-heads", "n_kv_heads", int, "key/value heads (fewer than --heads: grouped-query attention)"),
     ("--ffn-dim", "ffn_dim", int, "feed-forward width"),
     ("--positions", "positions", POSITIONS, "position encoding"),
     ("--norm", "norm", NORMS, "normalisation"),
@@ -55,7 +63,13 @@ _FLAGS = (
     ("--label-smoothing", "label_smoothing", float, "label smoothing (default 0.1 translation, 0 lm)"),
     ("Budget, evaluation, checkpoints", None, None, None),
     ("--max-steps", "max_steps", int, "optimizer steps, the length of the LR schedule (0 = no step limit)"),
-    ("--max-minutes", "max_minutes", float, "wall-clock budget of the training loop, in minutes"),
+    (
+        "--max-minutes",
+        "max_minutes",
+        float,
+        "wall-clock budget of this invocation's training loop, in minutes "
+        "(a --resume gets a new budget; the LR schedule ends with it)",
+    ),
     ("--eval-every", "eval_every", int, "steps between evaluations (0 = only at the end)"),
     ("--eval-sentences", "eval_sentences", int, "validation sentences translated for BLEU/chrF/exact match"),
     ("--log-every", "log_every", int, "steps between metrics.jsonl / TensorBoard records"),
@@ -71,17 +85,28 @@ _FLAGS = (
 )
 
 
-def add_parser(sub) -> None:
-    from attnmask.train import TrainConfig
+def _defaults() -> dict:
+    """Each flat setting's default, read from its config section."""
+    from attnmask.train.config import FLAT, SECTIONS
 
-    defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+    out = {}
+    for name, (section, key) in FLAT.items():
+        f = next(f for f in fields(SECTIONS[section]) if f.name == key)
+        if f.default is not MISSING:
+            out[name] = f.default
+    return out
+
+
+def add_parser(sub) -> None:
+    defaults = _defaults()
     p = sub.add_parser(
         "train",
         help="train a translator or a language model on your text",
         description="Train an encoder-decoder translator (--task translation --src F --tgt F) or a decoder-only "
         "language model (--task lm --text F) with teacher forcing. The run directory gets the config, tokenizer, "
         "weights (safetensors), resumable trainer state, metrics.jsonl, TensorBoard scalars (tb/) and loss.png. "
-        "Several processes: torchrun --nproc-per-node N -m attnmask train ...",
+        "Several processes: torchrun --nproc-per-node N -m attnmask train ... "
+        "Exit status: 0 done, 130 after Ctrl-C and 143 after SIGTERM (checkpoint saved; continue with --resume).",
     )
     group = p
     for flag, name, kind, help_text in _FLAGS:
@@ -112,29 +137,51 @@ def given_settings(args: argparse.Namespace) -> dict:
 
 
 def config_from_args(args: argparse.Namespace):
-    from attnmask.train import RESUME_OVERRIDES, TrainConfig, resume_config
+    from attnmask.train import RESUME_OVERRIDES, TrainConfig, read_config, resume_config
 
     given = given_settings(args)
-    if given.get("resume"):
+    if given.pop("resume", False):
         if "out" not in given:
             raise ValueError("--resume needs --out DIR, the run to continue")
-        fixed = sorted(k for k in given if k not in RESUME_OVERRIDES + ("out",))
-        if fixed:
-            flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
+        out = given.pop("out")
+        saved = TrainConfig.from_dict(read_config(out)["train"]).flat()
+        changed = sorted(k for k, v in given.items() if k not in RESUME_OVERRIDES and saved.get(k) != v)
+        if changed:
+            flags = ", ".join(f"--{_flag(k)} (saved {saved.get(k)!r}, given {given[k]!r})" for k in changed)
             raise ValueError(f"{flags} cannot change on --resume (the run keeps its saved settings); drop them")
-        return resume_config(given.pop("out"), **given)
-    return TrainConfig(**given)
+        return resume_config(out, **given)
+    return TrainConfig.of(**given)
+
+
+def _flag(name: str) -> str:
+    return next(flag for flag, key, _, _ in _FLAGS if key == name)[2:]
 
 
 def run(args: argparse.Namespace) -> int:
     from attnmask.train import train
 
-    cfg = config_from_args(args)
-    result = train(cfg)
-    if result.rank != 0 or result.stopped.startswith(("SIG", "signal")):
-        return 0  # rank 0 reports; a signal's stop was reported by train()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = config_from_args(args)
+        result = train(cfg)
+    except (ValueError, OSError):
+        if rank != 0:  # under torchrun every rank fails alike; rank 0 alone says why
+            sys.exit(2)
+        raise
+    if result.rank != 0:
+        return _status(result.stopped)
+    if result.signalled:
+        return _status(result.stopped)  # train() reported where it stopped and that it saved
     print(
         f"done: {result.step} steps in {result.elapsed_s / 60:.1f} min ({result.stopped}); run saved in {result.path}"
     )
     print(f"load it with: attnmask.load_run({str(result.path)!r})")
     return 0
+
+
+def _status(stopped: str) -> int:
+    """The shell's convention after a signal: 128 + its number (130 SIGINT, 143 SIGTERM)."""
+    try:
+        return 128 + signal.Signals[stopped].value
+    except KeyError:
+        return 0 if stopped in ("max_steps", "time budget") else 1

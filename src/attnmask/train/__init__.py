@@ -20,6 +20,17 @@ from attnmask.train.checkpoint import (  # noqa: F401
     save_weights,
     set_rng_state,
 )
+from attnmask.train.config import (  # noqa: F401
+    MODEL_PRESETS,
+    PRECISIONS,
+    RESUME_OVERRIDES,
+    DataConfig,
+    ModelSettings,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    resume_config,
+)
 from attnmask.train.distributed import (  # noqa: F401
     Dist,
     all_gather_objects,
@@ -31,22 +42,16 @@ from attnmask.train.distributed import (  # noqa: F401
 from attnmask.train.evaluate import (  # noqa: F401
     evaluate_lm,
     evaluate_translation,
-    greedy_translate,
-    source_tensor,
     translate_ids,
     translation_scores,
 )
+from attnmask.train.logger import TrainLogger  # noqa: F401
 from attnmask.train.loop import (  # noqa: F401
-    MODEL_PRESETS,
-    PRECISIONS,
-    RESUME_OVERRIDES,
     StepHook,
-    TrainConfig,
+    Trainer,
     TrainResult,
     learning_rate,
-    model_config,
     param_groups,
-    resume_config,
     train,
 )
 from attnmask.train.rundir import (  # noqa: F401
@@ -61,6 +66,7 @@ from attnmask.train.rundir import (  # noqa: F401
     TRAINER_STATE,
     WEIGHTS,
     Run,
+    RunDir,
     load_run,
     load_tokenizers,
     plot_losses,
@@ -72,9 +78,12 @@ from attnmask.train.rundir import (  # noqa: F401
 from attnmask.train.tasks import (  # noqa: F401
     HOLDOUT_FRACTION,
     HOLDOUT_MAX,
-    LMCorpus,
-    TranslationCorpus,
+    Batch,
+    LMTask,
+    TrainingTask,
+    TranslationTask,
+    build_task,
     build_tokenizer,
-    lm_corpus,
-    translation_corpus,
+    lm_task,
+    translation_task,
 )

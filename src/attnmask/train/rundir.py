@@ -34,6 +34,7 @@ from safetensors import safe_open
 
 from attnmask.data.tokenizer import Tokenizer
 from attnmask.model import ModelConfig, Transformer
+from attnmask.train import checkpoint
 from attnmask.train.checkpoint import atomic_write_text, load_weights
 
 FORMAT_VERSION = 1
@@ -161,6 +162,86 @@ def load_run(path: str | Path, *, device: str = "cpu") -> Run:
     )
 
 
+class RunDir:
+    """The layout of one run directory, and every read and write of it the trainer makes.
+
+    Files are named by the constants of this module; checkpoints are written atomically
+    (:mod:`attnmask.train.checkpoint`) and verified after writing.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    @property
+    def holds_run(self) -> bool:
+        return (self.path / CONFIG).exists()
+
+    @property
+    def has_checkpoint(self) -> bool:
+        return (self.path / TRAINER_STATE).is_file()
+
+    def create(self) -> bool:
+        """Make the directory; True when it did not exist before (so a failed start can remove it)."""
+        existed = self.path.exists()
+        self.path.mkdir(parents=True, exist_ok=True)
+        return not existed
+
+    def read_config(self) -> dict:
+        return read_config(self.path)
+
+    def write_config(self, *, task: str, model: ModelConfig, train: dict, src_tokenizer: bool) -> Path:
+        return write_config(self.path, task=task, model=model, train=train, src_tokenizer=src_tokenizer)
+
+    def tokenizer_names(self, task: str, separate_source: bool) -> dict:
+        return {"task": task, "tokenizers": {"tgt": TOKENIZER, "src": SRC_TOKENIZER if separate_source else None}}
+
+    def save_tokenizers(self, tokenizer: Tokenizer, src_tokenizer: Tokenizer | None) -> None:
+        tokenizer.save(self.path / TOKENIZER)
+        if src_tokenizer is not None and src_tokenizer is not tokenizer:
+            src_tokenizer.save(self.path / SRC_TOKENIZER)
+
+    def load_tokenizers(self, task: str, separate_source: bool) -> tuple[Tokenizer, Tokenizer | None]:
+        return load_tokenizers(self.path, self.tokenizer_names(task, separate_source))
+
+    def remove_stale_temporaries(self) -> None:
+        checkpoint.remove_stale_temporaries(self.path)
+
+    def load_trainer_state(self) -> dict:
+        """The resume state; ValueError naming the file when it cannot be read."""
+        return checkpoint.load_torch(self.path / TRAINER_STATE)
+
+    def weights_readable(self) -> bool:
+        """Whether ``model.safetensors`` opens and lists its tensors (a truncated file does not)."""
+        try:
+            with safe_open(str(self.path / WEIGHTS), framework="pt") as f:
+                f.keys()
+        except Exception:  # safetensors raises its own error types for every kind of damage
+            return False
+        return True
+
+    def save_checkpoint(self, state: dict, model: Transformer) -> None:
+        """Write ``trainer_state.pt`` then ``model.safetensors``; ValueError if either does not read back.
+
+        ``trainer_state.pt`` goes first: it alone is read on resume, and it holds the weights too.
+        """
+        checkpoint.save_torch(self.path / TRAINER_STATE, state)
+        checkpoint.save_weights(self.path / WEIGHTS, model, {"step": str(state["step"])})
+        if not self.weights_readable():
+            raise ValueError(f"{self.path / WEIGHTS}: written but does not read back; the disk may be full")
+
+    def truncate_metrics(self, step: int) -> None:
+        truncate_metrics(self.path, step)
+
+    def plot_losses(self) -> Path | None:
+        return plot_losses(self.path)
+
+
 # --- metrics -----------------------------------------------------------------------------------
 
 
@@ -210,7 +291,7 @@ def plot_losses(path: str | Path) -> Path | None:
     if losses and max(losses) / max(min(losses), 1e-6) > 20:
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper right")
     ax.set_title(f"{path.name}: loss")
     fig.tight_layout()
     out = path / LOSS_PLOT

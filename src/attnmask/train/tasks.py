@@ -1,12 +1,14 @@
-"""A training run's data: read, tokenize, split, and hand out batches.
+"""Training tasks: read, tokenize and split the data, hand out batches, evaluate, describe.
 
-Two kinds, chosen by ``TrainConfig.task``:
+The training loop knows one protocol, :class:`TrainingTask`, and no task by name. Two
+implementations, chosen by ``TrainConfig.data.task``:
 
-- :class:`TranslationCorpus`: aligned ``(source, target)`` pairs from two files (or from a
+- :class:`TranslationTask`: aligned ``(source, target)`` pairs from two files (or from a
   built-in task of :mod:`attnmask.data.synthetic`), tokenized once, served as teacher-forcing batches
   (:func:`attnmask.data.make_translation_batch`) under a token budget with length bucketing
-  (:class:`attnmask.data.batching.TokenBucketBatcher`).
-- :class:`LMCorpus`: one token stream, served as random fixed-length blocks
+  (:class:`attnmask.data.batching.TokenBucketBatcher`); evaluated by validation loss and
+  BLEU / chrF / exact match of greedy translations.
+- :class:`LMTask`: one token stream, served as random fixed-length blocks
   (:class:`attnmask.data.batching.LMStream`), evaluated on consecutive blocks of the validation stream.
 
 Tokenizers are trained on the training split only (a resumed run loads the saved ones instead).
@@ -14,10 +16,13 @@ Tokenizers are trained on the training split only (a resumed run loads the saved
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+from torch import Tensor
 
 from attnmask.data import (
     DataError,
@@ -25,14 +30,14 @@ from attnmask.data import (
     make_translation_batch,
     read_parallel,
     read_text,
+    synthetic,
     translation_lengths,
 )
-from attnmask.data import synthetic as tasks
 from attnmask.data.batching import LMStream, TokenBucketBatcher
 from attnmask.data.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from attnmask.train.loop import TrainConfig
+from attnmask.model import ModelConfig, Transformer
+from attnmask.train import distributed, evaluate
+from attnmask.train.config import DataConfig, ModelSettings, TrainConfig
 
 # Without validation files, the last pairs of the training data are held out: this share, capped.
 HOLDOUT_FRACTION = 0.05
@@ -48,7 +53,41 @@ def build_tokenizer(kind: str, texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 @dataclass
-class TranslationCorpus:
+class Batch:
+    """One micro-batch on the training device."""
+
+    inputs: Tensor  # (B, T) decoder input ids
+    src: Tensor | None  # (B, S) encoder input ids; None for a decoder-only model
+    labels: Tensor  # (B, T) next tokens, IGNORE_INDEX where no loss is taken
+    padding_fraction: float  # share of padded positions in the batch (0 for packed LM blocks)
+
+
+class TrainingTask(Protocol):
+    """What the training loop needs from a task."""
+
+    name: str  # "translation" or "lm", as saved in config.json
+    tokenizer: Tokenizer  # target (or only) tokenizer
+    src_tokenizer: Tokenizer | None  # source tokenizer; the same object with a joint vocabulary
+    notes: list[str]  # what happened to the data (skipped lines, dropped pairs), for the log
+
+    def model_config(self, settings: ModelSettings) -> ModelConfig: ...
+
+    def start(self, *, rank: int, world_size: int, device: torch.device) -> None:
+        """Set up this rank's batch order; called once before :meth:`next_batch`."""
+
+    def next_batch(self) -> Batch: ...
+
+    def evaluate(self, model: Transformer, ctx: distributed.Dist, autocast: Callable) -> dict: ...
+
+    def describe(self) -> str: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass
+class TranslationTask:
     """Tokenized train/valid pairs. ``*_src``/``*_tgt`` hold ids without specials."""
 
     tokenizer: Tokenizer  # target side
@@ -58,11 +97,24 @@ class TranslationCorpus:
     valid_pairs: list[tuple[str, str]]  # raw text, references for BLEU/chrF/exact match
     valid_src: list[list[int]]
     valid_tgt: list[list[int]]
-    notes: list[str]  # what happened to the data (skipped lines, dropped long pairs), for the log
+    notes: list[str]
+    data: DataConfig = field(default_factory=DataConfig)
+    seed: int = 0
+    eval_sentences: int = 500
+    name: str = "translation"
 
-    @property
-    def task(self) -> str:
-        return "translation"
+    def __post_init__(self):
+        self._sampler: TokenBucketBatcher | None = None
+        self._epoch = None
+        self._device = torch.device("cpu")
+
+    def model_config(self, settings: ModelSettings) -> ModelConfig:
+        return settings.model_config(
+            arch="encoder_decoder",
+            vocab_size=self.tokenizer.vocab_size,
+            src_vocab_size=self.src_tokenizer.vocab_size,
+            max_seq_len=min(self.data.max_len, self.data.batch_tokens),  # the longest kept pair
+        )
 
     def train_lengths(self) -> list[tuple[int, int]]:
         return translation_lengths(self.train_src, self.train_tgt)
@@ -74,37 +126,117 @@ class TranslationCorpus:
             [src[i] for i in indices], [tgt[i] for i in indices], pad_id=t.pad_id, sos_id=t.sos_id, eos_id=t.eos_id
         )
 
-    def sampler(self, cfg: TrainConfig, *, rank: int, world_size: int) -> TokenBucketBatcher:
-        return TokenBucketBatcher(
-            self.train_lengths(), cfg.batch_tokens, shuffle=True, seed=cfg.seed, rank=rank, world_size=world_size
+    def start(self, *, rank: int, world_size: int, device: torch.device) -> None:
+        self._device = device
+        self._sampler = TokenBucketBatcher(
+            self.train_lengths(), self.data.batch_tokens, shuffle=True, seed=self.seed, rank=rank, world_size=world_size
         )
+
+    def next_batch(self) -> Batch:
+        while True:
+            if self._epoch is None:
+                self._epoch = iter(self._sampler)
+            try:
+                idx = next(self._epoch)
+                break
+            except StopIteration:  # epoch done; the next iter() starts the following one
+                self._epoch = None
+        b = self.batch(idx).to(self._device)
+        return Batch(b.tgt_in, b.src, b.labels, b.padding_fraction)
 
     def valid_batches(self, batch_tokens: int) -> list[list[int]]:
         """All validation examples, length-sorted into batches (every rank computes the same list)."""
         lengths = translation_lengths(self.valid_src, self.valid_tgt)
         return TokenBucketBatcher(lengths, batch_tokens, shuffle=False).batches_for_epoch(0)
 
+    def evaluate(self, model: Transformer, ctx: distributed.Dist, autocast: Callable = contextlib.nullcontext) -> dict:
+        return evaluate.evaluate_translation(
+            model, self, ctx, batch_tokens=self.data.batch_tokens, max_sentences=self.eval_sentences, autocast=autocast
+        )
+
+    def describe(self) -> str:
+        sampler = self._sampler
+        batches = f", {len(sampler)} batches/epoch/rank, padding {sampler.padding_fraction():.1%}" if sampler else ""
+        return (
+            f"{len(self.train_src)} training pairs, {len(self.valid_src)} validation pairs, "
+            f"vocabulary {self.tokenizer.vocab_size}{batches}"
+        )
+
+    def state_dict(self) -> dict:
+        return self._sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._sampler.load_state_dict(state)
+        self._epoch = None
+
 
 @dataclass
-class LMCorpus:
+class LMTask:
     """Token streams for a decoder-only language model."""
 
     tokenizer: Tokenizer
     train_ids: torch.Tensor  # (N,) long
     valid_ids: torch.Tensor  # (M,) long
     notes: list[str]
+    data: DataConfig = field(default_factory=lambda: DataConfig(task="lm"))
+    seed: int = 0
+    eval_max_tokens: int | None = None
+    name: str = "lm"
+    src_tokenizer: None = None
 
-    @property
-    def task(self) -> str:
-        return "lm"
+    def __post_init__(self):
+        self._stream: LMStream | None = None
+        self._device = torch.device("cpu")
 
-    @property
-    def src_tokenizer(self) -> None:
-        return None
+    def model_config(self, settings: ModelSettings) -> ModelConfig:
+        return settings.model_config(
+            arch="decoder",
+            vocab_size=self.tokenizer.vocab_size,
+            src_vocab_size=None,
+            max_seq_len=max(self.data.block_size, self.data.max_len),  # room to generate past a block
+        )
 
-    def sampler(self, cfg: TrainConfig, *, rank: int, world_size: int) -> LMStream:
+    def start(self, *, rank: int, world_size: int, device: torch.device) -> None:
         # Each rank draws its own blocks: a different generator seed per rank.
-        return LMStream(self.train_ids, cfg.block_size, cfg.lm_batch_size, seed=cfg.seed + 1_000_003 * rank)
+        self._device = device
+        d = self.data
+        self._stream = LMStream(self.train_ids, d.block_size, d.lm_batch_size, seed=self.seed + 1_000_003 * rank)
+
+    def next_batch(self) -> Batch:
+        x, y = self._stream.next_batch()  # (B, T), (B, T)
+        return Batch(x.to(self._device), None, y.to(self._device), 0.0)
+
+    def evaluate(self, model: Transformer, ctx: distributed.Dist, autocast: Callable = contextlib.nullcontext) -> dict:
+        d = self.data
+        return evaluate.evaluate_lm(
+            model, self, ctx, block_size=d.block_size, batch_size=d.lm_batch_size, max_tokens=self.eval_max_tokens,
+            autocast=autocast,
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        d = self.data
+        return (
+            f"{self.train_ids.numel()} training / {self.valid_ids.numel()} validation tokens, "
+            f"vocabulary {self.tokenizer.vocab_size}, batches of {d.lm_batch_size} x {d.block_size}"
+        )
+
+    def state_dict(self) -> dict:
+        return self._stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._stream.load_state_dict(state)
+
+
+def build_task(cfg: TrainConfig, tokenizers: tuple[Tokenizer, Tokenizer | None] | None = None) -> TrainingTask:
+    """The task of ``cfg``: its data read and tokenized (with ``tokenizers`` of a resumed run, or
+    new ones trained on the training split)."""
+    if cfg.data.task == "translation":
+        task = translation_task(cfg.data, tokenizers, seed=cfg.run.seed)
+        task.eval_sentences = cfg.run.eval_sentences
+        return task
+    task = lm_task(cfg.data, None if tokenizers is None else tokenizers[0])
+    task.seed, task.eval_max_tokens = cfg.run.seed, cfg.run.eval_max_tokens
+    return task
 
 
 def _keep_short(src: list[list[int]], tgt: list[list[int]], limit: int) -> tuple[list[int], int]:
@@ -113,12 +245,12 @@ def _keep_short(src: list[list[int]], tgt: list[list[int]], limit: int) -> tuple
     return keep, len(src) - len(keep)
 
 
-def _translation_pairs(cfg: TrainConfig) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[str]]:
+def _translation_pairs(cfg: DataConfig, seed: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[str]]:
     notes = []
     if cfg.builtin_task:
-        task = tasks.get_task(cfg.builtin_task)
-        train = task.make_pairs(cfg.train_size, seed=cfg.seed, split="train")
-        valid = task.make_pairs(cfg.valid_size, seed=cfg.seed, split="valid")
+        task = synthetic.get_task(cfg.builtin_task)
+        train = task.make_pairs(cfg.train_size, seed=seed, split="train")
+        valid = task.make_pairs(cfg.valid_size, seed=seed, split="valid")
         notes.append(f"built-in task {task.name!r}: {task.description}")
         return train, valid, notes
     if not cfg.src or not cfg.tgt:
@@ -146,7 +278,9 @@ def _translation_pairs(cfg: TrainConfig) -> tuple[list[tuple[str, str]], list[tu
     return train, valid, notes
 
 
-def translation_corpus(cfg: TrainConfig, tokenizers: tuple[Tokenizer, Tokenizer] | None = None) -> TranslationCorpus:
+def translation_task(
+    cfg: DataConfig, tokenizers: tuple[Tokenizer, Tokenizer] | None = None, *, seed: int = 0
+) -> TranslationTask:
     """Read, (train tokenizers,) tokenize and length-filter translation data.
 
     ``tokenizers``: ``(target, source)`` of a resumed run; None trains new ones on the training pairs.
@@ -155,7 +289,7 @@ def translation_corpus(cfg: TrainConfig, tokenizers: tuple[Tokenizer, Tokenizer]
         DataError: unreadable/misaligned/empty files (from :mod:`attnmask.data`), or no pair left
             after dropping those longer than ``max_len``.
     """
-    train, valid, notes = _translation_pairs(cfg)
+    train, valid, notes = _translation_pairs(cfg, seed)
     if tokenizers is None:
         srcs, tgts = [s for s, _ in train], [t for _, t in train]
         if cfg.joint_vocab:
@@ -181,7 +315,7 @@ def translation_corpus(cfg: TrainConfig, tokenizers: tuple[Tokenizer, Tokenizer]
         notes.append(f"dropped {vdropped} validation pairs longer than {limit} tokens")
     if not vkeep:
         raise DataError(f"every validation pair is longer than {limit} tokens; raise --max-len / --batch-tokens")
-    return TranslationCorpus(
+    return TranslationTask(
         tokenizer=tokenizer,
         src_tokenizer=src_tokenizer,
         train_src=[train_src[i] for i in keep],
@@ -190,10 +324,12 @@ def translation_corpus(cfg: TrainConfig, tokenizers: tuple[Tokenizer, Tokenizer]
         valid_src=[valid_src[i] for i in vkeep],
         valid_tgt=[valid_tgt[i] for i in vkeep],
         notes=notes,
+        data=cfg,
+        seed=seed,
     )
 
 
-def lm_corpus(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> LMCorpus:
+def lm_task(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> LMTask:
     """Plain text as one token stream: ``--text`` (and ``--valid-text``, else its last 10%).
 
     Raises:
@@ -220,4 +356,4 @@ def lm_corpus(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> LMCorpus:
             raise DataError(
                 f"{path}: the {name} text has {ids.numel()} tokens; expected more than --block-size {cfg.block_size}"
             )
-    return LMCorpus(tokenizer=tokenizer, train_ids=train_ids, valid_ids=valid_ids, notes=notes)
+    return LMTask(tokenizer=tokenizer, train_ids=train_ids, valid_ids=valid_ids, notes=notes, data=cfg)
