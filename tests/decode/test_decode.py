@@ -463,7 +463,7 @@ def hf_tokens(out: torch.Tensor, start: int) -> list[list[int]]:
 def test_greedy_and_beam_match_hf_generate_on_a_llama(seed):
     """Left-padded prompts, rotary positions from the padding, grouped-query heads, per-row <eos>."""
     transformers = pytest.importorskip("transformers")
-    from attnmask.pretrained.hf import from_hf
+    from attnmask.pretrained.hf import transformer_from_hf
 
     cfg = transformers.LlamaConfig(
         vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -476,7 +476,7 @@ def test_greedy_and_beam_match_hf_generate_on_a_llama(seed):
         for p in hf.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.5)
-    ours = from_hf(hf.state_dict(), cfg).eval()
+    ours = transformer_from_hf(hf.state_dict(), cfg).eval()
     ids, keep = decode.pad_batch(INPUTS, 0, side="left")
     for K in (1, 3):
         with torch.no_grad():
@@ -495,7 +495,7 @@ def test_greedy_and_beam_match_hf_generate_on_a_llama(seed):
 def test_greedy_and_beam_match_hf_generate_on_a_marian():
     """Right-padded sources, cross-attention, post-norm; rows end at different steps."""
     transformers = pytest.importorskip("transformers")
-    from attnmask.pretrained.hf import from_hf
+    from attnmask.pretrained.hf import transformer_from_hf
 
     cfg = transformers.MarianConfig(
         vocab_size=16, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -510,7 +510,7 @@ def test_greedy_and_beam_match_hf_generate_on_a_marian():
             if p.dim() > 1 and "embed_positions" not in name:
                 p.normal_(0.0, 0.15)
         hf.final_logits_bias[0, EOS_ID] = 1.5
-    ours = from_hf(hf.state_dict(), cfg).eval()
+    ours = transformer_from_hf(hf.state_dict(), cfg).eval()
     src = [[5, 6, 7, 8, 2], [9, 10, 2], [11, 12, 13, 2], [14, 2], [4, 15, 4, 2]]
     ids, keep = decode.pad_batch(src, 0, side="right")
     lengths = set()

@@ -14,7 +14,13 @@ from torch.testing import assert_close
 
 from attnmask import masks
 from attnmask.model import ModelConfig
-from attnmask.pretrained.hf import config_from_hf, from_hf, from_hf_model, load_hf_dir, state_dict_from_hf
+from attnmask.pretrained.hf import (
+    config_from_hf,
+    load_hf_dir,
+    state_dict_from_hf,
+    transformer_from_hf,
+    transformer_from_hf_model,
+)
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
@@ -77,7 +83,7 @@ def _llama(seed: int = 0, **kw):
 )
 def test_llama_logits_match(kw):
     hf = _llama(**kw)
-    ours = from_hf_model(hf)
+    ours = transformer_from_hf_model(hf)
     ids = _ids(2, 40, 97, seed=1)  # long enough that llama3's scaled frequencies matter
     with torch.no_grad():
         expected = hf(ids).logits
@@ -87,7 +93,7 @@ def test_llama_logits_match(kw):
 
 def test_llama_left_padding_matches_hf_attention_mask():
     hf = _llama(tie_word_embeddings=True)
-    ours = from_hf_model(hf)
+    ours = transformer_from_hf_model(hf)
     ids = _ids(2, 12, 97, seed=2)
     keep = torch.ones(2, 12, dtype=torch.bool)
     keep[1, :5] = False  # row 1 is left-padded by 5
@@ -100,7 +106,7 @@ def test_llama_left_padding_matches_hf_attention_mask():
 
 def test_llama_bf16_close_to_hf_bf16():
     hf = _llama(tie_word_embeddings=False).to(torch.bfloat16)
-    ours = from_hf_model(hf)
+    ours = transformer_from_hf_model(hf)
     assert ours.embed.weight.dtype == torch.bfloat16
     ids = _ids(1, 16, 97, seed=3)
     with torch.no_grad():
@@ -152,7 +158,7 @@ def _gpt2(seed: int = 0, **kw):
 @pytest.mark.parametrize("kw", [dict(), dict(n_inner=72, activation_function="gelu")], ids=["default", "n_inner-gelu"])
 def test_gpt2_logits_match(kw):
     hf = _gpt2(**kw)
-    ours = from_hf_model(hf)
+    ours = transformer_from_hf_model(hf)
     assert ours.config.pad_id is None  # id 0 is a real GPT-2 token, never masked as padding
     ids = _ids(2, 30, 101, seed=5)
     ids[0, 3] = 0
@@ -164,7 +170,7 @@ def test_gpt2_cached_decoding_matches_hf_past_key_values():
     from attnmask.model.cache import KVCache
 
     hf = _gpt2()
-    ours = from_hf_model(hf)
+    ours = transformer_from_hf_model(hf)
     ids = _ids(1, 12, 101, seed=6)
     cache = KVCache.for_model(ours, batch_size=1, max_len=16)
     with torch.no_grad():
@@ -223,7 +229,7 @@ def _marian_batch():
 @pytest.mark.parametrize("kw", [dict(), dict(activation_function="gelu")], ids=["swish", "gelu"])
 def test_marian_logits_match_with_source_padding(kw):
     hf = _marian(**kw)
-    ours = from_hf_model(hf)
+    ours = transformer_from_hf_model(hf)
     src, src_keep, tgt = _marian_batch()
     with torch.no_grad():
         expected = hf(input_ids=src, attention_mask=src_keep.long(), decoder_input_ids=tgt).logits
@@ -240,7 +246,7 @@ def test_marian_cached_decoding_matches_full_hf_pass():
     from attnmask.model.cache import KVCache
 
     hf = _marian()
-    ours = from_hf_model(hf)
+    ours = transformer_from_hf_model(hf)
     src, src_keep, tgt = _marian_batch()
     memory_mask = ours.source_mask(src)
     cache = KVCache.for_model(ours, batch_size=3, max_len=9)
@@ -258,7 +264,7 @@ def test_marian_separate_vocabularies():
     hf = _marian(share_encoder_decoder_embeddings=False, decoder_vocab_size=71, tie_word_embeddings=False)
     cfg = config_from_hf(hf.config)
     assert (cfg.src_vocab_size, cfg.vocab_size) == (61, 71)
-    ours = from_hf_model(hf)
+    ours = transformer_from_hf_model(hf)
     src, src_keep, tgt = _marian_batch()
     with torch.no_grad():
         expected = hf(input_ids=src, attention_mask=src_keep.long(), decoder_input_ids=tgt).logits
@@ -272,9 +278,9 @@ def test_config_from_plain_dict_equals_config_from_object():
     assert isinstance(config_from_hf(hf.config, attn_backend="reference"), ModelConfig)
 
 
-def test_from_hf_rejects_mismatched_state_dict():
+def test_transformer_from_hf_rejects_mismatched_state_dict():
     hf = _gpt2()
     sd = hf.state_dict()
     bigger = _gpt2(n_inner=96)
     with pytest.raises((ValueError, RuntimeError)):
-        from_hf(sd, bigger.config)
+        transformer_from_hf(sd, bigger.config)

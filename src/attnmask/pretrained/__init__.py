@@ -18,11 +18,11 @@ from attnmask.pretrained.gguf_file import (  # noqa: F401
 from attnmask.pretrained.hf import (  # noqa: F401
     SUPPORTED,
     config_from_hf,
-    from_hf,
-    from_hf_model,
     llama_key_map,
     load_hf_dir,
     state_dict_from_hf,
+    transformer_from_hf,
+    transformer_from_hf_model,
 )
 from attnmask.pretrained.quantized import (  # noqa: F401
     BLOCK_BYTES,

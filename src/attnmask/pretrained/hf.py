@@ -34,8 +34,8 @@ __all__ = [
     "SUPPORTED",
     "config_from_hf",
     "state_dict_from_hf",
-    "from_hf",
-    "from_hf_model",
+    "transformer_from_hf",
+    "transformer_from_hf_model",
     "load_hf_dir",
     "llama_key_map",
 ]
@@ -318,7 +318,7 @@ def state_dict_from_hf(state_dict: Mapping[str, Tensor], hf_config) -> dict[str,
     return _convert_marian(state_dict, cfg)
 
 
-def from_hf(
+def transformer_from_hf(
     state_dict: Mapping[str, Tensor], hf_config, *, dtype: torch.dtype | None = None, **overrides
 ) -> Transformer:
     """An attnmask :class:`Transformer` holding a Hugging Face checkpoint's weights, in eval mode.
@@ -342,14 +342,14 @@ def from_hf(
     return model.to(dtype).eval()
 
 
-def from_hf_model(hf_model, **kwargs) -> Transformer:
-    """:func:`from_hf` of a loaded ``transformers`` model (``GPT2LMHeadModel``, ``LlamaForCausalLM``,
+def transformer_from_hf_model(hf_model, **kwargs) -> Transformer:
+    """:func:`transformer_from_hf` of a loaded ``transformers`` model (``GPT2LMHeadModel``, ``LlamaForCausalLM``,
     ``MarianMTModel``)."""
-    return from_hf(hf_model.state_dict(), hf_model.config, **kwargs)
+    return transformer_from_hf(hf_model.state_dict(), hf_model.config, **kwargs)
 
 
 def load_hf_dir(path: str | Path, **kwargs) -> Transformer:
-    """:func:`from_hf` of a checkpoint directory: ``config.json`` and ``model.safetensors`` (possibly
+    """:func:`transformer_from_hf` of a checkpoint directory: ``config.json`` and ``model.safetensors`` (possibly
     sharded with ``model.safetensors.index.json``) or ``pytorch_model.bin``. Needs no ``transformers``.
 
     Raises:
@@ -360,7 +360,7 @@ def load_hf_dir(path: str | Path, **kwargs) -> Transformer:
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: expected a Hugging Face checkpoint directory")
     hf_config = json.loads(config_file.read_text(encoding="utf-8"))
-    return from_hf(_read_weights(path), hf_config, **kwargs)
+    return transformer_from_hf(_read_weights(path), hf_config, **kwargs)
 
 
 def _read_weights(path: Path) -> dict[str, Tensor]:
