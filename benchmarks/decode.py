@@ -13,7 +13,7 @@ Two measurements (``--part cache``, ``--part translate``, or both):
    translated with greedy decoding and beam 4 by attnmask and by Hugging Face ``generate`` on a
    ``MarianMTModel``, both holding the *same* weights: a Marian of the same dimensions (C=512, 6+6
    layers, 8 heads, FFN 2048, swish, post-norm, scaled embeddings) is initialized at random by
-   Hugging Face and converted to attnmask with :func:`attnmask.pretrained.hf.from_hf`; the logits of both
+   Hugging Face and converted to attnmask with :func:`attnmask.pretrained.hf.transformer_from_hf`; the logits of both
    are compared first. The joint BPE vocabulary (8000) is trained on Multi30k's training set. Both
    decode the same length-sorted batches with the same limit (``--max-new`` tokens, no other
    constraint) and the generated tokens are counted (up to and including ``<eos>``). With random
@@ -106,7 +106,7 @@ def bench_cache(lengths: list[int], recompute_max: int) -> list[str]:
 def build_models(vocab_size: int, max_len: int):
     from transformers import MarianConfig, MarianMTModel
 
-    from attnmask.pretrained.hf import from_hf
+    from attnmask.pretrained.hf import transformer_from_hf
 
     hf_cfg = MarianConfig(
         vocab_size=vocab_size,
@@ -132,7 +132,7 @@ def build_models(vocab_size: int, max_len: int):
     )
     torch.manual_seed(0)
     hf = MarianMTModel(hf_cfg).eval()
-    ours = from_hf(hf.state_dict(), hf_cfg).eval()
+    ours = transformer_from_hf(hf.state_dict(), hf_cfg).eval()
     return hf, ours
 
 

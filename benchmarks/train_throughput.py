@@ -1,7 +1,7 @@
 """Training throughput: attnmask's Transformer vs Hugging Face MarianMTModel, same function, same batches.
 
 Both models are built from one ``MarianConfig`` (random init, nothing downloaded); attnmask's copy
-is made with :func:`attnmask.pretrained.hf.from_hf_model`, so they hold the same weights and compute the
+is made with :func:`attnmask.pretrained.hf.transformer_from_hf_model`, so they hold the same weights and compute the
 same function (checked: equal losses on the first batch). Each then trains with its own AdamW on
 the same Multi30k de->en batches (joint BPE, token-bucketed as ``attnmask train`` does), in
 alternating rounds so machine noise hits both alike. Throughput counts non-pad target tokens
@@ -24,7 +24,7 @@ from attnmask.data import make_translation_batch, read_parallel, translation_len
 from attnmask.data.batching import TokenBucketBatcher
 from attnmask.data.tokenizer import Tokenizer
 from attnmask.model import lm_loss
-from attnmask.pretrained.hf import from_hf_model
+from attnmask.pretrained.hf import transformer_from_hf_model
 
 DATA = Path(os.environ.get("ATTNMASK_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
@@ -95,7 +95,7 @@ def main() -> None:
     warm, timed = batches[:2], batches[2:]
 
     hf = marian(tok.vocab_size, args.dim, args.layers, args.heads, args.ffn)
-    ours = from_hf_model(hf)  # same weights, same function
+    ours = transformer_from_hf_model(hf)  # same weights, same function
     hf.train()
     ours.train()
     with torch.no_grad():
