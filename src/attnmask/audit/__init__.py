@@ -3,7 +3,10 @@
 - :mod:`.checks`: the checks and :func:`audit`;
 - :mod:`.subjects`: anything that maps ids to logits (attnmask models, runs, Hugging Face models);
 - :mod:`.faults`: deliberately broken masks that the audit must catch;
-- :mod:`.report`: the report, its table, JSON and pictures.
+- :mod:`.report`: the report, its table, JSON and pictures;
+- :mod:`.conform`: every mask scenario under every attention implementation of a Hugging Face
+  model (:mod:`.conform_models` loads models and finds implementations, :mod:`.conform_report`
+  renders the verdict).
 """
 
 from attnmask.audit.checks import (  # noqa: F401
@@ -13,6 +16,8 @@ from attnmask.audit.checks import (  # noqa: F401
     Tolerance,
     audit,
 )
+from attnmask.audit.conform import AGREEMENT_TOLERANCE, SCENARIOS, conform  # noqa: F401
+from attnmask.audit.conform_report import ConformReport, ConformResult  # noqa: F401
 from attnmask.audit.faults import (  # noqa: F401
     ENCODER_DECODER_ONLY,
     FAULTS,
