@@ -13,7 +13,7 @@ import os
 import sys
 
 # Subcommand modules, in --help order. A module missing here is simply not offered.
-SUBCOMMANDS = ("demo", "train", "translate", "generate", "eval", "mask", "attention", "audit")
+SUBCOMMANDS = ("demo", "train", "translate", "generate", "eval", "mask", "attention", "audit", "conform")
 
 
 class UserError(Exception):
