@@ -5,9 +5,14 @@ is made with :func:`attnmask.pretrained.hf.transformer_from_hf_model`, so they h
 same function (checked: equal losses on the first batch). Each then trains with its own AdamW on
 the same Multi30k de->en batches (joint BPE, token-bucketed as ``attnmask train`` does), in
 alternating rounds so machine noise hits both alike. Throughput counts non-pad target tokens
-(the loss's tokens) per second of forward + backward + optimizer step.
+(the loss's tokens) per second of forward + backward + optimizer step, in fp32 or under bf16
+autocast (``--precision``; Hugging Face gets the same autocast).
 
-    python benchmarks/train_throughput.py [--rounds 3] [--steps 10] [--threads 2]
+A third row times the whole ``attnmask train`` loop (its own data pipeline, logging and
+checkpointing at the default intervals; evaluation off) on the same files and dimensions, from
+the step times its ``on_step`` hook sees after two warm-up steps.
+
+    python benchmarks/train_throughput.py [--rounds 3] [--steps 10] [--threads 2] [--precision bf16]
 """
 
 from __future__ import annotations
@@ -55,15 +60,50 @@ def ours_step(model, b) -> torch.Tensor:
     return lm_loss(model(b.tgt_in, b.src).logits, b.labels)[0]
 
 
-def timed_round(model, step_fn, optimizer, batches) -> tuple[float, int]:
+def timed_round(model, step_fn, optimizer, batches, bf16: bool = False) -> tuple[float, int]:
     tokens, t0 = 0, time.perf_counter()
     for b in batches:
-        loss = step_fn(model, b)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = step_fn(model, b)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens += b.num_tokens
     return time.perf_counter() - t0, tokens
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def train_loop_rate(args) -> float:
+    """Target tokens/s of ``attnmask train`` on Multi30k, steps 3..N as its step hook sees them."""
+    import tempfile
+
+    from attnmask.train import TrainConfig, train
+
+    m30k = DATA / "multi30k"
+    stamps: list[tuple[float, int]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TrainConfig.of(
+            src=str(m30k / "train.de.gz"), tgt=str(m30k / "train.en.gz"), valid_src=str(m30k / "val.de.gz"),
+            valid_tgt=str(m30k / "val.en.gz"), vocab_size=args.vocab_size, dim=args.dim, n_layers=args.layers,
+            n_heads=args.heads, ffn_dim=args.ffn, batch_tokens=args.batch_tokens, max_steps=args.steps + 2,
+            eval_every=0, eval_sentences=0, eval_max_tokens=1, dropout=0.0, precision=args.precision,
+            device="cpu", progress=False, out=str(Path(tmp) / "run"),
+        )  # fmt: skip
+        train(cfg, on_step=lambda step, model, rec: stamps.append((time.perf_counter(), rec["tokens"])),
+              log=lambda msg: None)  # fmt: skip
+    (t0, _), rest = stamps[1], stamps[2:]
+    return sum(n for _, n in rest) / (rest[-1][0] - t0)
 
 
 def main() -> None:
@@ -77,6 +117,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="training steps per model per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16 = bfloat16 autocast")
+    ap.add_argument("--no-loop", action="store_true", help="skip the `attnmask train` loop row")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not (DATA / "multi30k" / "train.de.gz").exists():
@@ -104,18 +146,23 @@ def main() -> None:
 
     runs = {"attnmask": (ours, ours_step), "HF Marian": (hf, marian_step)}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, (m, _) in runs.items()}
+    bf16 = args.precision == "bf16"
     for name, (m, fn) in runs.items():
-        timed_round(m, fn, opts[name], warm)
+        timed_round(m, fn, opts[name], warm, bf16)
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, (m, fn) in runs.items():
-            seconds, tokens = timed_round(m, fn, opts[name], timed)
+            seconds, tokens = timed_round(m, fn, opts[name], timed, bf16)
             rates[name].append(tokens / seconds)
+    if not args.no_loop:
+        rates["attnmask train loop"] = [train_loop_rate(args) for _ in range(args.rounds)]
 
     params = sum(p.numel() for p in ours.parameters())
     tokens_per_step = statistics.mean(b.num_tokens for b in timed)
     print(f"model: dim {args.dim}, {args.layers}+{args.layers} layers, {args.heads} heads, ffn {args.ffn}, "
-          f"vocab {tok.vocab_size}, {params / 1e6:.1f}M parameters; fp32, {args.threads} threads")  # fmt: skip
+          f"vocab {tok.vocab_size}, {params / 1e6:.1f}M parameters; {args.precision}, "
+          f"{args.threads} threads")  # fmt: skip
+    print(f"CPU: {cpu_name()}; bf16 matrix units: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
     print(f"batches: Multi30k de->en, {args.batch_tokens} padded tokens, {tokens_per_step:.0f} target tokens/step "
           f"on average; {args.steps} steps x {args.rounds} alternating rounds; initial losses "
           f"{l_ours:.4f} (attnmask) / {l_hf:.4f} (Marian)\n")  # fmt: skip

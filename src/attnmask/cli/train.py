@@ -78,7 +78,13 @@ _FLAGS = (
     ("--out", "out", str, "run directory"),
     ("--resume", "resume", "store_true", "continue the run in --out from its last checkpoint"),
     ("--seed", "seed", int, "random seed"),
-    ("--precision", "precision", ("fp32", "bf16"), "fp32, or bfloat16 autocast"),
+    (
+        "--precision",
+        "precision",
+        ("auto", "fp32", "bf16"),
+        "fp32, bfloat16 autocast, or auto: bf16 on a GPU "
+        "that has it and on a CPU whose bf16 products measure faster (AVX512-BF16, AMX), else fp32",
+    ),
     ("--device", "device", str, "auto, cpu, cuda or cuda:N"),
     ("--deterministic", "deterministic", "store_true", "deterministic algorithms (bit-identical resumes)"),
     ("--no-progress", "progress", "store_false", "no progress bar"),

@@ -18,7 +18,7 @@ from attnmask.model import ACTIVATIONS, NORM_POSITIONS, NORMS, POSITIONS, ModelC
 from attnmask.train.rundir import TASKS, read_config
 
 TOKENIZERS = ("bpe", "char")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 # Model sizes; every field can be overridden one by one (--dim, --layers, ...).
 MODEL_PRESETS: dict[str, dict] = {
@@ -170,7 +170,7 @@ class RunConfig:
     log_every: int = 10  # steps between metrics.jsonl / TensorBoard records
     save_every: int | None = None  # steps between checkpoints; None = eval_every (and at the end)
     seed: int = 0
-    precision: str = "fp32"  # "fp32" or "bf16" (autocast)
+    precision: str = "fp32"  # "fp32", "bf16" (autocast) or "auto" (bf16 where it is faster: train/precision.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     deterministic: bool = False  # torch.use_deterministic_algorithms for bit-identical resumes
     progress: bool = True  # show a progress bar

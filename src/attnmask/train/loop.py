@@ -43,9 +43,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attnmask.data import IGNORE_INDEX
 from attnmask.model import Transformer, lm_loss
-from attnmask.train import checkpoint, distributed
+from attnmask.train import checkpoint, distributed, precision
 from attnmask.train.config import RESUME_OVERRIDES, OptimConfig, TrainConfig, resume_changes
 from attnmask.train.logger import TrainLogger
 from attnmask.train.rundir import FORMAT_VERSION, TRAINER_STATE, WEIGHTS, RunDir
@@ -221,7 +220,9 @@ class Trainer:
         return Transformer(self.task.model_config(cfg.model)).to(self.ctx.device)
 
     def _autocast(self):
-        if self.cfg.run.precision != "bf16":
+        self.precision, why = precision.choose(self.cfg.run.precision, self.ctx.device)
+        self.logger.line(f"precision: {self.precision} ({why})")
+        if self.precision != "bf16":
             return contextlib.nullcontext
         device_type = self.ctx.device.type
         if device_type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -266,14 +267,15 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------
     def train_step(self) -> dict:
+        """One optimizer step. Reads nothing back from the device: the loss and gradient norm
+        stay tensors until :meth:`_settle` reads a window of them at once."""
         cfg, ctx = self.cfg, self.ctx
         micro: list[Batch] = [self.task.next_batch() for _ in range(cfg.optim.grad_accum)]
-        local_tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in micro)
-        (global_tokens,) = distributed.all_reduce_sum(ctx, [local_tokens])
+        (global_tokens,) = distributed.all_reduce_sum(ctx, [sum(b.tokens for b in micro)])
         lr = learning_rate(cfg.optim, self.step, self.elapsed, self._time_end)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = 0.0
+        loss_sum = None
         for k, b in enumerate(micro):
             sync = k == len(micro) - 1 or not ctx.enabled
             with contextlib.nullcontext() if sync else self.ddp.no_sync(), self.autocast():
@@ -282,20 +284,32 @@ class Trainer:
             # DDP averages gradients over ranks: scaling by world_size / global tokens turns that
             # average into the mean over every real token of the global batch.
             (part * (ctx.world_size / max(global_tokens, 1))).backward()
-            loss_sum += float(part.detach())
+            loss_sum = part.detach().float() if loss_sum is None else loss_sum + part.detach().float()
         clip = cfg.optim.grad_clip or float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        (loss_total,) = distributed.all_reduce_sum(ctx, [loss_sum])
         return {
-            "loss": loss_total / max(global_tokens, 1),
+            "loss_sum": loss_sum,  # this rank's summed loss (a device scalar until settled)
             "lr": lr,
-            "grad_norm": grad_norm,
+            "grad_norm": grad_norm.detach(),
             "tokens": int(global_tokens),
             "padding_fraction": sum(b.padding_fraction for b in micro) / len(micro),
         }
+
+    def _settle(self, pending: list[dict], result: TrainResult) -> None:
+        """Turn the records of unsettled steps into numbers: one device read and (with several
+        processes) one collective for the whole window, at log, evaluation and save points."""
+        if not pending:
+            return
+        local = torch.stack([r.pop("loss_sum") for r in pending]).tolist()
+        norms = torch.stack([r["grad_norm"].float() for r in pending]).tolist()
+        totals = distributed.all_reduce_sum(self.ctx, local)
+        for rec, total, norm in zip(pending, totals, norms):
+            rec["loss"], rec["grad_norm"] = total / max(rec["tokens"], 1), norm
+            result.losses.append(rec["loss"])
+        pending.clear()
 
     def evaluate(self) -> dict:
         return self.task.evaluate(self.model, self.ctx, self.autocast)
@@ -379,49 +393,58 @@ class Trainer:
 
     def _loop(self, result: TrainResult) -> None:
         cfg = self.cfg
-        window: list[dict] = []
+        window: list[dict] = []  # steps since the last metrics record
+        pending: list[dict] = []  # steps whose loss is still on the device
         start_elapsed, loop_start = self.elapsed, time.perf_counter()
         # a time budget counts this invocation only; the schedule ends where this budget does
         self._time_end = None if cfg.optim.max_minutes is None else start_elapsed + 60.0 * cfg.optim.max_minutes
         window_start, paused = loop_start, 0.0  # paused: evaluation/saving time inside the window
         self._last_eval = self._last_save = self.step
         self.model.train()
-        while True:
-            now = time.perf_counter()
-            self.elapsed = start_elapsed + now - loop_start
-            stop = self._should_stop(now - loop_start)
-            if stop:
-                result.stopped = stop
-                return
-            rec = self.train_step()
-            self.elapsed = start_elapsed + time.perf_counter() - loop_start  # as saved with this step
-            result.losses.append(rec["loss"])
-            window.append(rec)
-            if self.on_step is not None:
-                self.on_step(self.step, self.model, rec)
-            postfix = None
-            if cfg.run.log_every and self.step % cfg.run.log_every == 0:
+        try:
+            while True:
                 now = time.perf_counter()
-                entry = {
-                    "step": self.step,
-                    "split": "train",
-                    "loss": sum(r["loss"] for r in window) / len(window),
-                    "lr": rec["lr"],
-                    "grad_norm": rec["grad_norm"],
-                    "tokens_per_s": sum(r["tokens"] for r in window) / max(now - window_start - paused, 1e-9),
-                    "padding_fraction": sum(r["padding_fraction"] for r in window) / len(window),
-                    "elapsed_s": start_elapsed + now - loop_start,
-                }
-                self.logger.record(entry)
-                postfix = {"loss": f"{entry['loss']:.3f}", "tok_s": f"{entry['tokens_per_s']:.0f}"}
-                window, window_start, paused = [], now, 0.0
-            self.logger.advance(postfix)
-            t0 = time.perf_counter()
-            if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
-                result.eval = self.evaluate()
-                self._last_eval = self.step
-                self.logger.evaluation(self.step, result.eval)
-            if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
-                self.save()
-                self._last_save = self.step
-            paused += time.perf_counter() - t0  # evaluation and saving stay out of tokens/s
+                self.elapsed = start_elapsed + now - loop_start
+                stop = self._should_stop(now - loop_start)
+                if stop:
+                    result.stopped = stop
+                    return
+                rec = self.train_step()
+                self.elapsed = start_elapsed + time.perf_counter() - loop_start  # as saved with this step
+                window.append(rec)
+                pending.append(rec)
+                log_now = cfg.run.log_every and self.step % cfg.run.log_every == 0
+                eval_now = cfg.run.eval_every and self.step % cfg.run.eval_every == 0
+                save_now = cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0
+                if self.on_step is not None or log_now or eval_now or save_now:
+                    self._settle(pending, result)
+                if self.on_step is not None:
+                    self.on_step(self.step, self.model, rec)
+                postfix = None
+                if log_now:
+                    now = time.perf_counter()
+                    entry = {
+                        "step": self.step,
+                        "split": "train",
+                        "loss": sum(r["loss"] for r in window) / len(window),
+                        "lr": rec["lr"],
+                        "grad_norm": rec["grad_norm"],
+                        "tokens_per_s": sum(r["tokens"] for r in window) / max(now - window_start - paused, 1e-9),
+                        "padding_fraction": sum(r["padding_fraction"] for r in window) / len(window),
+                        "elapsed_s": start_elapsed + now - loop_start,
+                    }
+                    self.logger.record(entry)
+                    postfix = {"loss": f"{entry['loss']:.3f}", "tok_s": f"{entry['tokens_per_s']:.0f}"}
+                    window, window_start, paused = [], now, 0.0
+                self.logger.advance(postfix)
+                t0 = time.perf_counter()
+                if eval_now:
+                    result.eval = self.evaluate()
+                    self._last_eval = self.step
+                    self.logger.evaluation(self.step, result.eval)
+                if save_now:
+                    self.save()
+                    self._last_save = self.step
+                paused += time.perf_counter() - t0  # evaluation and saving stay out of tokens/s
+        finally:
+            self._settle(pending, result)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from attnmask.data import (
+    IGNORE_INDEX,
     DataError,
     TranslationBatch,
     make_translation_batch,
@@ -60,6 +61,7 @@ class Batch:
     src: Tensor | None  # (B, S) encoder input ids; None for a decoder-only model
     labels: Tensor  # (B, T) next tokens, IGNORE_INDEX where no loss is taken
     padding_fraction: float  # share of padded positions in the batch (0 for packed LM blocks)
+    tokens: int  # labels that count in the loss, counted on the host before the batch moved
 
 
 class TrainingTask(Protocol):
@@ -141,8 +143,10 @@ class TranslationTask:
                 break
             except StopIteration:  # epoch done; the next iter() starts the following one
                 self._epoch = None
-        b = self.batch(idx).to(self._device)
-        return Batch(b.tgt_in, b.src, b.labels, b.padding_fraction)
+        b = self.batch(idx)
+        tokens = int((b.labels != IGNORE_INDEX).sum())
+        b = b.to(self._device)
+        return Batch(b.tgt_in, b.src, b.labels, b.padding_fraction, tokens)
 
     def valid_batches(self, batch_tokens: int) -> list[list[int]]:
         """All validation examples, length-sorted into batches (every rank computes the same list)."""
@@ -204,7 +208,8 @@ class LMTask:
 
     def next_batch(self) -> Batch:
         x, y = self._stream.next_batch()  # (B, T), (B, T)
-        return Batch(x.to(self._device), None, y.to(self._device), 0.0)
+        tokens = int((y != IGNORE_INDEX).sum())
+        return Batch(x.to(self._device), None, y.to(self._device), 0.0, tokens)
 
     def evaluate(self, model: Transformer, ctx: distributed.Dist, autocast: Callable = contextlib.nullcontext) -> dict:
         d = self.data

@@ -1,0 +1,58 @@
+"""Which precision a run computes in: ``fp32``, ``bf16`` (autocast), or ``auto``, decided from what
+the device can do rather than from its name.
+
+``auto`` takes bf16 on a CUDA device that supports it, and on a CPU only when bfloat16 matrix
+products are measurably faster there: the CPU has native bf16 instructions (AVX512-BF16 or AMX,
+as oneDNN reports) *and* a short timing of the same product in both precisions shows bf16 at
+least :data:`MIN_SPEEDUP` times faster. On CPUs without native bf16 (AVX2-only), emulated bf16 is
+slower than fp32, so ``auto`` stays in fp32 there.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+MIN_SPEEDUP = 1.3  # bf16 must beat fp32 by this much on the CPU to be chosen
+
+
+def matmul_speedup(threads: int | None = None, n: int = 768, reps: int = 5) -> float:
+    """fp32 time / bf16 time of an ``(n, n) @ (n, n)`` product on the CPU (best of ``reps``)."""
+    a32, b32 = torch.randn(n, n), torch.randn(n, n)
+    a16, b16 = a32.bfloat16(), b32.bfloat16()
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+
+        def best(a, b) -> float:
+            a @ b  # warm-up (oneDNN picks its kernel on first use)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                a @ b
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        return best(a32, b32) / max(best(a16, b16), 1e-9)
+    finally:
+        torch.set_num_threads(before)
+
+
+def choose(precision: str, device: torch.device) -> tuple[str, str]:
+    """``(fp32 | bf16, why)`` for a requested ``precision`` (``fp32``, ``bf16`` or ``auto``)."""
+    if precision != "auto":
+        return precision, "as requested"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", f"auto: {torch.cuda.get_device_name(device)} supports bfloat16"
+        return "fp32", f"auto: {torch.cuda.get_device_name(device)} has no bfloat16"
+    if device.type != "cpu":
+        return "fp32", f"auto: no bfloat16 rule for {device.type}"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "fp32", "auto: this CPU has no native bfloat16 (AVX512-BF16/AMX)"
+    speedup = matmul_speedup()
+    if speedup >= MIN_SPEEDUP:
+        return "bf16", f"auto: bfloat16 products {speedup:.1f}x faster than float32 on this CPU"
+    return "fp32", f"auto: bfloat16 products only {speedup:.1f}x float32's speed on this CPU"
