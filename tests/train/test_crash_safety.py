@@ -133,11 +133,15 @@ def test_sigint_stops_after_the_current_step_and_saves(tmp_path, reference):
             os.kill(os.getpid(), signal.SIGINT)
 
     cfg = config(tmp_path / "run")
-    before = signal.getsignal(signal.SIGINT)
-    result = train(cfg, on_step=interrupt, log=lambda msg: None)
+    # Python's own handler, whatever the test run inherited (`pytest &` starts with SIGINT ignored)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        result = train(cfg, on_step=interrupt, log=lambda msg: None)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler found is restored
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert result.stopped == "SIGINT" and result.step == 7
     assert saved_step(tmp_path / "run") == 7
-    assert signal.getsignal(signal.SIGINT) is before  # the handler found is restored
     resumed = train(resume_config(cfg.run.out), log=lambda msg: None)
     assert_close(torch.tensor(result.losses + resumed.losses), torch.tensor(reference), rtol=0, atol=0)
 
