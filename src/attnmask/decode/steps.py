@@ -42,6 +42,7 @@ from attnmask import masks
 from attnmask.attention import PreparedMask, prepare_mask
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
 from attnmask.decode.sampling import GREEDY, Sampling, sample
+from attnmask.decode.static import CompiledStep, bucket, decode_one, zero_unwritten
 from attnmask.model.cache import KVCache
 
 Ids = Sequence[Sequence[int]] | Tensor  # token ids: lists of rows, or a (B, T) tensor
@@ -121,17 +122,21 @@ default_max_len = default_max_new_tokens  # the earlier name
 class DecodeState:
     """What one decoding run carries from step to step (one row per hypothesis).
 
-    The masks of one-token steps are built once, before the first step, and sliced per step: a
-    single query sits at the bottom-right of the score matrix, so its causal row allows every
-    cached key and only key padding is left to mask.
+    The key padding of one-token steps is built once, before the first step: a single query sits at
+    the bottom-right of the score matrix, so its causal row allows every cached key and only key
+    padding is left to mask.
     """
 
     cache: KVCache
     self_allowed: Tensor | None  # (B, 1, 1, Tmax) bool key padding; None = nothing padded
     next_pos: Tensor  # (B,) position of the next token each row feeds
     src_allowed: Tensor | None  # (B, 1, 1, S) bool source key padding; None = nothing padded
-    cross_mask: PreparedMask | None  # src_allowed resolved for one-token steps
     n_heads: int
+
+    @property
+    def cross_mask(self) -> PreparedMask | None:
+        """``src_allowed`` resolved for a one-token step of :meth:`Transformer.decode`."""
+        return _cross_mask(self.src_allowed, self.n_heads)
 
     @property
     def rows(self) -> int:
@@ -155,7 +160,6 @@ class DecodeState:
         self.next_pos = self.next_pos[index]  # (B',)
         if cross and self.src_allowed is not None:
             self.src_allowed = self.src_allowed[index]  # (B', 1, 1, S)
-            self.cross_mask = _cross_mask(self.src_allowed, self.n_heads)
 
 
 def _cross_mask(src_allowed: Tensor | None, n_heads: int) -> PreparedMask | None:
@@ -208,6 +212,7 @@ def start(
     beams: int = 1,
     sos_id: int = SOS_ID,
     all_logits: bool = False,
+    whole_buckets: bool = False,
 ) -> tuple[DecodeState, Tensor, Tensor]:
     """Encode the source once (encoder-decoder) or prefill the prompts (decoder-only).
 
@@ -220,6 +225,7 @@ def start(
             model's ``max_seq_len`` allows. Capped at what ``max_seq_len`` allows.
         beams: the cache has room for ``B * beams`` rows (beam search copies rows into it).
         all_logits: return logits for every prompt position ``(B, T, V)`` instead of the last.
+        whole_buckets: round the cache's length up to a bucket of :class:`CompiledStep`.
 
     Returns ``(state, logits (B, V), limits (B,))``.
 
@@ -254,6 +260,8 @@ def start(
 
     T = ids.shape[1]
     capacity = T + int(limits.max())
+    if whole_buckets:  # a compiled step attends over buckets of 64, 128, 256... cached columns
+        capacity = bucket(capacity)
     cache = KVCache.for_model(model, batch_size=B * beams, max_len=capacity)
     self_allowed = None
     if keep is not None:
@@ -273,7 +281,6 @@ def start(
         self_allowed=self_allowed,
         next_pos=positions[:, -1] + 1,
         src_allowed=src_allowed,
-        cross_mask=_cross_mask(src_allowed, cfg.n_heads),
         n_heads=cfg.n_heads,
     )
     logits = model.decode(
@@ -289,18 +296,16 @@ def start(
 
 
 @torch.inference_mode()
-def decode_step(model, state: DecodeState, tokens: Tensor) -> Tensor:
-    """Feed one token per row ``(B,)``; returns the next logits ``(B, V)``."""
-    logits = model.decode(
-        tokens[:, None],  # (B, 1)
-        memory_mask=state.cross_mask,
-        mask=state.step_mask(),
-        positions=state.next_pos[:, None],  # (B, 1)
-        cache=state.cache,
-        last_only=True,
-    )  # (B, 1, V)
+def decode_step(model, state: DecodeState, tokens: Tensor, step=None) -> Tensor:
+    """Feed one token per row ``(B,)``; returns the next logits ``(B, V)``.
+
+    Runs :func:`attnmask.decode.static.decode_one` (or ``step``, a
+    :class:`~attnmask.decode.static.CompiledStep`) over the state's cache.
+    """
+    run = decode_one if step is None else (lambda m, *a: step(*a))
+    logits = run(model, state.cache, tokens, state.next_pos, state.self_allowed, state.src_allowed)  # (B, V)
     state.next_pos += 1
-    return logits[:, 0]  # (B, V)
+    return logits
 
 
 @contextlib.contextmanager
@@ -327,27 +332,61 @@ def _steps(
     sampling: Sampling,
     eos_id,
     sos_id,
+    compile: bool | CompiledStep = False,
 ) -> Iterator[tuple[int, Tensor, Tensor]]:
-    """The decoding loop: yields ``(B, rows (b,), tokens (b,))`` for the rows still running."""
+    """The decoding loop: yields ``(B, rows (b,), tokens (b,))`` for the rows still running.
+
+    Eager: finished rows leave the batch (their cache rows too). Compiled (``compile`` True or a
+    :class:`CompiledStep`): every row stays, so the step keeps its shapes; a finished row's
+    token is ignored and it is not yielded.
+    """
     stops = stop_set(eos_id)
+    step_fn = _compiled_step(model, compile)
     with eval_mode(model):
-        state, logits, limits = start(model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, sos_id=sos_id)
+        state, logits, limits = start(
+            model,
+            src=src,
+            prompts=prompts,
+            max_new_tokens=max_new_tokens,
+            sos_id=sos_id,
+            whole_buckets=step_fn is not None,
+        )
+        if step_fn is not None:
+            zero_unwritten(state.cache)
         B = state.rows
         rows = torch.arange(B, device=limits.device)  # (b,) original row of each running row
+        alive = torch.ones(B, dtype=torch.bool, device=limits.device)  # compiled: rows not finished yet
         step = 0
         while True:
-            tokens = sample(logits, sampling)  # (b,)
-            yield B, rows, tokens
+            if step_fn is None:
+                tokens = sample(logits, sampling)  # (b,)
+                yield B, rows, tokens
+            else:  # draw for the running rows only, as eager does: the same generator stream
+                tokens = torch.zeros(B, dtype=torch.long, device=logits.device)  # (B,)
+                tokens[alive] = sample(logits[alive], sampling)
+                yield B, rows[alive], tokens[alive]
             step += 1
             done = (limits[rows] <= step) | is_stop(tokens, stops)  # (b,)
-            if bool(done.any()):
+            if step_fn is not None:
+                alive &= ~done
+                if not bool(alive.any()):
+                    return
+            elif bool(done.any()):
                 running = (~done).nonzero().squeeze(1)  # (b',)
                 if running.numel() == 0:
                     return
                 # finished rows leave the batch: their cache rows are dropped, not computed on
                 state.select(running)
                 rows, tokens = rows[running], tokens[running]
-            logits = decode_step(model, state, tokens)  # (b, V)
+            logits = decode_step(model, state, tokens, step_fn)  # (b, V)
+
+
+def _compiled_step(model, compile) -> CompiledStep | None:
+    if isinstance(compile, CompiledStep):
+        if compile.model is not model:
+            raise ValueError("compile=CompiledStep(...) was built for another model")
+        return compile
+    return CompiledStep(model) if compile else None
 
 
 def stream(
@@ -359,6 +398,7 @@ def stream(
     sampling: Sampling | None = None,
     eos_id: StopIds = EOS_ID,
     sos_id: int = SOS_ID,
+    compile: bool | CompiledStep = False,
     **sampling_keywords,
 ) -> Iterator[Tensor]:
     """Yield each step's tokens ``(B,)`` as they are chosen; finished rows get ``<pad>``.
@@ -377,6 +417,7 @@ def stream(
         sampling=Sampling.of(sampling, GREEDY, **sampling_keywords),
         eos_id=eos_id,
         sos_id=sos_id,
+        compile=compile,
     ):
         out = torch.full((B,), pad_id, dtype=torch.long, device=tokens.device)  # (B,)
         out[rows] = tokens
@@ -392,6 +433,7 @@ def generate_ids(
     sampling: Sampling | None = None,
     eos_id: StopIds = EOS_ID,
     sos_id: int = SOS_ID,
+    compile: bool | CompiledStep = False,
     **sampling_keywords,
 ) -> list[list[int]]:
     """The generated ids of each row (what :func:`stream` yields), without the final ``<eos>``."""
@@ -405,6 +447,7 @@ def generate_ids(
         sampling=Sampling.of(sampling, GREEDY, **sampling_keywords),
         eos_id=eos_id,
         sos_id=sos_id,
+        compile=compile,
     ):
         if out is None:
             out = [[] for _ in range(B)]
@@ -422,9 +465,17 @@ def greedy(
     max_new_tokens: int | Sequence[int] | None = None,
     eos_id: StopIds = EOS_ID,
     sos_id: int = SOS_ID,
+    compile: bool | CompiledStep = False,
 ) -> list[list[int]]:
     """Seed 000's greedy decoding: from ``<sos>`` (or the prompt), arg-max, append, until ``<eos>``
     or ``max_new_tokens``. Returns the generated ids of each row, without ``<eos>``."""
     return generate_ids(
-        model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, sampling=GREEDY, eos_id=eos_id, sos_id=sos_id
+        model,
+        src=src,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        sampling=GREEDY,
+        eos_id=eos_id,
+        sos_id=sos_id,
+        compile=compile,
     )

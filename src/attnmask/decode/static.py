@@ -1,0 +1,254 @@
+"""``decode_one``: one token per row through the decoder, written for speed and for ``torch.compile``.
+
+:meth:`attnmask.model.Transformer.decode` is the general forward pass (any mask, any length, the
+attention backends, shape checks); a decoding step needs one case of it: one new token per row,
+keys and values already in the preallocated :class:`~attnmask.model.cache.KVCache`. This module
+runs that case with the model's own modules (embeddings, norms, projections, MLP, rotary, head) and
+one ``scaled_dot_product_attention`` per attention, and nothing else:
+
+- the new keys/values are written into the cache buffers in place (``index_copy_`` at a column
+  given as a tensor), so the buffers never move and never change shape;
+- the self-attention mask is built from tensors (``column <= step`` and the rows' key padding):
+  no Python branch on a tensor value, no host read;
+- grouped-query heads attend without repeating keys: the ``H / Hkv`` query heads of a key/value
+  head are its ``G`` queries (``(B, Hkv, G, D)`` against ``(B, Hkv, Tk, D)``).
+
+Eager calls attend over exactly the ``step + 1`` cached keys. :class:`CompiledStep` (``torch.compile``)
+attends over a *bucket* of keys (the next power of two >= 64, at most the cache's length), masked
+beyond the step: the compiled graph's shapes then change only when the bucket grows (a few times
+per generation), not every step; the cache's unwritten tail is zeroed once so masked keys are
+finite. Both compute every row's logits independently of the other rows.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnmask.model.cache import KVCache
+from attnmask.model.layers import Rotary
+
+__all__ = ["CompiledStep", "auto_compile", "bucket", "decode_one", "zero_unwritten"]
+
+
+def auto_compile(model) -> bool:
+    """Whether compiling the step pays by default: on a GPU (a batch-1 step is bound by kernel
+    launches, which a CUDA graph replays at once), not on a CPU (inductor's compile takes minutes
+    there and saved ~1.5 ms of ~5 ms framework time per token; see docs/benchmarks.md)."""
+    return next(model.parameters()).device.type == "cuda"
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None) -> Tensor:
+    """``q (B, H, 1, D)`` against ``k, v (B, Hkv, Tk, D)``, ``allowed (B, 1, 1, Tk)`` -> ``(B, 1, H*D)``."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, H // Hkv, D)  # the G query heads of each key/value head as its G queries
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=allowed)  # (B, Hkv, G, D)
+    return out.reshape(B, 1, H * D)  # heads in order h = j * G + g
+
+
+def _allowed(col: Tensor, keys: int, key_ok: Tensor | None, bucketed: bool) -> Tensor | None:
+    """Bool ``(B|1, 1, 1, keys)``: the columns written so far (``<= col``) and not padding; None when
+    that is every column (eager, nothing padded)."""
+    allowed = None
+    if bucketed:
+        allowed = (torch.arange(keys, device=col.device) <= col)[None, None, None, :]  # (1, 1, 1, Tk)
+    if key_ok is not None:
+        allowed = key_ok[..., :keys] if allowed is None else allowed & key_ok[..., :keys]  # (B, 1, 1, Tk)
+    return allowed
+
+
+def _additive(allowed: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A bool mask as the additive one SDPA would make of it in every layer, made once per step."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _self_attention(attn, h: Tensor, rope, k_buf: Tensor, v_buf: Tensor, col: Tensor, keys: int, allowed):
+    B = h.shape[0]
+    H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if attn.qkv_proj is not None:
+        qk, v = attn.qkv_proj(h).split([(H + Hkv) * D, Hkv * D], dim=-1)
+        qk = qk.view(B, 1, H + Hkv, D).transpose(1, 2)  # (B, H + Hkv, 1, D)
+        if rope is not None:  # queries and keys rotated as one tensor: the same products, half the calls
+            qk = Rotary.rotate_signed(qk, *rope)
+        q, k = qk.split([H, Hkv], dim=1)  # (B, H, 1, D), (B, Hkv, 1, D)
+    else:
+        q = attn.q_proj(h).view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
+        k = attn.k_proj(h).view(B, 1, Hkv, D).transpose(1, 2)  # (B, Hkv, 1, D)
+        if rope is not None:
+            q, k = Rotary.rotate_signed(q, *rope), Rotary.rotate_signed(k, *rope)
+    v = (
+        v.view(B, 1, Hkv, D).transpose(1, 2)
+        if attn.qkv_proj is not None
+        else attn.v_proj(h).view(B, 1, Hkv, D).transpose(1, 2)
+    )
+    k_buf.index_copy_(2, col, k.to(k_buf.dtype))  # the cache column of this step, in place
+    v_buf.index_copy_(2, col, v.to(v_buf.dtype))
+    out = _attend(q, k_buf[:, :, :keys].to(q.dtype), v_buf[:, :, :keys].to(q.dtype), allowed)
+    return attn.o_proj(out)
+
+
+def _cross_attention(attn, h: Tensor, kv: tuple[Tensor, Tensor], allowed: Tensor | None) -> Tensor:
+    B = h.shape[0]
+    q = attn.q_proj(h).view(B, 1, attn.num_heads, attn.head_dim).transpose(1, 2)  # (B, H, 1, D)
+    return attn.o_proj(_attend(q, kv[0], kv[1], allowed))
+
+
+def _step(
+    model,
+    k_bufs: list[Tensor],
+    v_bufs: list[Tensor],
+    cross: list[tuple[Tensor, Tensor]] | None,
+    tokens: Tensor,
+    positions: Tensor,
+    col: Tensor,
+    keys: int,
+    key_ok: Tensor | None,
+    src_ok: Tensor | None,
+    bucketed: bool = False,
+) -> Tensor:
+    """The step itself, a pure function of tensors (what :class:`CompiledStep` compiles).
+
+    ``tokens, positions (B,)``; ``col (1,)`` the cache column written; ``keys`` the columns attended
+    (``col + 1`` eager, a bucket compiled); ``key_ok (B, 1, 1, >= keys)`` key padding or None;
+    ``src_ok (B, 1, 1, S)`` source padding or None. Returns logits ``(B, V)``.
+    """
+    x = model._embed(tokens[:, None], positions[:, None], source=False)  # (B, 1, C)
+    allowed = _additive(_allowed(col, keys, key_ok, bucketed), x.dtype)  # (B|1, 1, 1, Tk) or None
+    src_ok = _additive(src_ok, x.dtype)  # (B, 1, 1, S) or None
+    rope = None
+    if model.config.positions == "rotary":  # cos and sin once per step, shared by every layer
+        cos, sin = model.rotary.cos_sin(positions[:, None])  # (B, 1, 1, D)
+        rope = (cos, Rotary.signed_sin(sin))
+    for i, layer in enumerate(model.layers):
+        x = layer._sublayer(
+            x,
+            layer.self_norm,
+            lambda h, a=layer.self_attn, i=i: _self_attention(a, h, rope, k_bufs[i], v_bufs[i], col, keys, allowed),
+        )
+        if cross is not None:
+            x = layer._sublayer(
+                x, layer.cross_norm, lambda h, a=layer.cross_attn, i=i: _cross_attention(a, h, cross[i], src_ok)
+            )
+        x = layer._sublayer(x, layer.mlp_norm, layer.mlp)
+    return model.lm_head(model.norm(x))[:, 0]  # (B, V)
+
+
+def _buffers(model, cache: KVCache, rows: int):
+    if cache.rows != rows:
+        raise ValueError(f"decode_one: {rows} tokens for a cache holding {cache.rows} rows")
+    if cache.pos + 1 > cache.max_len:
+        raise ValueError(f"KV cache overflow: {cache.pos} cached + 1 new token > capacity {cache.max_len} (max_len)")
+    k_bufs = [layer.k[:rows] for layer in cache.layers]  # views: writes land in the cache
+    v_bufs = [layer.v[:rows] for layer in cache.layers]
+    cross = None
+    if model.is_encoder_decoder:
+        cross = [cache.cross_kv(i, layer.cross_attn, None) for i, layer in enumerate(model.layers)]
+    return k_bufs, v_bufs, cross
+
+
+@torch.inference_mode()
+def decode_one(
+    model, cache: KVCache, tokens: Tensor, positions: Tensor, key_ok: Tensor | None, src_ok: Tensor | None
+) -> Tensor:
+    """Feed ``tokens (B,)`` at ``positions (B,)`` into the prefilled ``cache`` (advanced by one);
+    returns the next logits ``(B, V)``. ``key_ok (B, 1, 1, Tmax)``: key padding (None: none);
+    ``src_ok (B, 1, 1, S)``: source padding for cross-attention (None: none)."""
+    k_bufs, v_bufs, cross = _buffers(model, cache, tokens.shape[0])
+    col = torch.tensor([cache.pos], device=tokens.device)
+    logits = _step(model, k_bufs, v_bufs, cross, tokens, positions, col, cache.pos + 1, key_ok, src_ok)
+    cache.advance(1)
+    return logits
+
+
+def zero_unwritten(cache: KVCache) -> None:
+    """Zero the cache columns not written yet, so that masked keys beyond the step are finite."""
+    for layer in cache.layers:
+        if layer.k is not None:
+            layer.k[:, :, cache.pos :].zero_()
+            layer.v[:, :, cache.pos :].zero_()
+
+
+def bucket(n: int) -> int:
+    """The shape a compiled step uses for ``n`` columns: the next power of two, at least 64."""
+    return max(64, 1 << (n - 1).bit_length())
+
+
+class CompiledStep:
+    """:func:`decode_one` through ``torch.compile``: inductor on the CPU, CUDA graphs
+    (``mode="reduce-overhead"``) on a GPU. Keys are attended in buckets (see the module's notes),
+    so the graph is recompiled only when the bucket or the batch size changes.
+
+    If the compiler cannot run here, the first call says so once (``notice(message)``, default a
+    warning) and every call runs :func:`decode_one` eagerly; results are the same either way up to
+    rounding. ``ATTNMASK_NO_COMPILE=1`` turns it off. ``backend`` other than ``"inductor"`` (e.g.
+    ``"eager"``: trace only) is for tests.
+    """
+
+    def __init__(self, model, mode: str | None = None, *, backend: str = "inductor", notice=None):
+        self.model, self.backend = model, backend
+        self.notice = notice if notice is not None else (lambda msg: warnings.warn(msg, stacklevel=4))
+        device = next(model.parameters()).device
+        self.mode = mode if mode is not None else ("reduce-overhead" if device.type == "cuda" else "default")
+        self._fn = None
+        self._source = None  # (the cache's first cross keys, src_ok, their padded forms)
+        self.failed: str | None = None
+        if os.environ.get("ATTNMASK_NO_COMPILE", "") not in ("", "0"):
+            self.failed = "disabled by ATTNMASK_NO_COMPILE"
+
+    def _padded_source(self, cross, src_ok):
+        """Cross-attention keys/values and source padding padded with masked zero columns to a
+        bucket of source positions, once per source batch (they do not change while it decodes)."""
+        if self._source is not None and self._source[0] is cross[0][0] and self._source[1] is src_ok:
+            return self._source[2], self._source[3]
+        k0 = cross[0][0]
+        B, S = k0.shape[0], k0.shape[2]
+        S2 = bucket(S)
+        padded = [tuple(F.pad(t, (0, 0, 0, S2 - S)) for t in kv) for kv in cross]  # (B, Hkv, S2, D)
+        ok = torch.ones(B, 1, 1, S, dtype=torch.bool, device=k0.device) if src_ok is None else src_ok
+        ok = F.pad(ok, (0, S2 - S), value=False)  # (B, 1, 1, S2)
+        self._source = (k0, src_ok, padded, ok)
+        return padded, ok
+
+    def _compiled(self):
+        if self._fn is None:
+            mode = self.mode if self.backend == "inductor" else None
+            self._fn = torch.compile(_step, backend=self.backend, mode=mode, dynamic=False, fullgraph=True)
+        return self._fn
+
+    @torch.inference_mode()
+    def __call__(
+        self, cache: KVCache, tokens: Tensor, positions: Tensor, key_ok: Tensor | None, src_ok: Tensor | None
+    ) -> Tensor:
+        if self.failed is not None:
+            return decode_one(self.model, cache, tokens, positions, key_ok, src_ok)
+        k_bufs, v_bufs, cross = _buffers(self.model, cache, tokens.shape[0])
+        col = torch.tensor([cache.pos], device=tokens.device)
+        keys = min(bucket(cache.pos + 1), cache.max_len)
+        # every shape the graph sees is a bucket: the cache's columns, the key padding, the source
+        k_fixed, v_fixed = [k[:, :, :keys] for k in k_bufs], [v[:, :, :keys] for v in v_bufs]
+        key_fixed = None if key_ok is None else key_ok[..., :keys]
+        if cross is not None:
+            cross, src_fixed = self._padded_source(cross, src_ok)
+        else:
+            src_fixed = src_ok
+        try:
+            logits = self._compiled()(
+                self.model, k_fixed, v_fixed, cross, tokens, positions, col, keys, key_fixed, src_fixed, True
+            )
+        except Exception as err:  # no C++ compiler, no triton, an unsupported op: run eagerly
+            root = err
+            while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+                root = inner  # torch wraps the backend's error: say what went wrong
+            lines = str(root).strip().splitlines()
+            self.failed = f"{type(root).__name__}: {lines[0] if lines else ''}"
+            self.notice(f"attnmask: torch.compile unavailable, decoding without it ({self.failed})")
+            logits = _step(self.model, k_bufs, v_bufs, cross, tokens, positions, col, cache.pos + 1, key_ok, src_ok)
+        cache.advance(1)
+        return logits
