@@ -2,6 +2,7 @@
 registers its own: each reproduces one bug class that conformance must catch and name.
 
 - ``wide_window``: the sliding window one key too wide (FlashAttention-2's window off by one);
+- ``narrow_window``: the sliding window one key too narrow;
 - ``pad_leak``: the padding factor dropped from the mask, so left pads leak into real rows;
 - ``pack_leak``: the packed-sequence (block-diagonal) factor dropped: samples see each other;
 - ``topleft_cache``: ``is_causal=True`` whenever queries and keys differ in length, which SDPA
@@ -54,6 +55,12 @@ def _wide_window(mask, Tq, Tk):
     return mask | (older & real_key)
 
 
+def _narrow_window(mask, Tq, Tk):
+    newer = torch.ones_like(mask)
+    newer[..., 1:] = mask[..., :-1]  # key j kept where key j - 1 is allowed too: the window's tail cut off
+    return mask & newer
+
+
 def _pad_leak(mask, Tq, Tk):
     return _causal(Tq, Tk, mask.device).expand_as(mask)  # the padding factor forgotten
 
@@ -73,6 +80,7 @@ def _topleft_cache(module, query, key, value, attention_mask, scaling=None, drop
 
 KERNELS = {
     "wide_window": _kernel(_wide_window),
+    "narrow_window": _kernel(_narrow_window),
     "pad_leak": _kernel(_pad_leak),
     "pack_leak": _kernel(_pack_leak),
     "topleft_cache": _topleft_cache,

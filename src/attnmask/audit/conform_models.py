@@ -132,6 +132,8 @@ def load_model(spec: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.fl
     if spec in MODELS or spec.endswith(".gguf"):
         return _from_gguf(tf, spec, dtype)
     path = Path(spec)
+    if not path.is_dir() and ("/" in spec or "\\" in spec or path.exists()):
+        raise ValueError(f"{spec}: no such checkpoint directory (expected config.json and weights in it)")
     if not path.is_dir():
         raise ValueError(
             f"model {spec!r} is not a tiny config ({', '.join(TINY_CONFIGS)}), a registered GGUF model "
