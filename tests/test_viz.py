@@ -166,3 +166,83 @@ def test_attention_cli_user_errors(tmp_path, capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Size caps: long sequences give bounded pictures (downsampled), not a 24 GiB figure
+# ---------------------------------------------------------------------------------------------
+def png_size(path) -> tuple[int, int]:
+    """(width, height) in pixels, from the PNG header."""
+    data = path.read_bytes()
+    assert data[:8] == PNG
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_long_mask_picture_is_capped(tmp_path):
+    T = 150  # drawn cell by cell before the cap: an 11,000 x 33,000 px figure
+    labels = [f"t{i}" for i in range(T)]
+    causal = masks.causal().to_bool(1, T, T)[0, 0]
+    grids = [("causal", causal), ("window", masks.sliding_window(8).to_bool(1, T, T)[0, 0]), ("all", causal | True)]
+    width, height = png_size(save_mask_png(tmp_path / "m.png", grids, labels))
+    assert max(width, height) <= 6000 and min(width, height) >= 200
+
+
+def test_attention_picture_of_a_long_sequence_is_downsampled_and_capped(tmp_path):
+    T = 300  # > 256 cells per axis: averaged in blocks
+    w = torch.rand(1, 2, T, T).softmax(-1)  # (L, H, T, T)
+    labels = [f"w{i}" for i in range(T)]
+    mask = masks.causal().to_bool(1, T, T)[0, 0]
+    width, height = png_size(save_attention_png(tmp_path / "a.png", list(w), labels, labels, mask=mask))
+    assert max(width, height) <= 6000
+
+
+def test_attention_picture_with_too_many_panels_is_refused(tmp_path):
+    w = torch.rand(40, 40, 3, 3).softmax(-1)  # 40 layers x 40 heads
+    with pytest.raises(ValueError, match="panels do not fit a readable picture"):
+        save_attention_png(tmp_path / "a.png", list(w), list("abc"), list("abc"))
+    assert not (tmp_path / "a.png").exists()
+
+
+def test_dependency_picture_of_a_long_sequence_keeps_leaks_visible(tmp_path):
+    T = 600
+    intended = torch.ones(T, T, dtype=torch.bool).tril()
+    measured = torch.zeros(T, T)
+    measured[5, 590] = 1.0  # one leak, far above the diagonal
+    path = save_dependency_png(tmp_path / "d.png", intended, [("perturbation", measured)], leaks=[(5, 590)])
+    assert max(png_size(path)) <= 6000
+
+
+def test_pooled_max_keeps_a_single_leak():
+    from attnmask.viz import _pooled
+
+    m = torch.zeros(600, 600)
+    m[5, 590] = 1.0
+    pooled, sq, sk = _pooled(m)
+    assert (sq, sk) == (3, 3) and tuple(pooled.shape) == (200, 200)
+    torch.testing.assert_close(pooled[1, 196], torch.tensor(1 / 9, dtype=torch.float64))  # block mean
+    assert int((pooled > 0).sum()) == 1
+
+
+def _columns(line: str) -> int:
+    """Terminal columns of ``line``, counted independently of attnmask.viz."""
+    import unicodedata
+
+    return sum(
+        0 if unicodedata.category(c) in ("Mn", "Me", "Cf") else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+        for c in line
+    )
+
+
+def test_mask_grid_aligns_wide_labels():
+    labels = ["🙂", "日本", "a", "dog"]
+    grid = mask_grid(masks.causal().to_bool(1, 4, 4)[0, 0], labels)
+    lines = grid.splitlines()
+    assert len({_columns(line) for line in lines}) == 1, grid  # every row as wide as the header
+    bar = {_columns(line.split("│")[0]) for line in lines if "│" in line}
+    assert len(bar) == 1, grid  # the separator in one column
+
+
+def test_mask_grid_refuses_a_grid_too_wide_to_read():
+    T = 500
+    with pytest.raises(ValueError, match=r"text grid of \(500, 500\) tokens is too wide to read"):
+        mask_grid(torch.ones(T, T, dtype=torch.bool), [str(i) for i in range(T)])

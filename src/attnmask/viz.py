@@ -6,13 +6,49 @@ cells are ``0`` (may attend) and ``-∞`` (blocked), or ``■`` / ``·`` with ``
 
 from __future__ import annotations
 
+import math
+import unicodedata
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 CELL = {"values": ("0", "-∞"), "symbols": ("■", "·")}
+
+# Size caps. A picture's size follows its token count only up to a point: past it, cells are
+# averaged into blocks (a downsampled heatmap), labels are thinned, and panels shrink, so memory
+# and pixel counts stay bounded whatever the sequence length (300 tokens once asked matplotlib for
+# a 24 GiB figure).
+DPI = 120
+MAX_FIGURE_PX = 6000  # longest side of any picture, in pixels
+MAX_CELLS = 256  # cells drawn per axis of a panel; longer axes are averaged in blocks
+MAX_ANNOTATED = 24  # mask pictures write "0" / "-∞" in each cell up to this many tokens
+MAX_TICK_LABELS = 64  # every token labelled up to this many; beyond, evenly spaced ones
+MAX_TEXT_GRID_TOKENS = 120  # a wider text grid wraps in any terminal and cannot be read
+_MIN_PANEL_IN = 1.6  # a panel smaller than this (inches) is unreadable: refuse instead
+_MAX_PANEL_IN = 9.0
+
+
+def display_width(text: str) -> int:
+    """Terminal columns taken by ``text``: East Asian wide and full-width characters (CJK, most
+    emoji) take two, combining marks and zero-width characters none."""
+    width = 0
+    for ch in text:
+        if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf"):
+            continue
+        width += 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+    return width
+
+
+def _center(text: str, width: int) -> str:
+    gap = max(width - display_width(text), 0)
+    return " " * (gap // 2) + text + " " * (gap - gap // 2)
+
+
+def _rjust(text: str, width: int) -> str:
+    return " " * max(width - display_width(text), 0) + text
 
 
 def _check_grid(allowed: Tensor, q_labels: Sequence[str], k_labels: Sequence[str]) -> None:
@@ -38,18 +74,67 @@ def mask_grid(
     k_labels = list(q_labels if k_labels is None else k_labels)
     q_labels = list(q_labels)
     _check_grid(allowed, q_labels, k_labels)
+    if max(allowed.shape) > MAX_TEXT_GRID_TOKENS:
+        raise ValueError(
+            f"a text grid of {tuple(allowed.shape)} tokens is too wide to read; expected at most "
+            f"{MAX_TEXT_GRID_TOKENS} tokens per side (draw a picture instead)"
+        )
     yes, no = CELL[style]
-    row_w = max([len(s) for s in q_labels] + [0])
-    col_w = max([len(s) for s in k_labels] + [len(yes), len(no)])
+    # columns line up by display width, so emoji and CJK labels do not shift the grid
+    row_w = max([display_width(s) for s in q_labels] + [0])
+    col_w = max([display_width(s) for s in k_labels] + [display_width(yes), display_width(no)])
     lines = []
     if title:
         lines.append(title)
-    lines.append(" " * row_w + " │ " + " ".join(s.center(col_w) for s in k_labels))
+    lines.append(" " * row_w + " │ " + " ".join(_center(s, col_w) for s in k_labels))
     lines.append("─" * row_w + "─┼─" + "─" * ((col_w + 1) * len(k_labels) - 1))
     for label, row in zip(q_labels, allowed.tolist()):
-        cells = " ".join((yes if a else no).center(col_w) for a in row)
-        lines.append(label.rjust(row_w) + " │ " + cells)
+        cells = " ".join(_center(yes if a else no, col_w) for a in row)
+        lines.append(_rjust(label, row_w) + " │ " + cells)
     return "\n".join(lines)
+
+
+def _pooled(matrix: Tensor) -> tuple[Tensor, int, int]:
+    """``matrix (Tq, Tk)`` averaged in blocks so that neither side exceeds :data:`MAX_CELLS`.
+
+    Returns ``(pooled (ceil(Tq/sq), ceil(Tk/sk)) float64, sq, sk)``; a block at the edge averages
+    only the cells it covers. NaN cells (blank) stay out of the averages.
+    """
+    Tq, Tk = matrix.shape
+    sq, sk = max(1, math.ceil(Tq / MAX_CELLS)), max(1, math.ceil(Tk / MAX_CELLS))
+    m = matrix.detach().to(torch.float64).cpu()  # (Tq, Tk)
+    if sq == sk == 1:
+        return m, 1, 1
+    nq, nk = math.ceil(Tq / sq), math.ceil(Tk / sk)
+    padded = torch.full((nq * sq, nk * sk), float("nan"), dtype=torch.float64)
+    padded[:Tq, :Tk] = m
+    blocks = padded.view(nq, sq, nk, sk)  # (nq, sq, nk, sk)
+    return blocks.nanmean(dim=(1, 3)), sq, sk  # (nq, nk)
+
+
+def _ticks(labels: Sequence[str], stride: int) -> tuple[list[float], list[str]]:
+    """Tick positions (in pooled cells) and labels: every token when few, else evenly spaced
+    ones, labelled ``index:token`` so that a reader can find the position."""
+    n = len(labels)
+    if n <= MAX_TICK_LABELS and stride == 1:
+        return list(range(n)), list(labels)
+    step = max(1, math.ceil(n / (MAX_TICK_LABELS // 2)))
+    chosen = range(0, n, step)
+    return [i / stride - 0.5 + 0.5 / stride for i in chosen], [f"{i}:{labels[i]}" for i in chosen]
+
+
+def _panel_inches(tokens: int, per_token: float, margin: float, rows: int, cols: int) -> float:
+    """Side of a square-ish panel: grows with the tokens up to a cap, then shrinks so that
+    ``rows x cols`` panels fit :data:`MAX_FIGURE_PX`; refuses when they cannot fit readably."""
+    side = min(max(per_token * min(tokens, MAX_CELLS) + margin, _MIN_PANEL_IN), _MAX_PANEL_IN)
+    fit = (MAX_FIGURE_PX / DPI - 1.5) / max(rows, cols)
+    if fit < _MIN_PANEL_IN:
+        most = int((MAX_FIGURE_PX / DPI - 1.5) // _MIN_PANEL_IN)
+        raise ValueError(
+            f"{rows} x {cols} panels do not fit a readable picture of at most {MAX_FIGURE_PX} px a side; "
+            f"expected at most {most} panels per row and column (draw fewer heads or layers)"
+        )
+    return min(side, fit)
 
 
 def save_mask_png(
@@ -58,35 +143,44 @@ def save_mask_png(
     q_labels: Sequence[str],
     k_labels: Sequence[str] | None = None,
 ) -> Path:
-    """Draw one or more named bool ``(Tq, Tk)`` masks side by side as labelled grids (PNG)."""
-    from matplotlib.colors import ListedColormap
+    """Draw one or more named bool ``(Tq, Tk)`` masks side by side as labelled grids (PNG).
+
+    Up to :data:`MAX_ANNOTATED` tokens each cell is written ``0`` / ``-∞``; longer sequences are
+    drawn as an image (averaged in blocks past :data:`MAX_CELLS` tokens: the shade is the share of
+    allowed pairs) with evenly spaced labels. The picture stays within :data:`MAX_FIGURE_PX`.
+
+    Raises:
+        ValueError: a grid does not match the labels, or there are too many grids to fit.
+    """
+    from matplotlib.colors import LinearSegmentedColormap
     from matplotlib.figure import Figure
 
+    if not grids:
+        raise ValueError("no masks to draw; expected one or more (name, (Tq, Tk) mask) pairs")
     k_labels = list(q_labels if k_labels is None else k_labels)
+    q_labels = list(q_labels)
     for _, g in grids:
         _check_grid(g, q_labels, k_labels)
     n = len(grids)
     Tq, Tk = grids[0][1].shape
-    size = max(2.5, 0.6 * max(Tq, Tk) + 1.5)
+    size = _panel_inches(max(Tq, Tk), 0.6, 1.5, 1, n)
     fig = Figure(figsize=(size * n, size))
     axes = fig.subplots(1, n, squeeze=False)
-    cmap = ListedColormap(["#d9d9d9", "#2b6cb0"])  # blocked, allowed
+    cmap = LinearSegmentedColormap.from_list("mask", ["#d9d9d9", "#2b6cb0"])  # blocked .. allowed
+    annotate = max(Tq, Tk) <= MAX_ANNOTATED
     for ax, (name, g) in zip(axes[0], grids):
-        ax.imshow(g.int().numpy(), cmap=cmap, vmin=0, vmax=1)
-        for i in range(Tq):
-            for j in range(Tk):
-                ok = bool(g[i, j])
-                ax.text(j, i, "0" if ok else "-∞", ha="center", va="center", color="white" if ok else "#555555")
-        ax.set_xticks(range(Tk), k_labels, rotation=45, ha="right")
-        ax.set_yticks(range(Tq), list(q_labels))
+        shown, sq, sk = _pooled(g)
+        ax.imshow(shown.numpy(), cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
+        if annotate:
+            for i, row in enumerate(g.tolist()):
+                for j, ok in enumerate(row):
+                    ax.text(j, i, "0" if ok else "-∞", ha="center", va="center", color="white" if ok else "#555555")
+        _label_axes(ax, q_labels, k_labels, sq, sk, fontsize=None if annotate else 6, rotation=45)
         ax.set_xlabel("key (attend to)")
         ax.set_ylabel("query (from)")
-        ax.set_title(name)
+        ax.set_title(name if sq == sk == 1 else f"{name}\n(blocks of {sq}x{sk}: shade = share allowed)")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,7 +199,7 @@ def save_dependency_png(
     Measured values are drawn on a log scale (exact zeros blank); cells in ``leaks`` — pairs
     ``(i, j)`` the intended mask blocks but the model depends on — are outlined in red.
     """
-    from matplotlib.colors import ListedColormap, LogNorm
+    from matplotlib.colors import LinearSegmentedColormap, ListedColormap, LogNorm
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
@@ -117,14 +211,19 @@ def save_dependency_png(
             raise ValueError(f"measured matrix {name!r} has shape {tuple(m.shape)}, expected ({T}, {T})")
     labels = [str(i) for i in range(T)]
     n = 1 + len(measured)
-    size = max(3.0, 0.35 * T + 2.0)
+    size = max(3.0, _panel_inches(T, 0.35, 2.0, 1, n + 1))
     fig = Figure(figsize=(size * n + 0.8 * len(measured), size))
     axes = fig.subplots(1, n, squeeze=False)
     ax = axes[0][0]
-    ax.imshow(intended.int().numpy(), cmap=ListedColormap(["#d9d9d9", "#2b6cb0"]), vmin=0, vmax=1)
+    shown, stride, _ = _pooled(intended)
+    cmap = LinearSegmentedColormap.from_list("mask", ["#d9d9d9", "#2b6cb0"])
+    ax.imshow(shown.numpy(), cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
     ax.set_title("intended mask (blue = may depend)")
     for ax, (name, m) in zip(axes[0][1:], measured):
-        values = m.detach().double().cpu().numpy()
+        m = m.detach().double().cpu()
+        if stride > 1:  # the largest value of each block: a leak must not average away
+            m = torch.nn.functional.max_pool2d(m[None, None], stride, ceil_mode=True)[0, 0]
+        values = m.numpy()
         positive = values[values > 0]
         if positive.size:
             norm = LogNorm(vmin=max(positive.min(), positive.max() * 1e-8), vmax=positive.max())
@@ -136,14 +235,13 @@ def save_dependency_png(
             ax.imshow(values * 0, cmap=ListedColormap(["white"]))
         for i, j in leaks:
             if j is not None:
-                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5))
-        ax.set_title(name)
+                cell = (j // stride - 0.5, i // stride - 0.5)
+                ax.add_patch(Rectangle(cell, 1, 1, fill=False, edgecolor="red", linewidth=1.5))
+        ax.set_title(name if stride == 1 else f"{name} (max over {stride}x{stride} blocks)")
     for ax in axes[0]:
-        ax.set_xticks(range(T), labels)
-        ax.set_yticks(range(T), labels)
+        _label_axes(ax, labels, labels, stride, stride, fontsize=7, rotation=0)
         ax.set_xlabel("input token j")
         ax.set_ylabel("output position i")
-        ax.tick_params(labelsize=7)
     if title:
         fig.suptitle(title + (f" — {len(leaks)} leaking pairs outlined in red" if leaks else ""))
     fig.tight_layout()
@@ -151,6 +249,9 @@ def save_dependency_png(
 
 
 def _save(fig, path: str | Path) -> Path:
+    width, height = (float(x) * DPI for x in fig.get_size_inches())
+    if max(width, height) > MAX_FIGURE_PX:  # the layouts above keep within; this guards any other
+        raise ValueError(f"picture would be {width:.0f} x {height:.0f} px; expected at most {MAX_FIGURE_PX} px a side")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -213,7 +314,7 @@ def save_attention_png(
 
     ``weights`` holds one ``(H, Tq, Tk)`` tensor per layer (weights of one sequence).
     """
-    from matplotlib.colors import ListedColormap
+    from matplotlib.colors import LinearSegmentedColormap
     from matplotlib.figure import Figure
 
     if not weights:
@@ -231,8 +332,12 @@ def save_attention_png(
     H = min(H, max_heads) if max_heads else H
     cols = H + (1 if mask is not None else 0)
     Tq, Tk = len(q_labels), len(k_labels)
-    # panel size follows the token counts, so labels stay readable and cells stay square
-    width, height = 0.22 * Tk + 0.9, 0.22 * Tq + 0.9
+    # panel size follows the token counts (so labels stay readable and cells square) up to a cap;
+    # past MAX_CELLS tokens the weights are averaged in blocks
+    side = _panel_inches(max(Tq, Tk), 0.22, 0.9, L, cols)  # the longer axis; the other in proportion
+    longest = min(max(Tq, Tk, 1), MAX_CELLS)
+    width = max(side * min(Tk, MAX_CELLS) / longest, _MIN_PANEL_IN)
+    height = max(side * min(Tq, MAX_CELLS) / longest, _MIN_PANEL_IN)
     fig = Figure(figsize=(width * cols + 1.2, height * L + 0.5), layout="constrained")
     axes = fig.subplots(L, cols, squeeze=False)
     # one colour scale for the whole figure, so heads compare; weights are in [0, 1]
@@ -241,15 +346,19 @@ def save_attention_png(
     for layer, w in enumerate(weights):
         for h in range(H):
             ax = axes[layer][h]
-            img = ax.imshow(w[h].detach().float().cpu().numpy(), cmap="Blues", vmin=0.0, vmax=vmax)
-            ax.set_title(f"layer {layer} head {h}", fontsize=8)
-            _label_axes(ax, q_labels, k_labels)
+            shown, sq, sk = _pooled(w[h])
+            img = ax.imshow(shown.numpy(), cmap="Blues", vmin=0.0, vmax=vmax, interpolation="nearest")
+            pooled = "" if sq == sk == 1 else f" (mean of {sq}x{sk})"
+            ax.set_title(f"layer {layer} head {h}{pooled}", fontsize=8)
+            _label_axes(ax, q_labels, k_labels, sq, sk)
         if mask is not None:
             ax = axes[layer][H]
             if layer == 0:
-                ax.imshow(mask.int().cpu().numpy(), cmap=ListedColormap(["#d9d9d9", "#2b6cb0"]), vmin=0, vmax=1)
+                shown, sq, sk = _pooled(mask)
+                cmap = LinearSegmentedColormap.from_list("mask", ["#d9d9d9", "#2b6cb0"])
+                ax.imshow(shown.numpy(), cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
                 ax.set_title("mask (blue = may attend)", fontsize=8)
-                _label_axes(ax, q_labels, k_labels)
+                _label_axes(ax, q_labels, k_labels, sq, sk)
             else:
                 ax.axis("off")
     if title:
@@ -258,6 +367,18 @@ def save_attention_png(
     return _save(fig, path)
 
 
-def _label_axes(ax, q_labels: Sequence[str], k_labels: Sequence[str]) -> None:
-    ax.set_xticks(range(len(k_labels)), k_labels, rotation=90, fontsize=6)
-    ax.set_yticks(range(len(q_labels)), q_labels, fontsize=6)
+def _label_axes(
+    ax,
+    q_labels: Sequence[str],
+    k_labels: Sequence[str],
+    sq: int = 1,
+    sk: int = 1,
+    *,
+    fontsize: float | None = 6,
+    rotation: float = 90,
+) -> None:
+    """Token labels on a panel whose cells are blocks of ``sq x sk`` tokens."""
+    xs, xl = _ticks(k_labels, sk)
+    ys, yl = _ticks(q_labels, sq)
+    ax.set_xticks(xs, xl, rotation=rotation, fontsize=fontsize, ha="right" if rotation not in (0, 90) else "center")
+    ax.set_yticks(ys, yl, fontsize=fontsize)

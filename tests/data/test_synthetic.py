@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import re
 
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from attnmask.data.synthetic import (
     DATE_TEMPLATES,
+    EVERYDAY_DATES,
     SPLITS,
     TWO_DIGIT_YEAR_WINDOW,
     format_date,
@@ -78,7 +80,7 @@ def test_weekdays_are_correct(train_pairs):
 
 # Independent parsers for some formats (strptime is case-insensitive for names).
 STRPTIME_FORMATS = [
-    "%d %B %Y", "%B %d, %Y", "%b %d, %Y", "%m/%d/%Y", "%d.%m.%Y", "%Y-%m-%d", "%Y/%m/%d",
+    "%d %B %Y", "%B %d, %Y", "%b %d, %Y", "%d/%m/%Y", "%d.%m.%Y", "%d-%m-%Y", "%Y-%m-%d", "%Y/%m/%d",
     "%Y%m%d", "%d-%b-%Y", "%A, %B %d, %Y", "%a, %d %b %Y", "%a %b %d %Y", "%A %d %B %Y", "%d %b %Y",
 ]  # fmt: skip
 
@@ -176,3 +178,52 @@ def test_registry():
     assert target == "2026-11-22" and "November" in source
     with pytest.raises(ValueError, match=r"unknown task 'nope'; expected one of \['dates'\]"):
         get_task("nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers-only dates are day first; the forms people type are covered and held out
+# ---------------------------------------------------------------------------------------------
+def test_numeric_dates_are_day_first():
+    day = datetime.date(2000, 2, 1)  # 1 February 2000
+    numeric = {format_date(day, t) for t in DATE_TEMPLATES} & {
+        s for s in (format_date(day, t) for t in DATE_TEMPLATES) if re.fullmatch(r"[\d/.\-']+", s)
+    }
+    assert {"1/2/2000", "01/02/2000", "1.2.2000", "1-2-2000", "2000-02-01", "2000-2-1", "20000201"} <= numeric
+    assert "2/1/2000" not in numeric and "02/01/2000" not in numeric  # never month first
+
+
+def test_no_source_means_two_dates():
+    """Over all templates and 2,000 dates, a source string always maps to one date."""
+    seen: dict[str, str] = {}
+    rng = __import__("random").Random(0)
+    first, last = datetime.date(1950, 1, 1).toordinal(), datetime.date(2049, 12, 31).toordinal()
+    for _ in range(2000):
+        date = datetime.date.fromordinal(rng.randint(first, last))
+        for template in DATE_TEMPLATES:
+            source = format_date(date, template).casefold()
+            assert seen.setdefault(source, date.isoformat()) == date.isoformat(), source
+
+
+def test_single_digit_days_are_well_represented(train_pairs):
+    single = sum(datetime.date.fromisoformat(t).day <= 9 for _, t in train_pairs) / len(train_pairs)
+    assert 0.42 < single < 0.58, single  # 1/3 forced + 2/3 x 9/31 from the calendar: ~0.53
+
+
+def test_everyday_forms_are_producible_and_never_trained_on():
+    producible = set()
+    for date_iso in {iso for _, iso in EVERYDAY_DATES}:
+        date = datetime.date.fromisoformat(date_iso)
+        for template in DATE_TEMPLATES:
+            for case in ("as is", "lower", "upper"):
+                with contextlib.suppress(ValueError):  # a two-digit year outside the window
+                    producible.add((format_date(date, template, case), date_iso))
+    assert len(EVERYDAY_DATES) == 50 and len({s for s, _ in EVERYDAY_DATES}) == 50
+    assert set(EVERYDAY_DATES) <= producible, set(EVERYDAY_DATES) - producible
+    # drawn from a few years, so that they would come up in training, they still never do
+    everyday = {s.casefold() for s, _ in EVERYDAY_DATES}
+    train = make_date_pairs(20000, seed=0, split="train", min_year=1999, max_year=2002)
+    assert not everyday & {s.casefold() for s, _ in train}
+    # the other splits may hold them: held out of training is what matters
+    assert any(
+        s.casefold() in everyday for s, _ in make_date_pairs(5000, seed=0, split="test", min_year=1999, max_year=2002)
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import warnings
 
 import pytest
 import torch
@@ -122,8 +123,28 @@ def test_chars_one_token_per_character(chars):
 def test_chars_round_trip_and_unknown(chars):
     for text in CORPUS:
         assert chars.decode(chars.encode(text)) == text
-    assert chars.encode("aQa") == [chars.encode("a")[0], UNK_ID, chars.encode("a")[0]]
-    assert chars.decode(chars.encode("aQa")) == "aa"
+    with pytest.warns(UserWarning, match="outside the tokenizer's vocabulary"):
+        assert chars.encode("aQa") == [chars.encode("a")[0], UNK_ID, chars.encode("a")[0]]
+    with pytest.warns(UserWarning):
+        assert chars.decode(chars.encode("aQa")) == "aa"
+
+
+def test_unknown_characters_warn_once_per_call_naming_them():
+    dates = Tokenizer.train_chars(["22 Nov 2026", "1 Feb 2000"])
+    with pytest.warns(UserWarning) as caught:
+        ids = dates.encode("🙂 22 Nov 2026 日本")
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "3 character(s)" in message and "'🙂', '日', '本'" in message, message
+    assert ids.count(UNK_ID) == 3
+    with pytest.warns(UserWarning) as caught:
+        dates.encode_batch(["🙂 1 Feb", "2000 🙂", "x"])  # one warning for the whole batch
+    assert len(caught) == 1 and "3 character(s)" in str(caught[0].message) and "'🙂', 'x'" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # text the vocabulary covers: silent
+        dates.encode("1 Feb 2026")
+        dates.encode_batch(["22 Nov 2000", ""])
+        Tokenizer.train_bpe(["some text"], vocab_size=300).encode("🙂 日本")  # byte-level: nothing unknown
 
 
 @settings(max_examples=100, deadline=None)

@@ -14,7 +14,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from attnmask.cli.common import check_args
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
+
+DEFAULT_OUT = "attention"
 
 
 def add_parser(sub) -> None:
@@ -28,7 +31,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("sentence", help="the source sentence (translation) or the prompt (language model)")
     p.add_argument("--run", required=True, metavar="DIR", help="a run directory written by `attnmask train`")
-    p.add_argument("--out", default="attention", metavar="DIR", help="where the PNG files go")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="where the PNG files go (default: attention/ in the current directory)",
+    )
     p.add_argument(
         "--max-new-tokens",
         type=int,
@@ -80,6 +88,11 @@ def run(args) -> int:
     from attnmask.train.rundir import load_run
     from attnmask.viz import record_attention, save_attention_png
 
+    check_args(args)
+    args.out_given = args.out is not None
+    args.out = args.out if args.out_given else DEFAULT_OUT
+    if args.max_heads is not None and args.max_heads < 1:
+        raise ValueError(f"--max-heads must be >= 1, got {args.max_heads}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     loaded = load_run(args.run)
@@ -125,6 +138,11 @@ def run(args) -> int:
             ("cross", "cross-attention (decoder queries, encoder keys)", rec["cross"], dec_labels, src_labels, smask),
         ]
     out_dir = Path(args.out)
+    # said before writing: the default --out is a folder in the current directory
+    print(
+        f"writing {len(figures)} picture(s) to {out_dir.resolve()}"
+        + ("" if args.out_given else " (set with --out DIR)")
+    )
     for name, title, weights, q_labels, k_labels, mask in figures:
         grid = _grid(mask, 1, len(q_labels), len(k_labels))
         path = save_attention_png(

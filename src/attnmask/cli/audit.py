@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from attnmask.cli.common import check_args
+
 HF_PRESETS = ("gpt2", "llama")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -135,6 +137,8 @@ def build_subject(args):
 
 def run(args) -> int:
     from attnmask.audit import audit
+
+    check_args(args)
 
     report = audit(
         build_subject(args),

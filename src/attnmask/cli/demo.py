@@ -21,15 +21,19 @@ from attnmask.train import rundir
 DEFAULT_OUT = "runs/demo"
 TEST_SIZE = 1000  # held-out pairs scored at the end
 SHOW = 8  # held-out examples printed
+# everyday forms always printed (the rest of EVERYDAY_DATES is scored, and printed when wrong)
+EVERYDAY_SHOWN = ("1 Feb 2000", "2 Feb 2002", "1/2/2000", "Feb 2 2002", "25/12/2020", "2024-2-29", "1st January 2000")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="train a Transformer to read dates (about 3 minutes on 2 CPU cores), then show what it learned",
+        help="train a Transformer to read dates (about 2 minutes on 2 CPU cores), then show what it learned",
         description="The built-in main job: generate a dates -> ISO 8601 translation task, train a small "
-        "encoder-decoder Transformer on it, score held-out examples (exact match), print a few translations and "
-        "the attention masks of one example, and draw the loss curve. Nothing is downloaded.",
+        "encoder-decoder Transformer on it, score held-out examples (exact match) and 50 everyday forms, print a "
+        "few translations and the attention masks of one example, and draw the loss curve. Dates written in "
+        "numbers only are read day first, as in most of the world: 1/2/2000 is 1 February 2000 (2000-02-01); "
+        "with the four-digit year first, year-month-day. Nothing is downloaded.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="run directory (a previous demo run is replaced)")
@@ -116,7 +120,7 @@ def _show_masks(loaded, src_text: str, tgt_text: str, longer_src: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from attnmask.data.synthetic import get_task
+    from attnmask.data.synthetic import EVERYDAY_DATES, get_task
     from attnmask.train import train
     from attnmask.train.evaluate import translate_ids
 
@@ -127,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     example_src, example_tgt = task.example
     print("attnmask demo: teach a Transformer to read dates")
     print(f'  task   {task.description}\n         e.g. "{example_src}" -> "{example_tgt}"')
+    print('         numbers are read day first: "1/2/2000" -> "2000-02-01" (1 February)')
     print(f"  data   {cfg.train_size:,} generated training pairs, {cfg.valid_size:,} validation, "
           f"{TEST_SIZE if not args.quick else 100:,} held-out test (sources never seen in training)")  # fmt: skip
     started = time.perf_counter()
@@ -139,22 +144,32 @@ def run(args: argparse.Namespace) -> int:
     loaded = rundir.load_run(out, device=device)
     n_test = 100 if args.quick else TEST_SIZE
     pairs = task.make_pairs(n_test, seed=cfg.seed, split="test")
-    src_ids = loaded.src_tokenizer.encode_batch([s for s, _ in pairs])
+    everyday = list(EVERYDAY_DATES)
+    src_ids = loaded.src_tokenizer.encode_batch([s for s, _ in pairs] + [s for s, _ in everyday])
     with torch.no_grad():
         hyp_ids = translate_ids(loaded.model, src_ids, loaded.tokenizer, loaded.src_tokenizer,
                                 device=torch.device(device), batch_size=250)  # fmt: skip
     hyps = loaded.tokenizer.decode_batch(hyp_ids)
+    hyps, everyday_hyps = hyps[: len(pairs)], hyps[len(pairs) :]
     right = [h == t for h, (_, t) in zip(hyps, pairs)]
     exact = sum(right) / len(right)
+    everyday_right = [h == t for h, (_, t) in zip(everyday_hyps, everyday)]
+    scores = [("test", exact, len(pairs)), ("everyday", sum(everyday_right) / len(everyday), len(everyday))]
     with open(out / rundir.METRICS, "a", encoding="utf-8") as f:
-        f.write(
-            json.dumps({"step": result.step, "split": "test", "exact_match": exact, "sentences": len(pairs)}) + "\n"
-        )
+        for split, score, n in scores:
+            f.write(json.dumps({"step": result.step, "split": split, "exact_match": score, "sentences": n}) + "\n")
 
     print(f"\ntrained {result.step} steps in {minutes}m{seconds:02d}s; held-out test exact match: "
-          f"{exact:.1%} ({sum(right)}/{len(right)})\n")  # fmt: skip
-    width = max(len(s) for s, _ in pairs[:SHOW]) + 2
-    for (src, tgt), hyp, ok in zip(pairs[:SHOW], hyps, right):
+          f"{exact:.1%} ({sum(right)}/{len(right)})")  # fmt: skip
+    print(f"everyday forms (never trained on): {sum(everyday_right)}/{len(everyday)} right\n")
+    shown = list(zip(pairs[:SHOW], hyps, right))
+    shown += [
+        (p, h, ok) for p, h, ok in zip(everyday, everyday_hyps, everyday_right) if p[0] in EVERYDAY_SHOWN or not ok
+    ]
+    width = max(len(s) for (s, _), _, _ in shown) + 2
+    for i, ((src, tgt), hyp, ok) in enumerate(shown):
+        if i == SHOW:
+            print("  everyday forms:")
         mark = "✓" if ok else "✗"
         extra = "" if ok else f"   (expected {tgt})"
         print(f"  {mark} {('“' + src + '”').ljust(width)} → {hyp}{extra}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import sacrebleu
 
+from attnmask.cli.common import check_args
 from attnmask.cli.translate import check_options, load_translation_run, translate_lines
 from attnmask.data import read_lines
 
@@ -34,6 +35,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    check_args(args)
     check_options(args)
     src = read_lines(args.src)
     ref = read_lines(args.ref)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from attnmask.cli.common import check_args
 from attnmask.decode import generate
 
 
@@ -53,6 +54,7 @@ def _load_pretrained(name: str, quantized: bool = False):
 
 
 def run(args) -> int:
+    check_args(args)  # --device and --run, before anything loads
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.text is not None and args.prompt is not None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
 from attnmask import masks
-from attnmask.viz import mask_grid, save_mask_png
+from attnmask.viz import MAX_TEXT_GRID_TOKENS, mask_grid, save_mask_png
 
 KINDS = ("causal", "padding", "window", "prefix", "document", "bidirectional")
 DEFAULT_SENTENCE = "Good morning <PAD>"
+MAX_TOKENS = 4096  # a (B, T, T) bool mask per kind is built; beyond this it would not fit in memory
 
 
 def add_parser(sub) -> None:
@@ -34,7 +36,12 @@ def add_parser(sub) -> None:
     p.add_argument("--sep", default="<SEP>", help="segment separator token for --kind document")
     p.add_argument("--left-pad", action="store_true", help="pad shorter sentences on the left")
     p.add_argument("--style", choices=("values", "symbols"), default="values", help="0/-∞ or ■/·")
-    p.add_argument("--png", metavar="FILE", help="also write the grids as a picture")
+    p.add_argument(
+        "--png",
+        metavar="FILE",
+        help="also write the grids as a picture (several sentences: FILE_1.png, FILE_2.png, ...); "
+        f"needed past {MAX_TEXT_GRID_TOKENS} tokens, where a text grid is too wide to read",
+    )
     p.set_defaults(func=run)
 
 
@@ -64,12 +71,39 @@ def _build(kind: str, toks: list[list[str]], args) -> tuple[str, masks.Mask]:
     return "bidirectional", masks.from_predicate(lambda b, h, q, kv: torch.ones((), dtype=torch.bool))
 
 
+def _check(kinds: list[str], toks: list[list[str]], args) -> None:
+    """Options that would silently draw something else than asked."""
+    T = max(len(r) for r in toks)
+    if T > MAX_TOKENS:
+        raise ValueError(f"a sentence has {T} tokens; expected at most {MAX_TOKENS}")
+    if T > MAX_TEXT_GRID_TOKENS and not args.png:
+        raise ValueError(
+            f"a sentence has {T} tokens, too many for a text grid (at most {MAX_TEXT_GRID_TOKENS}); "
+            "add --png FILE for a picture"
+        )
+    if "window" in kinds and args.window < 1:
+        raise ValueError(f"--window must be >= 1, got {args.window}")
+    if "prefix" in kinds and not 0 <= args.prefix <= T:
+        raise ValueError(f"--prefix {args.prefix} does not fit a sentence of {T} tokens; expected 0 <= prefix <= {T}")
+    if "document" in kinds and not any(args.sep in row for row in toks):
+        raise ValueError(
+            f"--kind document: no sentence holds the separator {args.sep!r}; expected documents separated by it "
+            "(e.g. 'a b <SEP> c d'; set it with --sep)"
+        )
+
+
+def _png_path(png: str, b: int, batch: int) -> Path:
+    path = Path(png)
+    return path if batch == 1 else path.with_name(f"{path.stem}_{b + 1}{path.suffix or '.png'}")
+
+
 def run(args) -> int:
     kinds = _parse_kinds(args.kind)
     sentences = args.sentences or [DEFAULT_SENTENCE]
     toks = [s.split() for s in sentences]
     if any(not row for row in toks):
         raise ValueError("a sentence is empty; expected at least one whitespace-separated token")
+    _check(kinds, toks, args)
     T = max(len(r) for r in toks)
     toks = [([args.pad] * (T - len(r)) + r) if args.left_pad else (r + [args.pad] * (T - len(r))) for r in toks]
     built = [_build(k, toks, args) for k in kinds]
@@ -83,11 +117,13 @@ def run(args) -> int:
             grids.append(("combined M_total", combined.to_bool(B, T, T)[b, 0]))
         if B > 1:
             print(f"== sentence {b + 1}: {' '.join(row)}")
-        for name, g in grids:
-            print(mask_grid(g, row, style=args.style, title=name))
-            print()
+        if T <= MAX_TEXT_GRID_TOKENS:
+            for name, g in grids:
+                print(mask_grid(g, row, style=args.style, title=name))
+                print()
+        else:
+            print(f"{T} tokens: no text grid (at most {MAX_TEXT_GRID_TOKENS}); see the picture")
         if args.png:
-            path = args.png if B == 1 else args.png.replace(".png", f"_{b + 1}.png")
-            save_mask_png(path, grids, row)
+            path = save_mask_png(_png_path(args.png, b, B), grids, row)
             print(f"wrote {path}")
     return 0

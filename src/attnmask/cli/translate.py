@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from attnmask.cli.common import check_args
 from attnmask.decode import translate
 
 
@@ -83,6 +84,7 @@ def translate_lines(run, lines: list[str], args) -> list[str]:
 
 
 def run(args) -> int:
+    check_args(args)  # --device and --run, before anything loads
     check_options(args)
     lines = read_sentences(args.sentences, args.input)
     model_run = load_translation_run(args.run, args.device)

@@ -6,9 +6,18 @@ source is assigned to a split by a hash of its text, so a split is a fixed subse
 sources the task can produce.
 
 The ``dates`` task: a calendar date written in one of many human formats (month and weekday
-names, abbreviations, ordinals in digits or words, US ``M/D/Y`` with slashes, European ``D.M.Y``
-with dots, two-digit years, lower/upper case) → the ISO 8601 date, e.g.
+names, abbreviations, ordinals in digits or words, numbers with slashes, dots or dashes, with or
+without leading zeros, two-digit years, lower/upper case) → the ISO 8601 date, e.g.
 ``"Sunday, the 22nd of November 2026"`` → ``"2026-11-22"``.
+
+Numeric dates are read **day first** (:data:`NUMERIC_ORDER`), as in most of the world:
+``1/2/2000`` is 1 February 2000, whatever the separator (``1/2/2000``, ``1.2.2000``,
+``1-2-2000``); a four-digit year written first means year-month-day (``2000-02-01``,
+``2000/2/1``). Month-first numbers (the US ``M/D/Y``) are never generated, so every source has
+exactly one correct target. Days 1-9 are drawn more often than the calendar would (a third of the
+examples), since single-digit days are what people type most and what a model confuses most
+(``1 Feb 2000`` read as the 11th). :data:`EVERYDAY_DATES` lists 50 forms people type; they are
+never part of the training split.
 """
 
 from __future__ import annotations
@@ -39,21 +48,28 @@ _ORDINAL_WORDS = (
     "seventeenth", "eighteenth", "nineteenth", "twentieth",
 )  # fmt: skip
 
+NUMERIC_ORDER = "day-month-year"  # how numbers-only dates are read: 1/2/2000 = 1 February 2000
+
 # Field names usable in templates: {Y4} 2026, {Y2} 26, {M} 11, {MM} 11, {Month} November,
 # {Mon} Nov, {MonDot} Nov. (May stays May), {D} 2, {DD} 02, {Dth} 2nd, {Dwords} second,
 # {Wkday} Sunday, {Wk} Sun.
-# Order of numeric fields is fixed per separator (slash: M/D/Y, dot: D.M.Y, dash/none: Y-M-D, or a
-# month name), so no source string can be read as two different dates.
+# Numbers-only dates are day first (D/M/Y, D.M.Y, D-M-Y) or, with the four-digit year first,
+# year-month-day; so no source string can be read as two different dates.
 DATE_TEMPLATES = (
     "{D} {Month} {Y4}",
     "{DD} {Month} {Y4}",
+    "{D} {Month}, {Y4}",
     "{D} {Mon} {Y4}",
+    "{D} {MonDot} {Y4}",
     "{Dth} {Month} {Y4}",
+    "{Dth} {Mon} {Y4}",
     "{Dth} of {Month} {Y4}",
     "the {Dth} of {Month}, {Y4}",
     "{Month} {D}, {Y4}",
+    "{Month} {D} {Y4}",
     "{Month} {Dth}, {Y4}",
     "{Mon} {D}, {Y4}",
+    "{Mon} {D} {Y4}",
     "{MonDot} {D}, {Y4}",
     "{Mon} {D} '{Y2}",
     "{Month} {Dwords}, {Y4}",
@@ -62,21 +78,51 @@ DATE_TEMPLATES = (
     "{Wkday}, the {Dwords} of {Month}, {Y4}",
     "{Wkday}, {Month} {D}, {Y4}",
     "{Wkday} {D} {Month} {Y4}",
+    "{Wkday}, {D} {Month} {Y4}",
     "{Wk}, {D} {Mon} {Y4}",
     "{Wk} {Mon} {D} {Y4}",
-    "{Wk}, {MM}/{DD}/{Y2}",
-    "{MM}/{DD}/{Y4}",
-    "{M}/{D}/{Y4}",
-    "{M}/{D}/{Y2}",
+    "{Wk}, {DD}/{MM}/{Y2}",
+    "{DD}/{MM}/{Y4}",
+    "{D}/{M}/{Y4}",
+    "{D}/{M}/{Y2}",
+    "{DD}/{MM}/{Y2}",
     "{DD}.{MM}.{Y4}",
     "{D}.{M}.{Y4}",
     "{DD}.{MM}.{Y2}",
+    "{D}-{M}-{Y4}",
+    "{DD}-{MM}-{Y4}",
     "{D}-{Mon}-{Y4}",
     "{DD}-{Mon}-{Y2}",
     "{Y4}-{MM}-{DD}",
+    "{Y4}-{M}-{D}",
     "{Y4}/{MM}/{DD}",
+    "{Y4}/{M}/{D}",
     "{Y4}{MM}{DD}",
 )
+SINGLE_DIGIT_DAY_SHARE = 1 / 3  # share of examples whose day is 1-9 (the calendar gives 9/31)
+
+# Forms people type, with the date each means (day first where numbers only). Held out of the
+# training split; the demo reports how many its model gets right and prints a handful.
+EVERYDAY_DATES = (
+    ("1 Feb 2000", "2000-02-01"), ("2 Feb 2002", "2002-02-02"), ("1 Jan 2000", "2000-01-01"),
+    ("1/2/2000", "2000-02-01"), ("3/4/2021", "2021-04-03"), ("12/11/2019", "2019-11-12"),
+    ("25/12/2020", "2020-12-25"), ("01/02/2003", "2003-02-01"), ("1.2.2000", "2000-02-01"),
+    ("7.7.2007", "2007-07-07"), ("1-1-2001", "2001-01-01"), ("2000-01-01", "2000-01-01"),
+    ("2024-2-29", "2024-02-29"), ("2 February 2002", "2002-02-02"), ("February 2, 2002", "2002-02-02"),
+    ("Feb 2, 2002", "2002-02-02"), ("Feb 2 2002", "2002-02-02"), ("feb 2 2002", "2002-02-02"),
+    ("1st January 2000", "2000-01-01"), ("the 1st of May, 2021", "2021-05-01"), ("May 1, 2021", "2021-05-01"),
+    ("9 Sep 1999", "1999-09-09"), ("31 Dec 1999", "1999-12-31"), ("1 January 2001", "2001-01-01"),
+    ("4 July 1976", "1976-07-04"), ("July 4, 1976", "1976-07-04"), ("11 Nov 1918", "1918-11-11"),
+    ("5/11/1955", "1955-11-05"), ("23 Oct 2023", "2023-10-23"), ("10 Oct 2010", "2010-10-10"),
+    ("20200101", "2020-01-01"), ("Monday, 1 January 2024", "2024-01-01"), ("Mon, 1 Jan 2024", "2024-01-01"),
+    ("3-Mar-2003", "2003-03-03"), ("1/2/00", "2000-02-01"), ("Jan 1 '99", "1999-01-01"),
+    ("6 jun 2006", "2006-06-06"), ("DEC 25, 2025", "2025-12-25"), ("8 August 2008", "2008-08-08"),
+    ("29 Feb 2024", "2024-02-29"), ("12th March 2012", "2012-03-12"), ("March 3rd, 2003", "2003-03-03"),
+    ("the twenty-second of November 2026", "2026-11-22"), ("22 Nov 2026", "2026-11-22"),
+    ("22/11/2026", "2026-11-22"), ("Nov 22, 2026", "2026-11-22"), ("5 May 2005", "2005-05-05"),
+    ("2 Jan 1900", "1900-01-02"), ("31/12/2099", "2099-12-31"), ("1 Sep. 2001", "2001-09-01"),
+)  # fmt: skip
+_HELD_OUT = frozenset(source.casefold() for source, _ in EVERYDAY_DATES)
 _CASES = (("as is", 0.6), ("lower", 0.25), ("upper", 0.15))
 
 
@@ -162,10 +208,12 @@ def make_date_pairs(
 ) -> list[tuple[str, str]]:
     """``n`` pairs ``(date in a human format, ISO 8601 date)``, e.g. ``("Nov 22, 2026", "2026-11-22")``.
 
-    Dates are uniform over ``min_year-01-01 .. max_year-12-31``; a template and a letter case are
-    drawn per example. Only sources that :func:`split_of` assigns to ``split`` are kept, so the
-    splits are disjoint for any seeds; within a split a pair may repeat (rarely). The same
-    ``(n, seed, split, min_year, max_year)`` always gives the same list.
+    Dates are uniform over ``min_year-01-01 .. max_year-12-31``, except that a share
+    :data:`SINGLE_DIGIT_DAY_SHARE` get a day 1-9; a template and a letter case are drawn per
+    example. Only sources that :func:`split_of` assigns to ``split`` are kept, so the splits are
+    disjoint for any seeds, and :data:`EVERYDAY_DATES` never enter ``"train"``; within a split a
+    pair may repeat (rarely). The same ``(n, seed, split, min_year, max_year)`` always gives the
+    same list.
 
     Raises:
         ValueError: ``n`` is negative, ``split`` is unknown, or the year range is empty or
@@ -186,11 +234,13 @@ def make_date_pairs(
     pairs: list[tuple[str, str]] = []
     while len(pairs) < n:
         date = datetime.date.fromordinal(rng.randint(first, last))
+        if rng.random() < SINGLE_DIGIT_DAY_SHARE:
+            date = date.replace(day=rng.randint(1, 9))
         in_window = TWO_DIGIT_YEAR_WINDOW[0] <= date.year <= TWO_DIGIT_YEAR_WINDOW[1]
         template = rng.choice(DATE_TEMPLATES if in_window else four_digit)
         case = rng.choices(cases, weights)[0]
         source = format_date(date, template, case)
-        if split_of(source) == split:
+        if split_of(source) == split and not (split == "train" and source.casefold() in _HELD_OUT):
             pairs.append((source, date.isoformat()))
     return pairs
 

@@ -9,12 +9,15 @@ Conventions:
 - Text that happens to contain ``"<pad>"`` (or another special's spelling) is encoded as ordinary
   characters, never as the special id, so ``decode(encode(s)) == s`` holds for any text the
   vocabulary covers (all text for BPE, which is byte-level; characters seen in training for the
-  character-level tokenizer; unseen characters become ``<unk>``).
+  character-level tokenizer; unseen characters become ``<unk>``, and :meth:`Tokenizer.encode` /
+  :meth:`Tokenizer.encode_batch` say so with one :class:`UnknownCharactersWarning` per call naming
+  them, since a model then reads something else than was typed).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -31,6 +34,11 @@ _BYTE_ALPHABET_SIZE = 256
 MIN_BPE_VOCAB_SIZE = len(SPECIAL_TOKENS) + _BYTE_ALPHABET_SIZE
 
 TOKENIZER_FILENAME = "tokenizer.json"
+_MAX_NAMED = 10  # unknown characters named in a warning
+
+
+class UnknownCharactersWarning(UserWarning):
+    """Text held characters outside the vocabulary; they were encoded as ``<unk>``."""
 
 
 class Tokenizer:
@@ -188,14 +196,18 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without ``<sos>``/``<eos>``. Raises TypeError for non-``str``."""
         _check_str(text)
-        return self._hf.encode(text, add_special_tokens=False).ids
+        encoding = self._hf.encode(text, add_special_tokens=False)
+        _warn_unknown([text], [encoding])
+        return encoding.ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """:meth:`encode` for many texts at once (parallel in Rust)."""
         texts = list(texts)
         for text in texts:
             _check_str(text)
-        return [enc.ids for enc in self._hf.encode_batch(texts, add_special_tokens=False)]
+        encodings = self._hf.encode_batch(texts, add_special_tokens=False)
+        _warn_unknown(texts, encodings)
+        return [enc.ids for enc in encodings]
 
     def decode(self, ids: Iterable[int] | torch.Tensor, skip_special: bool = True) -> str:
         """Text of ``ids`` (a list or a 1-D tensor); with ``skip_special`` the four specials are dropped.
@@ -285,6 +297,27 @@ class _NonEmptyCounter:
             if text:
                 self.non_empty += 1
                 yield text
+
+
+def _warn_unknown(texts: Sequence[str], encodings) -> None:
+    """One warning naming the characters of ``texts`` that were encoded as ``<unk>``."""
+    unknown: dict[str, None] = {}  # in order of appearance
+    count = 0
+    for text, encoding in zip(texts, encodings):
+        if UNK_ID not in encoding.ids:
+            continue
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
+            if token_id == UNK_ID:
+                unknown.setdefault(text[start:end], None)
+                count += 1
+    if count:
+        named = ", ".join(repr(c) for c in list(unknown)[:_MAX_NAMED])
+        more = f" and {len(unknown) - _MAX_NAMED} more" if len(unknown) > _MAX_NAMED else ""
+        warnings.warn(
+            f"{count} character(s) outside the tokenizer's vocabulary were read as <unk>: {named}{more}",
+            UnknownCharactersWarning,
+            stacklevel=3,
+        )
 
 
 def _check_str(text: object) -> None:
