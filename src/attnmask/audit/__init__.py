@@ -5,8 +5,8 @@
 - :mod:`.faults`: deliberately broken masks that the audit must catch;
 - :mod:`.report`: the report, its table, JSON and pictures;
 - :mod:`.conform`: every mask scenario under every attention implementation of a Hugging Face
-  model (:mod:`.conform_models` loads models and finds implementations, :mod:`.conform_report`
-  renders the verdict).
+  model (:mod:`.conform_scenarios` runs them, :mod:`.conform_models` loads models and finds
+  implementations, :mod:`.conform_report` renders the verdict).
 """
 
 from attnmask.audit.checks import (  # noqa: F401
