@@ -204,10 +204,13 @@ def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypat
     assert capsys.readouterr().out == "a man" + plain + "\n"
 
 
-def test_generate_quantized_errors(lm_run, capsys):
+def test_generate_quantized_errors(lm_run, capsys, monkeypatch):
     check_one_line_error(
         capsys, ["generate", "--run", str(lm_run), "a", "--quantized"], "--quantized applies to --model"
     )
+    import attnmask.cli.generate
+
+    monkeypatch.setattr(attnmask.cli.generate, "check_args", lambda args: None)  # as on a machine with CUDA
     check_one_line_error(
         capsys, ["generate", "--model", "smollm2", "a", "--quantized", "--device", "cuda"], "runs on the CPU"
     )
@@ -217,3 +220,35 @@ def test_generate_prompt_given_twice_is_one_line_error(lm_run, capsys):
     assert main(["generate", "--run", str(lm_run), "hello", "--prompt", "hello"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "give the prompt once" in err[0]
+
+
+def test_generate_compile_flags_give_the_same_text(lm_run, capsys, monkeypatch):
+    """--compile where the compiler fails: one notice line on stderr, the same text as --no-compile."""
+    import attnmask.decode.static
+
+    argv = ["generate", "--run", str(lm_run), "--prompt", "a man", "--max-new-tokens", "12", "--temperature", "0"]
+    assert main([*argv, "--no-compile"]) == 0
+    plain = capsys.readouterr()
+    assert plain.err == ""
+
+    def no_compiler(*args, **kwargs):
+        def fail(*a, **k):
+            raise RuntimeError("Compiler: cc is not found")
+
+        return fail
+
+    monkeypatch.setattr(attnmask.decode.static.torch, "compile", no_compiler)
+    assert main([*argv, "--compile"]) == 0
+    compiled = capsys.readouterr()
+    assert compiled.out == plain.out
+    notice = compiled.err.strip().splitlines()
+    assert len(notice) == 1 and "torch.compile unavailable" in notice[0] and "cc is not found" in notice[0]
+
+
+def test_translate_compile_flags_give_the_same_text(mt_run, capsys, monkeypatch):
+    monkeypatch.setenv("ATTNMASK_NO_COMPILE", "1")  # --compile then runs the step eagerly, silently
+    outs = []
+    for flag in ("--no-compile", "--compile"):
+        assert main(["translate", "--run", str(mt_run), "a man", "two dogs", flag]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == "".join(t + "\n" for t in expected_translations(mt_run, ["a man", "two dogs"]))
