@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from attnmask import masks
-from attnmask.audit.checks import CACHE_TOLERANCE_FACTOR, Tolerance, audit
+from attnmask.audit.checks import Tolerance, audit
 from attnmask.audit.conform_models import layer_windows, reach, reference_model
 from attnmask.audit.conform_report import ConformResult
 from attnmask.audit.subjects import from_callable, from_hf, positions_from_mask
@@ -38,12 +38,13 @@ SCENARIOS = (
 )
 _DECODER_ONLY = {"sliding window", "left padding", "packed (no mask)", "packed (all-ones mask)", "cache parity"}
 _DECODER_ONLY |= {"batched greedy"}
-# (rtol, atol) for two different computations of the same logits: |Δ| <= atol + rtol * max|ref row|.
-# float32: SmolLM2 (30 layers) is 1.8e-6 relative from its float64 reference (measured); 1e-5 leaves
-# room for deeper models and catches any masking error, which moves logits by far more.
+# (rtol, atol) for two different computations of the same logits (padded vs not, cached vs not,
+# batched vs alone, one implementation vs another or vs float64): |Δ| <= atol + rtol * max|ref row|.
+# float32: SmolLM2 (30 layers, logits up to ~30) differs by up to 4.7e-4 between such computations
+# (measured: cached vs full, eager vs sdpa), rounding alone; a masking error moves logits by 1e-1 and more.
 AGREEMENT_TOLERANCE = {
     torch.float64: (1e-9, 1e-9),
-    torch.float32: (1e-5, 1e-5),
+    torch.float32: (1e-4, 1e-4),
     torch.float16: (5e-3, 1e-3),
     torch.bfloat16: (4e-2, 1e-2),
 }
@@ -79,7 +80,6 @@ class Suite:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.tol = Tolerance.for_dtype(self.dtype)
-        self.loose = self.tol.scaled(CACHE_TOLERANCE_FACTOR)
         self.agree = Tolerance(*AGREEMENT_TOLERANCE.get(self.dtype, AGREEMENT_TOLERANCE[torch.float32]))
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.vocab = text.vocab_size
@@ -242,7 +242,7 @@ class Suite:
         alone = self.lm(self.ids[:, : T - p]).double()  # (2, T - p, V)
         got = self.lm(ids, keep, positions_from_mask(keep))[:, real].double()  # (2, T - p, V)
         delta = (got - alone).abs()
-        ratio = self.loose.ratio(delta, alone).amax(dim=(0, 2))  # (T - p,)
+        ratio = self.agree.ratio(delta, alone).amax(dim=(0, 2))  # (T - p,)
         bad = _first_over(ratio)
         res.max_deviation = max(res.max_deviation, float(delta.max()))
         if bad is not None:
@@ -250,7 +250,7 @@ class Suite:
             res.first = res.first or {"position": int(real[bad])}
             res.detail = (
                 f"real outputs differ from the unpadded sequence's (max |Δ| {float(delta.max()):.3g}, "
-                f"{self.loose}); " + res.detail
+                f"{self.agree}); " + res.detail
             )
         return res
 
@@ -280,7 +280,7 @@ class Suite:
             alone = self.lm(self.ids[:, a:b]).double()  # (2, n, V)
             delta = (got[:, a:b] - alone).abs()
             res.max_deviation = max(res.max_deviation, float(delta.max()))
-            bad = _first_over(self.loose.ratio(delta, alone).amax(dim=(0, 2)))
+            bad = _first_over(self.agree.ratio(delta, alone).amax(dim=(0, 2)))
             if bad is not None and res.passed:
                 res.passed = False
                 res.first = {"position": a + bad}
@@ -301,10 +301,10 @@ class Suite:
             real = keep.bool()  # (2, T)
             delta = (cached - full).abs() * real[..., None]
             worst = max(worst, float(delta.max()))
-            bad = _first_over(self.loose.ratio(delta, full).amax(dim=(0, 2)))
+            bad = _first_over(self.agree.ratio(delta, full).amax(dim=(0, 2)))
             if bad is not None and first is None:
                 first, where = {"position": bad}, label
-        res = ConformResult("cache parity", impl, first is None, max_deviation=worst, tolerance=str(self.loose))
+        res = ConformResult("cache parity", impl, first is None, max_deviation=worst, tolerance=str(self.agree))
         if first is None:
             res.detail = (
                 "token-by-token decoding with past_key_values equals the full forward (no padding, left padding)"
@@ -357,7 +357,7 @@ class Suite:
             upto = same.index(False) + 1 if False in same else N_NEW_TOKENS  # logits compared up to the first split
             delta = (logits[b, :upto] - l1[0, :upto]).abs()
             worst = max(worst, float(delta.max()))
-            bad = _first_over(self.loose.ratio(delta, l1[0, :upto]).amax(-1))
+            bad = _first_over(self.agree.ratio(delta, l1[0, :upto]).amax(-1))
             step = upto - 1 if False in same else bad
             if step is not None and first is None:
                 first = {"position": len(p) + step, "prompt": b}
@@ -366,7 +366,7 @@ class Suite:
                     + (f"greedy token {step} differs" if False in same else f"logits at step {step} differ")
                     + f" from decoding it alone (max |Δ| {worst:.3g})"
                 )
-        res = ConformResult("batched greedy", impl, first is None, detail, worst, str(self.loose), first)
+        res = ConformResult("batched greedy", impl, first is None, detail, worst, str(self.agree), first)
         if first is None:
             res.detail = f"3 prompts, {N_NEW_TOKENS} greedy tokens each: batched = one at a time"
             return res
