@@ -19,8 +19,20 @@ Two measurements (``--part cache``, ``--part translate``, or both):
    constraint) and the generated tokens are counted (up to and including ``<eos>``). With random
    weights the outputs are not translations, and rows rarely stop before the limit.
 
-Run: ``python benchmarks/decode.py [--part cache|translate|all] [--threads N]``. Timings are wall
-clock on whatever machine runs it; nothing here is asserted.
+3. **Framework work per token** (``--part framework``). SmolLM2-135M's structure (30 layers, 9 query /
+   3 key-value heads of 64, rotary, RMSNorm, SwiGLU, fused projections) at width 64, FFN 128 and a
+   512-token vocabulary, random weights: the matrix products are negligible, so what a token costs is
+   the framework (norms, rotary, cache writes, attention, sampling, the loop, Python). Rows: the
+   step through the general :meth:`Transformer.decode` (how attnmask decoded before
+   :func:`attnmask.decode.static.decode_one`), ``decode_one`` eager, and ``decode_one`` compiled
+   (:class:`attnmask.decode.static.CompiledStep`, inductor). Reported as CPU time of the process per
+   token (``time.process_time``; less sensitive to other jobs on a shared machine than wall time,
+   which is given too), best of 3, 128 tokens after a 5-token prompt minus 8 tokens.
+
+``--compile`` adds a "cached, compiled" column to part 1 (the compile time is printed, not timed).
+
+Run: ``python benchmarks/decode.py [--part cache|translate|framework|all] [--threads N] [--compile]``.
+Timings are wall clock on whatever machine runs it unless said otherwise; nothing here is asserted.
 """
 
 from __future__ import annotations
@@ -70,7 +82,7 @@ def timed(fn, repeats: int):
     return best, result
 
 
-def bench_cache(lengths: list[int], recompute_max: int) -> list[str]:
+def bench_cache(lengths: list[int], recompute_max: int, compile_too: bool = False) -> list[str]:
     torch.manual_seed(0)
     cfg = ModelConfig(
         vocab_size=8192, arch="decoder", dim=512, n_layers=6, n_heads=8, ffn_dim=2048, max_seq_len=16 + max(lengths)
@@ -78,23 +90,42 @@ def bench_cache(lengths: list[int], recompute_max: int) -> list[str]:
     model = Transformer(cfg).eval()
     prompt = torch.randint(4, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
     decode.greedy(model, prompts=[prompt], max_new_tokens=8, eos_id=None)  # warm-up
+    step = None
+    if compile_too:
+        from attnmask.decode.static import CompiledStep
+
+        step = CompiledStep(model)
+        t = time.perf_counter()
+        for n in lengths:  # every bucket the rows below use, compiled before the timings
+            decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None, compile=step)
+        print(f"# compiling the step for every bucket took {time.perf_counter() - t:.0f} s ({step.failed})")
     rows = [
         f"decoder-only C={cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, FFN {cfg.ffn_dim}, "
         f"V={cfg.vocab_size}, {model.num_parameters() / 1e6:.1f}M parameters; batch 1, 16-token prompt",
         "",
-        "| new tokens | cached tok/s | recompute tok/s | speed-up | same tokens |",
-        "|---:|---:|---:|---:|:---:|",
+        "| new tokens | cached tok/s | cached, compiled tok/s | recompute tok/s | speed-up | same tokens |",
+        "|---:|---:|---:|---:|---:|:---:|",
     ]
     print("\n".join(rows), flush=True)
     for n in lengths:
         t_cache, cached = timed(
             lambda n=n: decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None)[0], 3 if n <= 256 else 1
         )
+        compiled = ""
+        if step is not None:
+            t_comp, out = timed(
+                lambda n=n: decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None, compile=step)[0],
+                3 if n <= 256 else 1,
+            )
+            compiled = f"{n / t_comp:.1f}" + ("" if out == cached else " (tokens differ)")
         if n <= recompute_max:
             t_full, full = timed(lambda n=n: recompute_greedy(model, prompt, n), 2 if n <= 64 else 1)
-            row = f"| {n} | {n / t_cache:.1f} | {n / t_full:.1f} | {t_full / t_cache:.1f}x | {cached == full} |"
+            row = (
+                f"| {n} | {n / t_cache:.1f} | {compiled} | {n / t_full:.1f} | {t_full / t_cache:.1f}x "
+                f"| {cached == full} |"
+            )
         else:
-            row = f"| {n} | {n / t_cache:.1f} | (not run) | | |"
+            row = f"| {n} | {n / t_cache:.1f} | {compiled} | (not run) | | |"
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -250,9 +281,77 @@ def bench_translate(batch_size: int, max_new: int, n_sentences: int | None, beam
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# 3. framework work per token
+# ---------------------------------------------------------------------------------------------
+def general_step(model, state, tokens, step=None):
+    """One step through the general :meth:`Transformer.decode` (masks prepared per step, attention
+    backends): how :func:`attnmask.decode.decode_step` ran before ``decode_one``."""
+    logits = model.decode(
+        tokens[:, None],
+        memory_mask=state.cross_mask,
+        mask=state.step_mask(),
+        positions=state.next_pos[:, None],
+        cache=state.cache,
+        last_only=True,
+    )  # (B, 1, V)
+    state.next_pos += 1
+    return logits[:, 0]
+
+
+def bench_framework(compile_too: bool) -> list[str]:
+    from attnmask.decode import steps
+    from attnmask.decode.static import CompiledStep
+    from attnmask.model import fuse_projections_
+
+    cfg = ModelConfig(
+        vocab_size=512, arch="decoder", dim=64, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=128,
+        max_seq_len=2048, positions="rotary", norm="rmsnorm", activation="swiglu", bias=False, pad_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = fuse_projections_(Transformer(cfg).eval())
+    prompt = [5, 6, 7, 8, 9]
+    variants = {"Transformer.decode per step (before)": (general_step, {}), "decode_one": (None, {})}
+    if compile_too:
+        variants["decode_one compiled (inductor)"] = (None, {"compile": CompiledStep(model)})
+
+    def run(step_fn, n, kw):
+        original = steps.decode_step
+        if step_fn is not None:
+            steps.decode_step = step_fn
+        try:
+            c, w = time.process_time(), time.perf_counter()
+            decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None, **kw)
+            return time.process_time() - c, time.perf_counter() - w
+        finally:
+            steps.decode_step = original
+
+    rows = [
+        "SmolLM2-135M's structure at width 64 (30 layers, 9/3 heads of 64, rotary, RMSNorm, SwiGLU, fused "
+        "projections), batch 1, greedy; per token = (128 tokens - 8 tokens) / 120, best of 3",
+        "",
+        "| step | CPU ms per token | wall ms per token |",
+        "|---|---:|---:|",
+    ]
+    print("\n".join(rows), flush=True)
+    for name, (fn, kw) in variants.items():
+        t = time.perf_counter()
+        run(fn, 128, kw)  # warm-up (compiles the 64 and 256 buckets)
+        if kw:
+            print(f"# {name}: first run {time.perf_counter() - t:.0f} s (compiling)", flush=True)
+        best = min(
+            (tuple((a - b) / 120 * 1e3 for a, b in zip(run(fn, 128, kw), run(fn, 8, kw))) for _ in range(3)),
+        )
+        row = f"| {name} | {best[0]:.2f} | {best[1]:.2f} |"
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("cache", "translate", "all"), default="all")
+    p.add_argument("--part", choices=("cache", "translate", "framework", "all"), default="all")
+    p.add_argument("--compile", action="store_true", help="add compiled rows (inductor; compiling takes minutes)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--lengths", default="16,64,256,1024", help="new tokens for the cache benchmark")
     p.add_argument("--recompute-max", type=int, default=1024, help="skip recomputation above this many tokens")
@@ -269,9 +368,11 @@ def main(argv=None) -> int:
         flush=True,
     )
     if args.part in ("cache", "all"):
-        bench_cache([int(x) for x in args.lengths.split(",")], args.recompute_max)
+        bench_cache([int(x) for x in args.lengths.split(",")], args.recompute_max, args.compile)
     if args.part in ("translate", "all"):
         bench_translate(args.batch_size, args.max_new, args.sentences, [int(b) for b in args.beams.split(",")])
+    if args.part in ("framework", "all"):
+        bench_framework(args.compile)
     return 0
 
 

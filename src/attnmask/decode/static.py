@@ -23,6 +23,7 @@ finite. Both compute every row's logits independently of the other rows.
 from __future__ import annotations
 
 import os
+import types
 import warnings
 
 import torch
@@ -198,6 +199,7 @@ class CompiledStep:
         self.mode = mode if mode is not None else ("reduce-overhead" if device.type == "cuda" else "default")
         self._fn = None
         self._source = None  # (the cache's first cross keys, src_ok, their padded forms)
+        self.capacity = 0  # the longest cache seen: later caches are at least as long (same strides)
         self.failed: str | None = None
         if os.environ.get("ATTNMASK_NO_COMPILE", "") not in ("", "0"):
             self.failed = "disabled by ATTNMASK_NO_COMPILE"
@@ -219,7 +221,11 @@ class CompiledStep:
     def _compiled(self):
         if self._fn is None:
             mode = self.mode if self.backend == "inductor" else None
-            self._fn = torch.compile(_step, backend=self.backend, mode=mode, dynamic=False, fullgraph=True)
+            # a function of its own (a copy of _step's code): Dynamo keeps compiled graphs, and counts
+            # recompilations against its limit, per code object, so steps of other models or
+            # backends do not share them
+            fn = types.FunctionType(_step.__code__.replace(), _step.__globals__, "_step", _step.__defaults__)
+            self._fn = torch.compile(fn, backend=self.backend, mode=mode, dynamic=False, fullgraph=True)
         return self._fn
 
     @torch.inference_mode()

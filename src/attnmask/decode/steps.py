@@ -213,6 +213,7 @@ def start(
     sos_id: int = SOS_ID,
     all_logits: bool = False,
     whole_buckets: bool = False,
+    min_capacity: int = 0,
 ) -> tuple[DecodeState, Tensor, Tensor]:
     """Encode the source once (encoder-decoder) or prefill the prompts (decoder-only).
 
@@ -225,7 +226,9 @@ def start(
             model's ``max_seq_len`` allows. Capped at what ``max_seq_len`` allows.
         beams: the cache has room for ``B * beams`` rows (beam search copies rows into it).
         all_logits: return logits for every prompt position ``(B, T, V)`` instead of the last.
-        whole_buckets: round the cache's length up to a bucket of :class:`CompiledStep`.
+        whole_buckets: round the cache's length up to a bucket of :class:`CompiledStep`, and to
+            at least ``min_capacity`` (a compiled step keeps one cache length, so that the strides
+            of the cache, which its graphs are specialized on, stay the same).
 
     Returns ``(state, logits (B, V), limits (B,))``.
 
@@ -261,7 +264,7 @@ def start(
     T = ids.shape[1]
     capacity = T + int(limits.max())
     if whole_buckets:  # a compiled step attends over buckets of 64, 128, 256... cached columns
-        capacity = bucket(capacity)
+        capacity = max(bucket(capacity), min_capacity)
     cache = KVCache.for_model(model, batch_size=B * beams, max_len=capacity)
     self_allowed = None
     if keep is not None:
@@ -350,8 +353,10 @@ def _steps(
             max_new_tokens=max_new_tokens,
             sos_id=sos_id,
             whole_buckets=step_fn is not None,
+            min_capacity=0 if step_fn is None else step_fn.capacity,
         )
         if step_fn is not None:
+            step_fn.capacity = max(step_fn.capacity, state.cache.max_len)
             zero_unwritten(state.cache)
         B = state.rows
         rows = torch.arange(B, device=limits.device)  # (b,) original row of each running row
