@@ -246,3 +246,17 @@ def test_mask_grid_refuses_a_grid_too_wide_to_read():
     T = 500
     with pytest.raises(ValueError, match=r"text grid of \(500, 500\) tokens is too wide to read"):
         mask_grid(torch.ones(T, T, dtype=torch.bool), [str(i) for i in range(T)])
+
+
+def test_a_failed_write_leaves_no_half_picture(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    def full_disk(self, path, **kwargs):
+        with open(path, "wb") as f:
+            f.write(PNG)  # a few bytes, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_mask_png(tmp_path / "m.png", [("causal", masks.causal().to_bool(1, 2, 2)[0, 0])], ["a", "b"])
+    assert not (tmp_path / "m.png").exists()

@@ -254,7 +254,11 @@ def _save(fig, path: str | Path) -> Path:
         raise ValueError(f"picture would be {width:.0f} x {height:.0f} px; expected at most {MAX_FIGURE_PX} px a side")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    try:
+        fig.savefig(path, dpi=DPI)
+    except BaseException:
+        path.unlink(missing_ok=True)  # no half-written picture left behind (a full disk, Ctrl-C)
+        raise
     return path
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from attnmask.cli import main
@@ -15,6 +17,10 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert main(["demo", "--quick", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "held-out test exact match:" in text
+    assert 'numbers are read day first: "1/2/2000" -> "2000-02-01"' in text
+    assert re.search(r"everyday forms \(never trained on\): \d+/50 right", text)
+    for form in ("1 Feb 2000", "1/2/2000", "2024-2-29"):  # a handful of everyday forms, always shown
+        assert f"“{form}”" in text
     assert text.count("✓") + text.count("✗") >= 8  # translated examples, each marked
     assert "decoder self-attention, look-ahead & padding" in text
     assert "cross-attention, target queries x source keys" in text
@@ -36,8 +42,16 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
 
     test = [r for r in read_metrics(out) if r["split"] == "test"]
     assert len(test) == 1 and 0.0 <= test[0]["exact_match"] <= 1.0 and test[0]["sentences"] == 100
+    everyday = [r for r in read_metrics(out) if r["split"] == "everyday"]
+    assert len(everyday) == 1 and everyday[0]["sentences"] == 50
     assert (out / "loss.png").stat().st_size > 0
     assert load_run(out).task == "translation"
+
+
+def test_demo_help_states_the_date_convention(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "read day first" in " ".join(capsys.readouterr().out.split())
 
 
 def test_demo_replaces_its_own_previous_run_but_not_another(tmp_path, capsys):

@@ -258,3 +258,15 @@ def test_multi30k_bpe_round_trip():
     assert [tok.decode(row) for row in ids] == texts
     # A learned vocabulary compresses: far fewer tokens than bytes.
     assert sum(map(len, ids)) < 0.5 * sum(len(t.encode()) for t in texts)
+
+
+def test_save_failure_is_an_oserror(tmp_path, monkeypatch):
+    tok = Tokenizer.train_chars(["abc"])
+
+    class Full:
+        def save(self, path):
+            raise Exception("No space left on device (os error 28)")  # what tokenizers raises
+
+    monkeypatch.setattr(tok, "_hf", Full())
+    with pytest.raises(OSError, match=r"cannot write .*tokenizer.json: No space left on device"):
+        tok.save(tmp_path / "tokenizer.json")

@@ -254,10 +254,16 @@ class Tokenizer:
         """Write a single ``tokenizer.json`` to ``path`` (or into it, if it is a directory).
 
         Parent directories are created. Returns the path of the written file.
+
+        Raises:
+            OSError: the file cannot be written (no space left, no permission, ...).
         """
         path = _resolve(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._hf.save(str(path))
+        try:
+            self._hf.save(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception, e.g. on a full disk
+            raise OSError(f"cannot write {path}: {err}") from err
         return path
 
     def __eq__(self, other: object) -> bool:
