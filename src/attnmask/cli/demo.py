@@ -61,12 +61,12 @@ def demo_config(out: str, *, seed: int = 0, device: str = "auto", quick: bool = 
         activation="swiglu",
     )
     if quick:
-        return TrainConfig(
+        return TrainConfig.of(
             **common, model="tiny", train_size=1500, valid_size=100, max_steps=40, warmup=10, lr=3e-3,
             batch_tokens=1024, eval_every=0, eval_sentences=50, log_every=5,
         )  # fmt: skip
-    return TrainConfig(
-        **common, model="small", dim=128, layers=2, heads=4, ffn_dim=512, train_size=60000, valid_size=500,
+    return TrainConfig.of(
+        **common, model="small", dim=128, n_layers=2, n_heads=4, ffn_dim=512, train_size=60000, valid_size=500,
         max_steps=700, warmup=100, lr=2e-3, batch_tokens=2048, eval_every=350, eval_sentences=500, log_every=25,
     )  # fmt: skip
 
@@ -76,7 +76,8 @@ def _clear_previous_demo(out: Path) -> None:
     if not (out / rundir.CONFIG).exists():
         return
     config = json.loads((out / rundir.CONFIG).read_text(encoding="utf-8"))
-    if config.get("train", {}).get("builtin_task") != "dates":
+    train = config.get("train", {})
+    if train.get("data", train).get("builtin_task") != "dates":  # nested sections; flat in older runs
         raise ValueError(f"{out} holds another run (not a demo); choose another --out")
     print(f"replacing the previous demo run in {out}")
     for name in (rundir.CONFIG, rundir.TOKENIZER, rundir.SRC_TOKENIZER, rundir.WEIGHTS, rundir.TRAINER_STATE,
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     print("attnmask demo: teach a Transformer to read dates")
     print(f'  task   {task.description}\n         e.g. "{example_src}" -> "{example_tgt}"')
     print('         numbers are read day first: "1/2/2000" -> "2000-02-01" (1 February)')
-    print(f"  data   {cfg.train_size:,} generated training pairs, {cfg.valid_size:,} validation, "
+    print(f"  data   {cfg.data.train_size:,} generated training pairs, {cfg.data.valid_size:,} validation, "
           f"{TEST_SIZE if not args.quick else 100:,} held-out test (sources never seen in training)")  # fmt: skip
     started = time.perf_counter()
     result = train(cfg)
@@ -140,15 +141,14 @@ def run(args: argparse.Namespace) -> int:
         return 0  # interrupted: train() saved a checkpoint and said so
     minutes, seconds = divmod(int(time.perf_counter() - started), 60)
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.run.device == "auto" else cfg.run.device
     loaded = rundir.load_run(out, device=device)
     n_test = 100 if args.quick else TEST_SIZE
-    pairs = task.make_pairs(n_test, seed=cfg.seed, split="test")
+    pairs = task.make_pairs(n_test, seed=cfg.run.seed, split="test")
     everyday = list(EVERYDAY_DATES)
     src_ids = loaded.src_tokenizer.encode_batch([s for s, _ in pairs] + [s for s, _ in everyday])
     with torch.no_grad():
-        hyp_ids = translate_ids(loaded.model, src_ids, loaded.tokenizer, loaded.src_tokenizer,
-                                device=torch.device(device), batch_size=250)  # fmt: skip
+        hyp_ids = translate_ids(loaded.model, src_ids, loaded.tokenizer, loaded.src_tokenizer, batch_size=250)
     hyps = loaded.tokenizer.decode_batch(hyp_ids)
     hyps, everyday_hyps = hyps[: len(pairs)], hyps[len(pairs) :]
     right = [h == t for h, (_, t) in zip(hyps, pairs)]
