@@ -28,7 +28,7 @@ EVERYDAY_SHOWN = ("1 Feb 2000", "2 Feb 2002", "1/2/2000", "Feb 2 2002", "25/12/2
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="train a Transformer to read dates (about 2 minutes on 2 CPU cores), then show what it learned",
+        help="train a Transformer to read dates (about 3 minutes on 2 CPU cores), then show what it learned",
         description="The built-in main job: generate a dates -> ISO 8601 translation task, train a small "
         "encoder-decoder Transformer on it, score held-out examples (exact match) and 50 everyday forms, print a "
         "few translations and the attention masks of one example, and draw the loss curve. Dates written in "
