@@ -184,6 +184,9 @@ def main(argv=None) -> None:
     ap.add_argument("--compile", action="store_true", help="add rows for attnmask's step through torch.compile")
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even if it is importable")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument(
+        "--breakdown", action="store_true", help="only: where a batch-1 token's time goes (linear layers vs the rest)"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -206,6 +209,16 @@ def main(argv=None) -> None:
     N = args.new_tokens
     print(f"# prompt {PROMPT!r} ({len(ids)} tokens), {N} new tokens, greedy, median of {args.repeats}")
     print(f"# quantized kernel: {kernel_status()}")
+    if args.breakdown:
+        for variant in args.variants:
+            if variant == "float32":
+                model = model32
+            elif variant == "blocks":
+                model = load("smollm2", quantized=True)[0]
+            else:
+                model = load("smollm2", dtype=getattr(torch, variant))[0]
+            print(f"# {VARIANT_LABELS[variant]}, batch 1: {breakdown(model, ids, N, args.repeats)}", flush=True)
+        return
     llama = None if args.no_llama_cpp else llama_cpp_runner(torch.get_num_threads(), ids, N)
     print(
         "| attnmask weights | batch | attnmask tok/s | compiled tok/s | HF generate tok/s | vs HF "
@@ -266,6 +279,41 @@ def main(argv=None) -> None:
                 ", ".join(same),
             ]
             print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def breakdown(model, ids: list[int], n: int, repeats: int) -> str:
+    """Milliseconds a token at batch 1, and how many of them are spent inside the linear layers
+    (block or float32 products, their call included), timed by forward hooks; best of ``repeats``,
+    (n + 8 tokens - 8 tokens) / n."""
+    spent = [0.0]
+    starts: dict[int, float] = {}
+
+    def pre(module, args):
+        starts[id(module)] = time.perf_counter()
+
+    def post(module, args, out):
+        spent[0] += time.perf_counter() - starts[id(module)]
+
+    hooks = []
+    for module in model.modules():
+        if isinstance(module, (BlockLinear, torch.nn.Linear)):
+            hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def run(tokens):
+        spent[0] = 0.0
+        t = time.perf_counter()
+        decode.greedy(model, prompts=[ids], max_new_tokens=tokens, eos_id=None)
+        return time.perf_counter() - t, spent[0]
+
+    try:
+        run(8)
+        best = min(
+            tuple((a - b) / n * 1e3 for a, b in zip(run(n + 8), run(8))) for _ in range(repeats)
+        )  # (ms a token, ms in linear layers)
+    finally:
+        for h in hooks:
+            h.remove()
+    return f"{best[0]:.1f} ms a token, {best[1]:.1f} ms in the linear layers, {best[0] - best[1]:.1f} ms the rest"
 
 
 def hf_generate(hf, batch, n: int, **kw) -> list[list[int]]:
