@@ -136,22 +136,6 @@ def test_attention_cli_language_model(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["decoder_self.png"]
 
 
-def test_greedy_ids_matches_the_arg_max_by_hand():
-    from attnmask.cli.attention import greedy_ids
-
-    model = tiny_model("decoder", vocab_size=20)
-    prompt = [5, 6, 7]
-    out = greedy_ids(model, prompt, encoder_decoder=False, max_new_tokens=4)
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(4):
-            nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            if nxt == 2:  # <eos>
-                break
-            ids.append(nxt)
-    assert out == ids[len(prompt) :]
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from attnmask.cli.common import check_args
-from attnmask.data.tokenizer import EOS_ID, SOS_ID
+from attnmask.data.tokenizer import SOS_ID
+from attnmask.decode import default_max_new_tokens, greedy, source_ids
 
 DEFAULT_OUT = "attention"
 
@@ -48,30 +49,6 @@ def add_parser(sub) -> None:
 
 
 @torch.no_grad()
-def greedy_ids(model, ids: list[int], *, encoder_decoder: bool, max_new_tokens: int) -> list[int]:
-    """Seed 000's greedy decoding without a cache: re-run the whole prefix, take the arg-max of the
-    last position, append, until ``<eos>``. Returns the new ids without ``<eos>``."""
-    memory = memory_mask = None
-    if encoder_decoder:
-        src = torch.tensor([ids])  # (1, S)
-        memory_mask = model.source_mask(src)
-        memory = model.encode(src, memory_mask)  # (1, S, C)
-        prefix = [SOS_ID]
-    else:
-        prefix = list(ids)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        if len(prefix) + len(out) >= model.config.max_seq_len:
-            break
-        x = torch.tensor([prefix + out])  # (1, t)
-        logits = model.decode(x, memory, memory_mask=memory_mask, last_only=True)  # (1, 1, V)
-        nxt = int(logits[0, -1].argmax())
-        if nxt == EOS_ID:
-            break
-        out.append(nxt)
-    return out
-
-
 def _label(tokenizer, token_id: int) -> str:
     # byte-level BPE spells a leading space "Ġ"; a bare space would be an invisible tick label
     text = tokenizer.id_to_token(token_id).replace("Ġ", "␣").replace(" ", "␣")
@@ -101,9 +78,13 @@ def run(args) -> int:
     if not args.sentence.strip():
         raise ValueError("the sentence is empty; expected some text")
     if enc_dec:
-        src_ids = loaded.src_tokenizer.encode(args.sentence) + [EOS_ID]  # as in training
-        limit = args.max_new_tokens or min(int(1.5 * len(src_ids)) + 10, model.config.max_seq_len - 1)
-        out = greedy_ids(model, src_ids, encoder_decoder=True, max_new_tokens=limit)
+        src_ids = source_ids(loaded.src_tokenizer, [args.sentence])[0]  # as in training
+        # the decoder input <sos> + out is re-run below, so out stays within max_seq_len - 1
+        limit = min(
+            args.max_new_tokens or default_max_new_tokens(len(src_ids), model.config.max_seq_len),
+            model.config.max_seq_len - 1,
+        )
+        out = greedy(model, src=[src_ids], max_new_tokens=limit)[0]
         dec_ids = [SOS_ID] + out
         print(f"translation: {tok.decode(out)}")
     else:
@@ -112,7 +93,8 @@ def run(args) -> int:
             raise ValueError(
                 f"the prompt has {len(src_ids)} tokens; the model takes at most {model.config.max_seq_len}"
             )
-        out = greedy_ids(model, src_ids, encoder_decoder=False, max_new_tokens=args.max_new_tokens or 20)
+        limit = min(args.max_new_tokens or 20, model.config.max_seq_len - len(src_ids))  # prompt + out re-run below
+        out = greedy(model, prompts=[src_ids], max_new_tokens=limit)[0]
         dec_ids = src_ids + out
         print(f"continuation: {tok.decode(out)}")
 
