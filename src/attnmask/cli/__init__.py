@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 
-# Subcommand modules, in --help order. A module missing here is simply not offered.
+# Subcommand modules, in --help order.
 SUBCOMMANDS = ("demo", "train", "translate", "generate", "eval", "mask", "attention", "audit", "conform")
 
 
@@ -44,13 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"attnmask {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        try:
-            mod = importlib.import_module(f"attnmask.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"attnmask.cli.{name}":
-                continue
-            raise
-        mod.add_parser(sub)
+        importlib.import_module(f"attnmask.cli.{name}").add_parser(sub)
     return parser
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
 from attnmask.cli.common import check_args
@@ -70,13 +69,9 @@ def compiled_step(args, model):
 
 
 def _load_pretrained(name: str, quantized: bool = False):
-    try:
-        pretrained = importlib.import_module("attnmask.pretrained")
-    except ModuleNotFoundError as e:
-        if e.name != "attnmask.pretrained":
-            raise
-        raise ValueError(f"--model {name}: pretrained models are not available (no attnmask.pretrained)") from e
-    return pretrained.load(name, quantized=quantized)
+    from attnmask.pretrained import load
+
+    return load(name, quantized=quantized)
 
 
 def run(args) -> int:
