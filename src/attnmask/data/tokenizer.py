@@ -41,7 +41,74 @@ class UnknownCharactersWarning(UserWarning):
     """Text held characters outside the vocabulary; they were encoded as ``<unk>``."""
 
 
-class Tokenizer:
+class TokenizerBase:
+    """What every attnmask tokenizer shares: a wrapped Hugging Face ``tokenizers.Tokenizer``, the
+    vocabulary lookups, batch decoding and id checks. Subclasses define the special ids,
+    :meth:`encode` and :meth:`decode` (the protocol decoding and training rely on:
+    ``pad_id``, ``sos_id``, ``eos_id``, ``vocab_size``, ``encode``, ``encode_batch``, ``decode``,
+    ``decode_batch``). :class:`Tokenizer` is attnmask's own; pretrained models bring theirs
+    (:class:`attnmask.pretrained.registry.PretrainedTokenizer`)."""
+
+    _hf: HFTokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, specials included; valid ids are ``0 .. vocab_size - 1``."""
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def hf(self) -> HFTokenizer:
+        """The wrapped Hugging Face tokenizer."""
+        return self._hf
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int] | torch.Tensor, skip_special: bool = True) -> str:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """:meth:`encode` for many texts."""
+        return [self.encode(text) for text in texts]
+
+    def decode_batch(self, batch: Iterable[Iterable[int]] | torch.Tensor, skip_special: bool = True) -> list[str]:
+        """:meth:`decode` for each row of a list of id lists or of a 2-D tensor."""
+        if isinstance(batch, torch.Tensor):
+            if batch.dim() != 2:
+                raise ValueError(f"expected a 2-D tensor of ids (B, T), got shape {tuple(batch.shape)}")
+            batch = batch.tolist()
+        return [self.decode(row, skip_special=skip_special) for row in batch]
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry for ``token_id`` (byte-level BPE entries use GPT-2's byte symbols).
+
+        Raises:
+            ValueError: ``token_id`` is outside ``[0, vocab_size)``.
+        """
+        token = self._hf.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is out of range, expected 0 <= id < {self.vocab_size}")
+        return token
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of vocabulary entry ``token``, or ``None`` if it is not in the vocabulary."""
+        return self._hf.token_to_id(token)
+
+    def _check_ids(self, ids: Iterable[int] | torch.Tensor) -> list[int]:
+        """``ids`` as a list of ints; ValueError for a tensor that is not 1-D or an id out of range."""
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1:
+                raise ValueError(f"expected a 1-D tensor of ids, got shape {tuple(ids.shape)}")
+            ids = ids.tolist()
+        ids = [int(i) for i in ids]
+        vocab_size = self.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are out of range, expected 0 <= id < {vocab_size}")
+        return ids
+
+
+class Tokenizer(TokenizerBase):
     """A Hugging Face ``tokenizers.Tokenizer`` with the fixed special ids above.
 
     Build one with :meth:`train_bpe`, :meth:`train_chars`, :meth:`from_hf` or :meth:`load`.
@@ -181,16 +248,6 @@ class Tokenizer:
     def unk_id(self) -> int:
         return UNK_ID
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids, specials included; valid ids are ``0 .. vocab_size - 1``."""
-        return self._hf.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def hf(self) -> HFTokenizer:
-        """The wrapped Hugging Face tokenizer."""
-        return self._hf
-
     # --- encoding and decoding ----------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
@@ -220,29 +277,6 @@ class Tokenizer:
             # Filter by id ourselves: a wrapped tokenizer may not flag these tokens as special.
             ids = [i for i in ids if i >= len(SPECIAL_TOKENS)]
         return self._hf.decode(ids, skip_special_tokens=False)
-
-    def decode_batch(self, batch: Iterable[Iterable[int]] | torch.Tensor, skip_special: bool = True) -> list[str]:
-        """:meth:`decode` for each row of a list of id lists or of a 2-D tensor."""
-        if isinstance(batch, torch.Tensor):
-            if batch.dim() != 2:
-                raise ValueError(f"expected a 2-D tensor of ids (B, T), got shape {tuple(batch.shape)}")
-            batch = batch.tolist()
-        return [self.decode(row, skip_special=skip_special) for row in batch]
-
-    def id_to_token(self, token_id: int) -> str:
-        """The vocabulary entry for ``token_id`` (byte-level BPE entries use GPT-2's byte symbols).
-
-        Raises:
-            ValueError: ``token_id`` is outside ``[0, vocab_size)``.
-        """
-        token = self._hf.id_to_token(token_id)
-        if token is None:
-            raise ValueError(f"token id {token_id} is out of range, expected 0 <= id < {self.vocab_size}")
-        return token
-
-    def token_to_id(self, token: str) -> int | None:
-        """The id of vocabulary entry ``token``, or ``None`` if it is not in the vocabulary."""
-        return self._hf.token_to_id(token)
 
     # --- persistence --------------------------------------------------------------------------
 
@@ -276,18 +310,6 @@ class Tokenizer:
     def __repr__(self) -> str:
         kind = type(self._hf.model).__name__
         return f"Tokenizer(model={kind}, vocab_size={self.vocab_size})"
-
-    def _check_ids(self, ids: Iterable[int] | torch.Tensor) -> list[int]:
-        if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1:
-                raise ValueError(f"expected a 1-D tensor of ids, got shape {tuple(ids.shape)}")
-            ids = ids.tolist()
-        ids = [int(i) for i in ids]
-        vocab_size = self.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are out of range, expected 0 <= id < {vocab_size}")
-        return ids
 
 
 class _NonEmptyCounter:

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from attnmask.data.tokenizer import TokenizerBase
 from attnmask.model import ModelConfig, Rotary, Transformer, fuse_projections_, sinusoidal_table
 from attnmask.pretrained.quantized import BlockLinear
 from attnmask.pretrained.storage import cache_dir
@@ -80,7 +81,7 @@ MODELS: dict[str, PretrainedSpec] = {
 # ---------------------------------------------------------------------------------------------
 # Tokenizer and chat template
 # ---------------------------------------------------------------------------------------------
-class PretrainedTokenizer:
+class PretrainedTokenizer(TokenizerBase):
     """A pretrained model's own tokenizer (a Hugging Face ``tokenizers.Tokenizer``) and special ids.
 
     Unlike :class:`attnmask.data.tokenizer.Tokenizer`, special tokens spelled in the text (as a rendered
@@ -128,14 +129,6 @@ class PretrainedTokenizer:
         """The begin-of-sequence id (``<|im_start|>`` for SmolLM2); prepended only when ``add_bos``."""
         return self.bos_id
 
-    @property
-    def vocab_size(self) -> int:
-        return self._hf.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def hf(self):
-        return self._hf
-
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special tokens spelled in it included), with ``<bos>`` first when
         the model expects it. Raises TypeError for non-``str``."""
@@ -144,38 +137,16 @@ class PretrainedTokenizer:
         ids = self._hf.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
     def decode(self, ids: Iterable[int] | Tensor, skip_special: bool = True) -> str:
         """Text of ``ids`` (a list or 1-D tensor); special tokens dropped with ``skip_special``.
 
         Raises:
             ValueError: an id outside ``[0, vocab_size)``.
         """
-        if isinstance(ids, Tensor):
-            ids = ids.tolist()
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are out of range, expected 0 <= id < {self.vocab_size}")
+        ids = self._check_ids(ids)
         if skip_special:
             ids = [i for i in ids if i not in self.special_ids]
         return self._hf.decode(ids, skip_special_tokens=False)
-
-    def decode_batch(self, batch, skip_special: bool = True) -> list[str]:
-        if isinstance(batch, Tensor):
-            batch = batch.tolist()
-        return [self.decode(row, skip_special=skip_special) for row in batch]
-
-    def id_to_token(self, token_id: int) -> str:
-        token = self._hf.id_to_token(token_id)
-        if token is None:
-            raise ValueError(f"token id {token_id} is out of range, expected 0 <= id < {self.vocab_size}")
-        return token
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._hf.token_to_id(token)
 
     def __repr__(self) -> str:
         return f"PretrainedTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, stop_ids={self.stop_ids})"
