@@ -544,3 +544,30 @@ def test_tensor_masks_may_be_views():
     lower = torch.ones(4, 4, dtype=torch.bool).triu().t()  # a transposed, non-contiguous view
     assert not lower.is_contiguous()
     assert_close(attention(q, k, v, lower), attention(q, k, v, masks.causal()))
+
+
+# ---------------------------------------------------------------------------------------------
+# A mask object reused across calls: prepared once while its tensors are unchanged
+# ---------------------------------------------------------------------------------------------
+def test_a_reused_mask_is_prepared_once_and_an_in_place_edit_is_seen():
+    lengths = torch.tensor([4, 2])
+    mask = masks.causal() & masks.padding(lengths=lengths)
+    first = prepare_mask(mask, 2, 2, 4, 4)
+    assert prepare_mask(mask, 2, 2, 4, 4).allowed is first.allowed  # same problem: reused
+    assert prepare_mask(mask, 2, 2, 3, 4).allowed.shape == (2, 1, 3, 4)  # another problem: rebuilt
+    lengths[1] = 3  # an in-place edit of the mask's tensor
+    q, k, v = qkv(2, 2, 2, 4, 4, 4, seed=13)
+    ref, _ = reference_attention(q, k, v, masks.causal().to_bool(2, 4, 4) & (torch.arange(4) < 3))
+    assert_close(attention(q, k, v, mask)[1], ref[1].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_inference_tensors_are_prepared_without_a_version_counter():
+    with torch.inference_mode():
+        ids = torch.tensor([[3, 4, 0], [3, 0, 0]])
+        mask = masks.causal() & masks.padding(token_ids=ids, pad_id=0)
+        q, k, v = qkv(2, 2, 2, 3, 3, 4, seed=14)
+        out = attention(q, k, v, mask)
+        again = attention(q, k, v, mask)
+        raw = attention(q, k, v, mask.to_bool(2, 3, 3))
+    assert_close(again, out)
+    assert_close(raw, out)

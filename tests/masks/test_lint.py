@@ -335,14 +335,14 @@ def test_mixed_qkv_dtypes():
 
 def test_unknown_backend():
     with pytest.raises(
-        ValueError, match=r"unknown attention backend 'flash9'; expected one of \['auto', 'reference', 'sdpa'"
+        ValueError, match=r"unknown attention backend 'flash9'; expected one of \['auto', 'flex', 'reference', 'sdpa'"
     ):
         attention(*qkv(), backend="flash9")
     with pytest.raises(ValueError, match=r"unknown attention backend 'flash9'"):
         MultiHeadAttention(dim=8, num_heads=2, backend="flash9")
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa_blocks"])
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_blocks", "flex"])
 def test_return_weights_needs_the_reference_kernel(backend):
     with pytest.raises(
         ValueError, match=rf"backend '{backend}' cannot return attention weights; use backend='reference'"
@@ -438,3 +438,64 @@ def test_custom_mask_subclass_must_return_bool_of_at_most_4_dims():
 def test_key_padding_mask_must_be_a_tensor():
     with pytest.raises(TypeError, match=r"key_padding_mask must be a tensor \(B, Tk\), got list"):
         masks.from_mha(key_padding_mask=[[True]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardening (issue 16, item 7): silent wrong answers that the linter now catches
+# ---------------------------------------------------------------------------------------------
+def inverted_additive(T: int) -> torch.Tensor:
+    """-inf where a causal mask allows (on and below the diagonal), 0 where it blocks: inverted."""
+    return torch.zeros(T, T).masked_fill(torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+
+
+@pytest.mark.parametrize("blocked", [float("-inf"), torch.finfo(torch.float32).min])
+def test_inverted_additive_mask_is_caught_like_the_bool_one(blocked):
+    bad = inverted_additive(4).clamp_min(blocked)
+    message = r"is 0 \(attend\) exactly above the diagonal and -inf \(blocked\) on and below it: an inverted causal"
+    with pytest.raises(ValueError, match=message):
+        attention(*qkv(Tq=4, Tk=4), bad)
+    with pytest.raises(ValueError, match=message):
+        masks.from_additive(bad)
+    with pytest.raises(ValueError, match=message):
+        masks.lint_polarity(bad)
+    with pytest.raises(ValueError, match=message):
+        attention(*qkv(B=1, Tq=4, Tk=4), bad[None, None])  # (1, 1, T, T)
+    # the right polarity passes all three
+    good = masks.causal().to_additive(1, 4, 4)[0, 0]
+    assert masks.lint_polarity(good) is None
+    assert masks.from_additive(good).to_bool(1, 4, 4).equal(masks.causal().to_bool(1, 4, 4))
+    assert attention(*qkv(Tq=4, Tk=4), good).isfinite().all()
+
+
+def test_lint_polarity_rejects_what_attention_rejects():
+    zero_one = torch.ones(4, 4).tril()  # float 0/1: unknown polarity
+    with pytest.raises(ValueError, match=r"holds only 0 and 1: a 0/1 mask of unknown polarity") as by_attention:
+        attention(*qkv(Tq=4, Tk=4), zero_one)
+    with pytest.raises(ValueError, match=r"holds only 0 and 1: a 0/1 mask of unknown polarity") as by_lint:
+        masks.lint_polarity(zero_one)
+    assert str(by_lint.value) == str(by_attention.value)
+    with pytest.raises(ValueError, match=r"a soft bias is not a mask"):
+        masks.lint_polarity(torch.full((4, 4), -3.0))
+    with pytest.raises(TypeError, match=r"0/1 torch.int64 tensor of unknown polarity"):
+        masks.lint_polarity(torch.ones(4, 4, dtype=torch.long).tril())
+    assert masks.lint_polarity(torch.ones(4, 4, dtype=torch.bool).tril()) is None
+
+
+def test_prefix_lm_longer_than_the_sequence_is_rejected():
+    with pytest.raises(ValueError, match=r"prefix_lengths \[2, 7\] exceed the sequence length 5 \(the keys\)"):
+        masks.prefix_lm([2, 7]).to_bool(2, 5, 5)
+    with pytest.raises(ValueError, match=r"exceed the sequence length 5"):
+        attention(*qkv(Tq=5, Tk=5), masks.prefix_lm([2, 7]))
+    assert masks.prefix_lm([2, 5]).to_bool(2, 5, 5)[1, 0].all()  # the whole sequence is a prefix: fine
+
+
+def test_prefix_lm_takes_a_plain_int_for_every_row():
+    one = masks.prefix_lm(3)
+    assert one.to_bool(2, 5, 5).equal(masks.prefix_lm([3, 3]).to_bool(2, 5, 5))
+    with pytest.raises(ValueError, match=r"exceed the sequence length 2"):
+        one.to_bool(1, 2, 2)
+    with pytest.raises(TypeError, match=r"prefix_lengths must be integers, got dtype torch.float32"):
+        masks.prefix_lm(3.0)
+    # padding lengths are per row: a plain int says so instead of "got ()"
+    with pytest.raises(ValueError, match=r"lengths must have shape \(B,\), got \(\) \(a plain int is not allowed"):
+        masks.padding(lengths=3)

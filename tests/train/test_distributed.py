@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnmask.train import TrainConfig, train
+from attnmask.train import TrainConfig, distributed, train
 from attnmask.train.rundir import load_run, read_metrics
 
 WORKER = textwrap.dedent(
@@ -39,7 +39,7 @@ WORKER = textwrap.dedent(
 )
 
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # torchrun with two processes
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def settings(out: Path, **overrides) -> dict:
@@ -65,6 +65,7 @@ def torchrun(cfg: dict, snapshots: Path) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow  # torchrun with two processes
 def test_two_processes_match_one_process_on_the_same_global_batch(tmp_path):
     snapshots = tmp_path / "snapshots"
     snapshots.mkdir()
@@ -96,3 +97,52 @@ def test_two_processes_match_one_process_on_the_same_global_batch(tmp_path):
     assert ddp_eval["exact_match"] == pytest.approx(single.eval["exact_match"])
     # rank 0 alone wrote the run directory
     assert sorted(p.name for p in ddp_dir.iterdir()) == sorted(p.name for p in single_dir.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# More local ranks than GPUs (torchrun --nproc-per-node 2 on a one-GPU machine)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def torchrun_rank(monkeypatch):
+    """Pretend to be a torchrun rank on a machine with ``gpus`` GPUs, the process group already up."""
+
+    def start(rank: int, gpus: int, local_ranks: int = 2):
+        env = {"WORLD_SIZE": str(local_ranks), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        for name, value in {**env, "LOCAL_WORLD_SIZE": str(local_ranks)}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        chosen = []
+
+        def set_device(device):
+            if torch.device(device).index >= gpus:
+                raise RuntimeError("CUDA error: invalid device ordinal")
+            chosen.append(torch.device(device))
+
+        monkeypatch.setattr(torch.cuda, "set_device", set_device)
+        monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+        return chosen
+
+    return start
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_auto_with_more_local_ranks_than_gpus_runs_every_rank_on_the_cpu(torchrun_rank, capsys, rank):
+    chosen = torchrun_rank(rank, gpus=1)
+    ctx = distributed.setup("auto")
+    assert ctx.device == torch.device("cpu") and ctx.world_size == 2 and chosen == []
+    err = capsys.readouterr().err
+    notice = "distributed: 2 local ranks (torchrun --nproc-per-node) but 1 GPU: every rank runs on the CPU (gloo)\n"
+    assert err == (notice if rank == 0 else "")
+
+
+def test_cuda_with_more_local_ranks_than_gpus_is_one_line_naming_the_numbers(torchrun_rank):
+    torchrun_rank(1, gpus=1)
+    with pytest.raises(ValueError, match=r"^--device cuda: 2 local ranks \(torchrun --nproc-per-node\) but 1 GPU; "):
+        distributed.setup("cuda")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_gpu_for_every_local_rank_takes_cuda_local_rank(torchrun_rank, rank):
+    chosen = torchrun_rank(rank, gpus=2)
+    assert distributed.setup("auto").device == torch.device("cuda", rank) == chosen[0]

@@ -15,23 +15,35 @@ be added with :func:`register_backend` without touching them:
 
 - ``reference``: the seeds' formula written out, with an additive 0/-inf mask; returns weights;
 - ``sdpa``: PyTorch's fused kernel, ``is_causal=True`` only when exactly right (pure causal,
-  ``Tq == Tk``, query row i at position i), the materialized bool mask otherwise;
+  ``Tq == Tk``, query row i at position i), the materialized mask otherwise;
 - ``sdpa_blocks``: a causal / contiguous-padding mask run as unmasked SDPA calls over the real
-  tokens (see :class:`SdpaCall`), no ``Tq x Tk`` mask; other masks as ``sdpa``;
-- ``auto``: the fastest correct choice: ``reference`` for weights, ``sdpa_blocks`` when a cost
-  model says the blocks are cheaper than one dense call (measured in docs/benchmarks.md), else
-  ``sdpa``.
+  tokens (see :class:`SdpaCall`), no ``Tq x Tk`` mask; other masks as ``sdpa``. A Python loop of
+  kernel calls: for the CPU;
+- ``flex``: compiled FlexAttention with the mask's ``BlockMask`` (:meth:`attnmask.masks.Mask.block_mask`),
+  built once per prepared mask. Training and inference on CUDA; inference only on the CPU (torch has
+  no CPU backward for it); no attention dropout;
+- ``auto``: the fastest correct choice for the device: ``reference`` for weights; on the CPU,
+  ``sdpa_blocks`` when a cost model says the blocks are cheaper than one dense call (measured in
+  docs/benchmarks.md), else ``sdpa``; on an accelerator, ``sdpa`` with ``is_causal`` for pure
+  causal, ``flex`` for structured masks, ``sdpa`` with the dense mask for literal tensors,
+  predicates, and when attention dropout is on -- never a loop of kernel launches.
+
+No kernel choice reads a mask back to the host on an accelerator or under ``torch.compile``: masks
+are checked where they are built (lengths) or where a raw tensor enters :func:`attention`, and the
+prepared forms are built from device tensors.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnmask import masks as M
 from attnmask.attention.plan import PreparedMask, SdpaCall, prepare_mask
 
 # ---------------------------------------------------------------------------------------------
@@ -85,9 +97,8 @@ def _sdpa(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     if return_weights:
         raise ValueError("backend 'sdpa' cannot return attention weights; use backend='reference' (or 'auto')")
     groups = q.shape[1] // k.shape[1]
-    attn_mask, empty = pm.allowed, pm.empty_rows
-    if attn_mask is not None and empty is not None:
-        attn_mask = attn_mask | empty  # SDPA would give NaN for rows with nothing to attend to
+    empty = pm.empty_rows
+    attn_mask = pm.sdpa_mask(q.dtype)  # empty rows opened: SDPA would give NaN for them
     out = F.scaled_dot_product_attention(
         q,
         k,
@@ -125,6 +136,8 @@ def _blocks(q, k, v, blocks: tuple[SdpaCall, ...], *, scale, dropout_p) -> Tenso
             qb, kb, vb, attn_mask=tril, dropout_p=dropout_p, is_causal=blk.diag == 0, scale=scale, enable_gqa=gqa
         )  # (n, H, q1 - q0, D)
 
+    if len(blocks) == 1 and _covers(blocks[0], B, Tq):
+        return run(q, k, v, blocks[0])  # one call for the whole batch (e.g. causal, nothing padded)
     plans: list[list[SdpaCall]] = [[] for _ in range(B)]
     for blk in blocks:
         for b in blk.rows:
@@ -181,7 +194,15 @@ def _covers(blk: SdpaCall, B: int, Tq: int) -> bool:
 
 def _use_blocks(q: Tensor, k: Tensor, pm: PreparedMask) -> bool:
     """Whether the block plan beats one SDPA call with the dense mask: the blocks skip padding (and,
-    for long causal blocks, half the scores) but each costs a kernel call."""
+    for long causal blocks, half the scores) but each costs a kernel call. Decided once per
+    PreparedMask and head count."""
+    key = ("blocks", q.shape[1], q.device)
+    if key not in pm.choices:
+        pm.choices[key] = _blocks_cheaper(q, k, pm)
+    return pm.choices[key]
+
+
+def _blocks_cheaper(q: Tensor, k: Tensor, pm: PreparedMask) -> bool:
     if not pm.blocks:  # no plan, or every row empty: the dense path keeps the autograd graph
         return False
     B, H, Tq, _ = q.shape
@@ -204,12 +225,103 @@ def _sdpa_blocks(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights)
     return _blocks(q, k, v, pm.blocks, scale=scale, dropout_p=dropout_p), None
 
 
+# ---------------------------------------------------------------------------------------------
+# FlexAttention
+# ---------------------------------------------------------------------------------------------
+FLEX_COMPILE = True  # False: eager FlexAttention (same masks and maths, unfused); tests use it for speed
+_FLEX_COMPILED: dict[str, Callable] = {}  # device type -> compiled flex_attention
+# the dtypes compiled FlexAttention takes on the CPU (torch 2.13: no float64)
+_CPU_FLEX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def flex_available() -> bool:
+    """Whether the installed torch has FlexAttention (``torch.nn.attention.flex_attention``, torch >= 2.5)."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flex_kernel(q: Tensor):
+    """FlexAttention as it should run for ``q``: traced as is inside ``torch.compile``, compiled
+    once per process otherwise (the fused kernel), eager where compiling is off or unsupported."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if not FLEX_COMPILE or (q.device.type == "cpu" and q.dtype not in _CPU_FLEX_DTYPES):
+
+        def eager(*args, **kwargs):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+                return flex_attention(*args, **kwargs)
+
+        return eager
+    kind = q.device.type
+    if kind not in _FLEX_COMPILED:
+        # CPU: one kernel per shape -- torch 2.13's C++ template fails to build with dynamic shapes
+        # (measured: a second sequence length raised a CppCompileError). CUDA: automatic dynamic
+        # shapes, so that a new sequence length compiles once more and then stays dynamic.
+        _FLEX_COMPILED[kind] = torch.compile(flex_attention, dynamic=False if kind == "cpu" else None)
+    return _FLEX_COMPILED[kind]
+
+
+def _flex(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
+    """Compiled FlexAttention with the mask's ``BlockMask`` (built once per PreparedMask, so once per
+    forward for every layer). Fully masked rows give zero output and zero gradient by FlexAttention's
+    own definition. Training on CUDA; on the CPU inference only (torch has no CPU backward for it)."""
+    if return_weights:
+        raise ValueError("backend 'flex' cannot return attention weights; use backend='reference' (or 'auto')")
+    if dropout_p > 0:
+        raise ValueError(
+            "backend 'flex' has no attention dropout (FlexAttention does not implement it); use backend='auto' "
+            "(SDPA when dropout is on) or 'sdpa'"
+        )
+    if not flex_available():
+        raise ValueError(f"backend 'flex' needs FlexAttention (torch >= 2.5); this is torch {torch.__version__}")
+    if q.device.type == "cpu":
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError(
+                f"backend 'flex' on the CPU is inference-only: FlexAttention in torch {torch.__version__} has no CPU "
+                "backward. Run it under torch.no_grad() (or inference_mode), or train with backend='auto' "
+                "(SDPA and the block plan on the CPU)"
+            )
+        q, k, v = q.detach(), k.detach(), v.detach()  # FlexAttention refuses CPU tensors that require grad
+    out = _flex_kernel(q)(
+        q, k, v, block_mask=pm.block_mask(q.device), scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )  # (B, H, Tq, D)
+    return out, None
+
+
+def _flex_suits(pm: PreparedMask) -> bool:
+    """A structured mask FlexAttention runs without a dense tensor: built from attnmask's own masks
+    (causal, padding, windows, prefix LM, documents and their algebra), no literal tensor or user
+    predicate (which may not trace)."""
+    if pm.mask is None:
+        return False
+    from attnmask.masks.core import _walk
+
+    return not any(isinstance(p, (M.TensorMask, M.Predicate)) for p in _walk(pm.mask))
+
+
 def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
-    """The fastest correct choice: weights need the reference kernel; a causal / contiguous padding
-    mask runs as unmasked SDPA blocks when that is cheaper; anything else is SDPA with the mask."""
+    """The fastest correct choice, by device.
+
+    - weights: the reference kernel;
+    - CPU: a causal / contiguous padding mask runs as unmasked SDPA blocks when the cost model says
+      that is cheaper (measured in docs/benchmarks.md); anything else is SDPA with the mask. Inside
+      ``torch.compile`` the block plan (which reads the mask on the host) is not used;
+    - GPU: never a Python loop of kernel launches: SDPA ``is_causal`` for pure causal, compiled
+      FlexAttention for structured masks (SDPA with the mask when attention dropout is on, which
+      FlexAttention lacks), SDPA with the dense mask for literal tensors and predicates.
+    """
     if return_weights:
         return _reference(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=True)
-    if not pm.is_causal and _use_blocks(q, k, pm):
+    if q.device.type != "cpu":
+        if not pm.is_causal and dropout_p == 0 and _flex_suits(pm) and flex_available():
+            return _flex(q, k, v, pm, scale=scale, dropout_p=0.0, return_weights=False)
+    elif not pm.is_causal and _use_blocks(q, k, pm):
         return _blocks(q, k, v, pm.blocks, scale=scale, dropout_p=dropout_p), None
     return _sdpa(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=False)
 
@@ -217,6 +329,7 @@ def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
 register_backend("reference", _reference)
 register_backend("sdpa", _sdpa)
 register_backend("sdpa_blocks", _sdpa_blocks)
+register_backend("flex", _flex)
 register_backend("auto", _auto)
 
 
@@ -243,7 +356,8 @@ def attention(
             cache's write position); bottom-right masks place the queries at the last Tq keys and
             need 0 (see :mod:`attnmask.masks`, "Positions and causal alignment").
         backend: a name in :data:`BACKENDS`: ``"reference"`` (the seeds' formula, returns weights),
-            ``"sdpa"`` (PyTorch's fused kernel with the mask) or ``"auto"`` (the fastest correct one).
+            ``"sdpa"`` (PyTorch's fused kernel with the mask), ``"sdpa_blocks"``, ``"flex"``
+            (FlexAttention) or ``"auto"`` (the fastest correct one for the device).
         return_weights: also return the ``(B, H, Tq, Tk)`` attention weights (reference kernel).
 
     Returns:

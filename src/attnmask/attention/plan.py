@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,7 +15,7 @@ import torch
 from torch import Tensor
 
 from attnmask import masks as M
-from attnmask.masks.lint import _lint_bool_tensor
+from attnmask.masks.lint import _lint_bool_tensor, _lint_inverted
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,20 +40,45 @@ class SdpaCall:
 
 
 _UNSET = object()
+_ADDITIVE_MAX = 256 * 256  # Tq * Tk up to which the CPU SDPA path gets an additive mask (see sdpa_mask)
+
+
+def _host_readable(device: torch.device | None) -> bool:
+    """Whether reading mask values back to Python is free: CPU tensors outside ``torch.compile``.
+    Everywhere else (a GPU, a compiled graph) the prepared mask is built from device tensors only."""
+    return (device is None or device.type == "cpu") and not torch.compiler.is_compiling()
+
+
+class _State:
+    """The forms of a prepared mask built so far. It holds tensors and plans only -- never the Mask
+    -- so that a Mask may keep its last state (see :func:`prepare_mask`) without a reference cycle."""
+
+    __slots__ = ("allowed", "empty", "blocks", "sdpa_masks", "choices")
+
+    def __init__(self, allowed=_UNSET, empty=_UNSET, blocks=_UNSET):
+        self.allowed, self.empty, self.blocks = allowed, empty, blocks
+        self.sdpa_masks: dict[torch.dtype, Tensor | None] = {}
+        self.choices: dict[tuple, object] = {}
 
 
 class PreparedMask:
     """A mask resolved for one ``(B, H, Tq, Tk)`` problem: built once per forward, shared by layers.
 
-    What kernels read:
+    What kernels read (every form is built lazily, on first use, and then kept):
 
     - ``is_causal``: pure causal with ``Tq == Tk``, query row ``i`` at position ``i`` and nothing
       else masked -- exactly SDPA's ``is_causal=True`` (``allowed`` is then None);
     - ``allowed``: bool, broadcastable to ``(B, H, Tq, Tk)``, True = may attend; None when nothing
       is masked or ``is_causal``. For a structured mask it is materialized on first use only;
-    - ``empty_rows``: bool ``(B|1, H|1, Tq, 1)``, query rows that may attend to nothing, or None;
+    - ``empty_rows``: bool ``(B|1, H|1, Tq, 1)``, query rows that may attend to nothing, or None.
+      On the CPU it is None when no row is empty; elsewhere (GPU, ``torch.compile``) it is always the
+      tensor, so that nothing is read back to the host;
     - ``blocks``: the mask as :class:`SdpaCall` calls needing no mask tensor, or None when the mask is
-      not of that form (only causal and contiguous padding are).
+      not of that form (only causal and contiguous padding are). Planned from values read on the
+      host, so only for CPU tensors outside ``torch.compile`` (None elsewhere);
+    - :meth:`sdpa_mask`: the ``attn_mask`` the SDPA backends pass;
+    - :meth:`block_mask`: FlexAttention's ``BlockMask`` of the mask on a device;
+    - ``choices``: decisions a backend made for this mask (e.g. ``auto``'s block plan or not).
     """
 
     def __init__(
@@ -62,27 +89,113 @@ class PreparedMask:
         q_len: int = 0,
         kv_len: int = 0,
         *,
-        blocks: tuple[SdpaCall, ...] | None = None,
+        blocks: tuple[SdpaCall, ...] | None = _UNSET,  # type: ignore[assignment]
         build: Callable[[], Tensor] | None = None,
+        mask: M.Mask | None = None,
+        batch_size: int | None = None,
+        q_offset: int = 0,
+        device: torch.device | str | None = None,
+        state: _State | None = None,
     ):
         if is_causal and (allowed is not None or build is not None):
             raise ValueError("PreparedMask: is_causal=True takes no allowed tensor (the causal mask is implied)")
-        self.is_causal, self.q_len, self.kv_len, self.blocks = is_causal, q_len, kv_len, blocks
-        self._allowed, self._build, self._empty = allowed, build, empty_rows
+        self.is_causal, self.q_len, self.kv_len = is_causal, q_len, kv_len
+        self.mask, self.batch_size, self.q_offset = mask, batch_size, q_offset
+        self.device = None if device is None else torch.device(device)
+        if state is None:
+            state = _State(_UNSET if build is not None else allowed, empty_rows, blocks)
+        self._state, self._build = state, build
+        self._block_masks: dict[torch.device, object] = {}  # not in the state: a BlockMask refers to the Mask
+
+    @property
+    def choices(self) -> dict[tuple, object]:
+        return self._state.choices
 
     @property
     def allowed(self) -> Tensor | None:
-        if self._build is not None:
-            self._allowed, self._build = self._build(), None
-        return self._allowed
+        st = self._state
+        if st.allowed is _UNSET:
+            st.allowed = self._build() if self._build is not None else None
+        return st.allowed
+
+    @property
+    def blocks(self) -> tuple[SdpaCall, ...] | None:
+        st = self._state
+        if st.blocks is _UNSET:
+            st.blocks = None
+            if self.mask is not None and self.batch_size is not None and _host_readable(self.device):
+                q_start = M.query_start(self.mask, self.q_len, self.kv_len, self.q_offset)
+                st.blocks = _plan_blocks(self.mask.parts(), self.batch_size, self.q_len, self.kv_len, q_start)
+        return st.blocks
 
     @property
     def empty_rows(self) -> Tensor | None:
-        if self._empty is _UNSET:
+        st = self._state
+        if st.empty is _UNSET:
+            st.empty = None
+            if self.is_causal:
+                return None
+            readable = _host_readable(self.device)
+            if readable and self.blocks is not None and self.batch_size is not None:
+                # with a block plan, a query row is empty exactly when no block covers it: no need
+                # to scan the (B, Tq, Tk) tensor when every row is covered
+                rows = sum(len(b.rows) * (b.q1 - b.q0) for b in self.blocks)
+                if rows == self.batch_size * self.q_len:
+                    return None
             allowed = self.allowed
-            empty = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Tq|1, 1)
-            self._empty = empty if empty is not None and bool(empty.any()) else None
-        return self._empty
+            if allowed is not None:
+                empty = ~allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Tq|1, 1)
+                readable = readable and empty.device.type == "cpu"
+                st.empty = None if readable and not bool(empty.any()) else empty
+        return st.empty
+
+    def sdpa_mask(self, dtype: torch.dtype) -> Tensor | None:
+        """The ``attn_mask`` for SDPA: ``allowed`` with empty rows opened (SDPA would give NaN there;
+        the backend zeroes them after). On the CPU, for short sequences, an additive mask in the
+        scores' dtype, built once and shared by every layer: SDPA turns a bool mask into one on every
+        call, which costs ~2-3% of the call at T <= 256 (measured, benchmarks/attention.py)."""
+        cache = self._state.sdpa_masks
+        if dtype in cache:
+            return cache[dtype]
+        attn_mask, empty = self.allowed, self.empty_rows
+        if attn_mask is not None and empty is not None:
+            attn_mask = attn_mask | empty
+        if (
+            attn_mask is not None
+            and attn_mask.device.type == "cpu"
+            and self.q_len * self.kv_len <= _ADDITIVE_MAX
+            and not torch.compiler.is_compiling()
+        ):
+            attn_mask = torch.zeros(attn_mask.shape, dtype=dtype).masked_fill_(~attn_mask, float("-inf"))
+        cache[dtype] = attn_mask
+        return attn_mask
+
+    def block_mask(self, device: torch.device | str):
+        """FlexAttention's ``BlockMask`` for this problem on ``device`` (None when nothing is masked),
+        built on first use and shared by every layer: from the structured mask's ``mask_mod`` when
+        there is one, else from the ``allowed`` tensor (which may differ per head)."""
+        device = torch.device(device)
+        if device in self._block_masks:
+            return self._block_masks[device]
+        B = self.batch_size
+        if self.is_causal:
+            bm = M.causal().block_mask(B or 1, self.q_len, self.kv_len, device=device)
+        elif self.mask is not None:
+            bm = self.mask.block_mask(B, self.q_len, self.kv_len, device=device, q_offset=self.q_offset)
+        elif self.allowed is not None:
+            allowed = self.allowed.to(device)  # (B|1, H|1, Tq, Tk)
+            Bm, Hm, Tq, Tk = allowed.shape
+
+            def mod(b, h, q_idx, kv_idx):
+                return allowed[b.clamp(0, Bm - 1), h.clamp(0, Hm - 1), q_idx.clamp(0, Tq - 1), kv_idx.clamp(0, Tk - 1)]
+
+            from attnmask.masks.core import _create_block_mask
+
+            bm = _create_block_mask(mod, None if Bm == 1 else Bm, self.q_len, self.kv_len, device, 128, heads=Hm)
+        else:
+            bm = None
+        self._block_masks[device] = bm
+        return bm
 
     def dense(self, device=None) -> Tensor | None:
         """The bool mask as a tensor (materializing the causal fast path if needed)."""
@@ -95,8 +208,9 @@ class PreparedMask:
         return self.allowed
 
     def __repr__(self) -> str:
-        kind = "causal" if self.is_causal else "none" if self._allowed is None and self._build is None else "dense"
-        blocks = "" if self.blocks is None else f", {len(self.blocks)} blocks"
+        st = self._state
+        kind = "causal" if self.is_causal else "none" if st.allowed is None and self._build is None else "dense"
+        blocks = "" if st.blocks is _UNSET or st.blocks is None else f", {len(st.blocks)} blocks"
         return f"PreparedMask({kind}, Tq={self.q_len}, Tk={self.kv_len}{blocks})"
 
 
@@ -116,34 +230,74 @@ def prepare_mask(
     ``mask`` is None, a :class:`~attnmask.masks.Mask`, a bool tensor (True = may attend) or an
     additive float tensor (0 / -inf), broadcastable to ``(B, H, Tq, Tk)``; ``dtype`` is the dtype of
     the scores (an additive value it cannot hold is an error). Raises ValueError/TypeError.
+
+    A structured mask is checked here against the problem's sizes only (its values were checked
+    where it was built); nothing is read back from the device, so this runs per forward on a GPU
+    and under ``torch.compile`` without a sync or a graph break. A raw tensor is linted here
+    (polarity, additive values: a host read), once per tensor while it is unchanged.
     """
     if isinstance(mask, PreparedMask):
         return mask
     if mask is None:
-        return PreparedMask(q_len=q_len, kv_len=kv_len)
+        return PreparedMask(q_len=q_len, kv_len=kv_len, batch_size=batch_size, device=device)
     if isinstance(mask, M.Mask):
-        q_start = mask.validate(batch_size, q_len, kv_len, q_offset, device=device)
-        parts = mask.parts()
-        if all(isinstance(p, M.Causal) for p in parts) and q_len == kv_len and q_start == 0:
-            return PreparedMask(is_causal=True, q_len=q_len, kv_len=kv_len)
-        blocks = _plan_blocks(parts, batch_size, q_len, kv_len, q_start)
-        # with a block plan, a query row is empty exactly when no block covers it: no need to scan
-        # the (B, Tq, Tk) tensor for empty rows when every row is covered
-        covered = blocks is not None and sum(len(b.rows) * (b.q1 - b.q0) for b in blocks) == batch_size * q_len
-        return PreparedMask(
-            q_len=q_len,
-            kv_len=kv_len,
-            empty_rows=None if covered else _UNSET,
-            blocks=blocks,
-            build=lambda: mask.to_bool(batch_size, q_len, kv_len, q_offset, device=device),  # (B, 1, Tq, Tk)
-        )
+        # A mask object passed again for the same problem (every layer of a model calling attention()
+        # with it, say) reuses what was built for it: validation, block plan, dense tensors. The mask
+        # keeps that _State only (no reference back to itself) while its tensors are unchanged.
+        key = _cache_key(mask, batch_size, q_len, kv_len, q_offset, device)
+        cached = getattr(mask, "_prepared", None)
+        hit = key is not None and cached is not None and cached[0] == key
+        if hit:
+            is_causal, state = cached[1], cached[2]
+        else:
+            q_start = mask.validate(batch_size, q_len, kv_len, q_offset, device=device)
+            parts = mask.parts()
+            is_causal = all(isinstance(p, M.Causal) for p in parts) and q_len == kv_len and q_start == 0
+            state = None
+        if is_causal:
+            pm = PreparedMask(
+                is_causal=True, q_len=q_len, kv_len=kv_len, batch_size=batch_size, device=device, state=state
+            )
+        else:
+            pm = PreparedMask(
+                q_len=q_len,
+                kv_len=kv_len,
+                build=lambda: mask.to_bool(batch_size, q_len, kv_len, q_offset, device=device),  # (B, 1, Tq, Tk)
+                mask=mask,
+                batch_size=batch_size,
+                q_offset=q_offset,
+                device=device,
+                state=state,
+            )
+        if key is not None and not hit:
+            mask._prepared = (key, is_causal, pm._state)
+        return pm
     if isinstance(mask, Tensor):
         allowed = _lint_tensor(mask, batch_size, num_heads, q_len, kv_len, device, dtype)
-        return PreparedMask(allowed, q_len=q_len, kv_len=kv_len)
+        return PreparedMask(allowed, q_len=q_len, kv_len=kv_len, batch_size=batch_size, device=device)
     raise TypeError(
         f"mask must be None, an attnmask Mask, or a tensor (bool True = may attend, or additive float), "
         f"got {type(mask).__name__}"
     )
+
+
+def _cache_key(mask: M.Mask, B: int, Tq: int, Tk: int, q_offset: int, device) -> tuple | None:
+    """What a mask's last PreparedMask was made for: the problem and the version counters of the
+    mask's tensors (an in-place edit of lengths or keep invalidates it). None -- no caching -- under
+    ``torch.compile``, for masks with user predicates (whose closures may change unseen) and for
+    inference tensors (made under ``torch.inference_mode``: they have no version counter)."""
+    if torch.compiler.is_compiling():
+        return None
+    versions = []
+    for p in M.core._walk(mask):
+        if isinstance(p, M.Predicate):
+            return None
+        for v in vars(p).values():
+            if isinstance(v, Tensor):
+                if v.is_inference():  # no version counter to tell an in-place edit: no caching
+                    return None
+                versions.append(v._version)
+    return (B, Tq, Tk, q_offset, None if device is None else torch.device(device), tuple(versions))
 
 
 def _plan_blocks(parts: list[M.Mask], B: int, Tq: int, Tk: int, q_start: int) -> tuple[SdpaCall, ...] | None:
@@ -207,12 +361,49 @@ def _lint_tensor(t: Tensor, B: int, H: int, Tq: int, Tk: int, device, dtype) -> 
     for got, want, name in zip(shape4, (B, H, Tq, Tk), ("B", "H", "Tq", "Tk")):
         if got not in (1, want):
             raise ValueError(f"mask has shape {tuple(t.shape)}, expected broadcastable to {expected} ({name} differs)")
+    if torch.compiler.is_compiling():  # shapes only: the values were linted where the tensor was made
+        if t.dtype == torch.bool:
+            return t.reshape(shape4)
+        if t.dtype.is_floating_point:
+            return (t == 0).reshape(shape4)
+        _lint_bool_tensor(t, "mask")  # raises the polarity / dtype error
     if t.dtype == torch.bool:
-        M.lint_polarity(t)
+        if _linted(t, None) is None:
+            M.lint_polarity(t)
+            _remember(t, None, t)
         allowed = t
     elif t.dtype.is_floating_point:
-        allowed = M.additive_to_bool(t, dtype)
+        allowed = _linted(t, dtype)
+        if allowed is None:
+            allowed = M.additive_to_bool(t, dtype)
+            _lint_inverted(allowed, "mask", additive=True)
+            _remember(t, dtype, allowed)
     else:
         _lint_bool_tensor(t, "mask")  # raises the polarity / dtype error
         raise AssertionError("unreachable")
     return allowed.reshape(shape4)  # (B|1, H|1, Tq, Tk); reshape: the mask may be a non-contiguous view
+
+
+# Raw tensors linted lately, so that a mask passed to every layer (or every decoding step) is read
+# on the host once while it is unchanged: id -> (weak reference, version counter, scores dtype, allowed).
+_LINTED: dict[int, tuple] = {}
+_LINTED_MAX = 16
+
+
+def _linted(t: Tensor, dtype) -> Tensor | None:
+    if t.is_inference():  # no version counter: linted every time
+        return None
+    entry = _LINTED.get(id(t))
+    if entry is None:
+        return None
+    ref, version, want, allowed = entry
+    return allowed if ref() is t and version == t._version and want == dtype else None
+
+
+def _remember(t: Tensor, dtype, allowed: Tensor) -> None:
+    if t.is_inference():
+        return
+    if len(_LINTED) >= _LINTED_MAX:
+        _LINTED.pop(next(iter(_LINTED)))
+    with contextlib.suppress(TypeError):  # a tensor subclass without weak references: linted every time
+        _LINTED[id(t)] = (weakref.ref(t), t._version, dtype, allowed)

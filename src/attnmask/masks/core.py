@@ -44,13 +44,27 @@ ALIGNMENTS = ("bottom_right", "top_left")
 
 @dataclass(frozen=True)
 class _Ctx:
-    """What a predicate may need beyond the index tensors."""
+    """What a predicate may need beyond the index tensors.
 
-    batch_size: int
-    q_len: int
-    kv_len: int
+    ``dense``: the index tensors broadcast over the whole ``(B, 1, Tq, Tk)`` problem (materializing);
+    False inside a ``mask_mod``, where FlexAttention calls the predicate on (vmapped) scalar indices.
+    Lengths are None in a ``mask_mod`` built without them.
+    """
+
+    batch_size: int | None
+    q_len: int | None
+    kv_len: int | None
     q_start: int  # absolute position of query row 0
-    device: torch.device
+    device: torch.device | None
+    dense: bool = True
+
+    def on_device(self, t: Tensor) -> Tensor:
+        return t if self.device is None else t.to(self.device)
+
+
+def _batch_index(b: Tensor, rows: int) -> Tensor:
+    """Index into a per-batch tensor of ``rows`` rows: ``b`` itself, or 0 for a broadcast row."""
+    return b.clamp(0, rows - 1)
 
 
 class Mask:
@@ -155,8 +169,89 @@ class Mask:
         out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return out.masked_fill_(~allowed, blocked)
 
+    # -- lowering to FlexAttention ------------------------------------------------------------
+    def _batch_free(self) -> bool:
+        """True when the mask is the same for every batch row (FlexAttention then broadcasts it)."""
+        return False
+
+    def mask_mod(
+        self,
+        q_len: int | None = None,
+        kv_len: int | None = None,
+        q_offset: int = 0,
+        *,
+        device: torch.device | str | None = None,
+    ):
+        """This mask as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
+
+        ``q_idx`` is the query *row* (0..Tq-1) and ``kv_idx`` the key column, as FlexAttention passes
+        them; the mask_mod places row ``q_idx`` at absolute position ``q_start + q_idx`` (see
+        "Positions and causal alignment"). With ``q_len`` and ``kv_len`` given it is exact for that
+        ``(Tq, Tk)`` problem; without them it assumes ``Tq == Tk`` (query row i at position
+        ``q_offset + i``), and a left-padded ``lengths=`` mask, which needs the padded length, raises.
+        ``device``: where the mask's index tensors (lengths, keep, segment ids) are moved once, i.e.
+        the device of the attention call. Pure tensor code, no host reads: usable under ``vmap`` and
+        ``torch.compile``, e.g. ``create_block_mask(mask.mask_mod(Tq, Tk), B, None, Tq, Tk, device=...)``
+        (what :meth:`block_mask` does).
+        """
+        if (q_len is None) != (kv_len is None):
+            raise ValueError("mask_mod needs both q_len and kv_len, or neither (then Tq == Tk is assumed)")
+        q_start = query_start(self, q_len or 0, kv_len or 0, q_offset)
+        ctx = _Ctx(None, q_len, kv_len, q_start, None if device is None else torch.device(device), dense=False)
+        root = self
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return root._eval(ctx, b, h, q_idx + q_start, kv_idx)
+
+        mask_mod.__name__ = f"attnmask_{type(self).__name__.lower()}"
+        return mask_mod
+
+    def block_mask(
+        self,
+        batch_size: int,
+        q_len: int,
+        kv_len: int,
+        *,
+        device: torch.device | str | None = None,
+        q_offset: int = 0,
+        block_size: int | tuple[int, int] = 128,
+    ):
+        """A FlexAttention ``BlockMask`` for a ``(B, Tq, Tk)`` problem, shared by every head.
+
+        Built by ``torch.nn.attention.flex_attention.create_block_mask`` on ``device`` (default: the
+        device of the mask's own tensors, else the CPU -- never CUDA behind your back); compiled on
+        CUDA, where building it eagerly would materialize ``B x Tq x Tk``. Build it once per batch
+        shape and reuse it in every layer, as attnmask's ``flex`` backend does. Validates the mask
+        for the problem first (shapes, alignment, devices), so errors name the mask, not a kernel.
+        """
+        if device is None:
+            device = next((d for d in (p._device() for p in _walk(self)) if d is not None), torch.device("cpu"))
+        device = torch.device(device)
+        self.validate(batch_size, q_len, kv_len, q_offset, device=device)
+        mod = self.mask_mod(q_len, kv_len, q_offset, device=device)
+        B = None if self._batch_free() else batch_size
+        return _create_block_mask(mod, B, q_len, kv_len, device, block_size)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+_COMPILED_BUILDER = None
+
+
+def _create_block_mask(mod, B: int | None, q_len: int, kv_len: int, device: torch.device, block_size, heads=None):
+    """``create_block_mask`` on ``device``: compiled on accelerators (eagerly it vmaps the mask_mod
+    over the whole ``B x Tq x Tk`` grid), eager on the CPU, traced as is inside ``torch.compile``."""
+    global _COMPILED_BUILDER
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    build = create_block_mask
+    if device.type != "cpu" and not torch.compiler.is_compiling():
+        if _COMPILED_BUILDER is None:
+            _COMPILED_BUILDER = torch.compile(create_block_mask, dynamic=False)
+        build = _COMPILED_BUILDER
+    H = None if heads in (None, 1) else heads
+    return build(mod, B, H, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
 
 
 def _as_mask(m) -> Mask:
@@ -236,6 +331,9 @@ class And(Mask):
     def parts(self) -> list[Mask]:
         return [p for c in self.children for p in c.parts()]
 
+    def _batch_free(self):
+        return all(c._batch_free() for c in self.children)
+
     def _eval(self, ctx, b, h, q, kv):
         out = self.children[0]._eval(ctx, b, h, q, kv)
         for c in self.children[1:]:
@@ -250,6 +348,9 @@ class Or(Mask):
     def __init__(self, *children: Mask):
         self.children = tuple(children)
 
+    def _batch_free(self):
+        return all(c._batch_free() for c in self.children)
+
     def _eval(self, ctx, b, h, q, kv):
         out = self.children[0]._eval(ctx, b, h, q, kv)
         for c in self.children[1:]:
@@ -263,6 +364,9 @@ class Or(Mask):
 class Not(Mask):
     def __init__(self, child: Mask):
         self.children = (child,)
+
+    def _batch_free(self):
+        return self.children[0]._batch_free()
 
     def _eval(self, ctx, b, h, q, kv):
         return ~self.children[0]._eval(ctx, b, h, q, kv)
@@ -290,9 +394,17 @@ class TensorMask(Mask):
                 f"(B={batch_size}, 1, Tq={q_len}, Tk={kv_len})"
             )
 
+    def _batch_free(self):
+        return self.tensor.dim() == 2 or self.tensor.shape[0] == 1
+
     def _eval(self, ctx, b, h, q, kv):
-        t = self.tensor.to(ctx.device)
-        return t if t.dim() == 4 else t.view(1, 1, *t.shape)
+        t = ctx.on_device(self.tensor)
+        t = t if t.dim() == 4 else t.view(1, 1, *t.shape)  # (B|1, 1, Tq|1, Tk|1)
+        if ctx.dense:
+            return t
+        # a mask_mod: gather the element, broadcast dimensions (size 1) read index 0
+        row = q - ctx.q_start
+        return t[_batch_index(b, t.shape[0]), 0, row.clamp(0, t.shape[2] - 1), kv.clamp(0, t.shape[3] - 1)]
 
     def __repr__(self):
         return f"TensorMask(shape={tuple(self.tensor.shape)})"

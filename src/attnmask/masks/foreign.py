@@ -9,15 +9,18 @@ import torch
 from torch import Tensor
 
 from attnmask.masks.core import And, Mask, TensorMask
-from attnmask.masks.lint import additive_to_bool, check_additive
+from attnmask.masks.lint import _lint_inverted, additive_to_bool, check_additive
 from attnmask.masks.structured import KeyPadding, padding
 
 
 def from_additive(t: Tensor, dtype: torch.dtype | None = None) -> TensorMask:
     """From an additive mask ``(Tq, Tk)`` or ``(B, 1, Tq, Tk)`` (0 = attend; -inf, finfo.min or
     <= -1e4 = blocked). ``dtype`` is the dtype the scores will have; a value that overflows it is an
-    error (e.g. -1e9 for float16)."""
-    return TensorMask(additive_to_bool(t, dtype))
+    error (e.g. -1e9 for float16), and so is an inverted causal mask (0 where blocked, see
+    :func:`lint_polarity`)."""
+    allowed = additive_to_bool(t, dtype)
+    _lint_inverted(allowed, "additive mask", additive=True)
+    return TensorMask(allowed)
 
 
 def to_mha(mask: Mask, batch_size: int, q_len: int, kv_len: int, num_heads: int) -> Tensor:

@@ -46,21 +46,49 @@ def _lint_bool_tensor(t, name: str) -> Tensor:
 
 
 def lint_polarity(t: Tensor, name: str = "mask") -> None:
-    """Raise on a bool mask that is exactly an *inverted* causal mask (True strictly above the
-    diagonal, the last query seeing nothing): ``nn.MultiheadAttention``'s / TensorFlow's look-ahead
-    mask (True = blocked) passed where attnmask expects True = may attend. Applied where users hand
-    in raw bool tensors (:func:`from_tensor`, ``attention``), not to converters' outputs. Only
-    square masks of 4 x 4 or more are judged, so that small hand-made masks are left alone."""
-    n = t.shape[-1]
-    if t.dim() < 2 or t.shape[-2] != n or n < 4:
+    """Raise where ``attention`` would reject ``t``'s polarity, and on the one mistake a shape
+    cannot show: a mask that is exactly an *inverted* causal mask.
+
+    - bool: True strictly above the diagonal, the last query seeing nothing -- ``nn.MultiheadAttention``'s
+      / TensorFlow's look-ahead mask (True = blocked) passed where attnmask expects True = may attend;
+    - floating: an additive mask (0 = attend, -inf / finfo.min = blocked) whose allowed positions
+      are exactly that pattern (0 above the diagonal, -inf on and below it); a float mask of only
+      0 and 1 (unknown polarity) or of other values is a ValueError, as ``attention`` says;
+    - integer: unknown polarity (TypeError, as ``attention`` says).
+
+    Applied where users hand in raw tensors (:func:`from_tensor`, :func:`from_additive`, ``attention``),
+    not to converters' outputs. Only square masks of 4 x 4 or more are judged for inversion, so that
+    small hand-made masks are left alone. Reads the tensor on the host: a linter for where masks
+    enter the API, not for a kernel's hot path. Returns None when nothing is wrong."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype.is_floating_point:
+        _lint_inverted(additive_to_bool(t), name, additive=True)  # additive_to_bool raises on 0/1 and soft values
+    elif t.dtype == torch.bool:
+        _lint_inverted(t, name, additive=False)
+    else:
+        _lint_bool_tensor(t, name)  # raises the dtype / polarity TypeError
+
+
+def _lint_inverted(allowed: Tensor, name: str, *, additive: bool) -> None:
+    """Raise when bool ``allowed`` (True = may attend) is exactly True above the diagonal."""
+    n = allowed.shape[-1]
+    if allowed.dim() < 2 or allowed.shape[-2] != n or n < 4:
         return
-    future = torch.ones(n, n, dtype=torch.bool, device=t.device).triu(1)  # (T, T)
-    if torch.equal(t, future.expand_as(t)):
+    future = torch.ones(n, n, dtype=torch.bool, device=allowed.device).triu(1)  # (T, T)
+    if not torch.equal(allowed, future.expand_as(allowed)):
+        return
+    if additive:
         raise ValueError(
-            f"{name} of shape {tuple(t.shape)} is True exactly above the diagonal: an inverted causal "
-            "mask (True = blocked, the nn.MultiheadAttention / TensorFlow convention)? attnmask masks are "
-            "True = may attend: use masks.causal(), or masks.from_mha(t) to convert"
+            f"{name} of shape {tuple(allowed.shape)} is 0 (attend) exactly above the diagonal and -inf (blocked) on "
+            "and below it: an inverted causal additive mask (0 where blocked)? attnmask's additive masks are "
+            "0 = may attend, -inf = blocked: use masks.causal() (or masks.causal().to_additive(...))"
         )
+    raise ValueError(
+        f"{name} of shape {tuple(allowed.shape)} is True exactly above the diagonal: an inverted causal "
+        "mask (True = blocked, the nn.MultiheadAttention / TensorFlow convention)? attnmask masks are "
+        "True = may attend: use masks.causal(), or masks.from_mha(t) to convert"
+    )
 
 
 def check_additive(t: Tensor, dtype: torch.dtype | None = None, name: str = "additive mask") -> None:

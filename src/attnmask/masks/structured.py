@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnmask.masks.core import ALIGNMENTS, Mask, _Ctx
+from attnmask.masks.core import ALIGNMENTS, Mask, _batch_index, _Ctx
 
 
 # ---------------------------------------------------------------------------------------------
@@ -28,6 +28,9 @@ class Causal(Mask):
     def __init__(self, align: str = "bottom_right"):
         self.align = _check_align(align)
 
+    def _batch_free(self):
+        return True
+
     def _eval(self, ctx, b, h, q, kv):
         return kv <= q
 
@@ -44,6 +47,9 @@ class SlidingWindow(Mask):
         self.size = size
         self.align = _check_align(align)
 
+    def _batch_free(self):
+        return True
+
     def _eval(self, ctx, b, h, q, kv):
         return (kv <= q) & (kv > q - self.size)
 
@@ -51,15 +57,31 @@ class SlidingWindow(Mask):
         return f"SlidingWindow(size={self.size}, align={self.align!r})"
 
 
-def _lengths_tensor(lengths, name: str) -> Tensor:
+def _checking() -> bool:
+    """Value checks (host reads) run where a mask is built eagerly; inside ``torch.compile`` they
+    would break the graph, and the values there come from tensors the model itself made."""
+    return not torch.compiler.is_compiling()
+
+
+def _lengths_tensor(lengths, name: str, *, allow_int: bool = False) -> Tensor:
+    if allow_int and isinstance(lengths, int) and not isinstance(lengths, bool):
+        lengths = [lengths]  # one length for every batch row
     t = torch.as_tensor(lengths)
     if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
         raise TypeError(f"{name} must be integers, got dtype {t.dtype}")
     if t.dim() != 1:
-        raise ValueError(f"{name} must have shape (B,), got {tuple(t.shape)}")
-    if (t < 0).any():
+        hint = " (a plain int is not allowed: pass one length per batch row, e.g. [3] * B)" if t.dim() == 0 else ""
+        raise ValueError(f"{name} must have shape (B,), got {tuple(t.shape)}{hint}")
+    if _checking() and t.numel() and bool((t < 0).any()):
         raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
     return t.long()
+
+
+def _max_or_none(t: Tensor | None) -> int | None:
+    """The largest value of a lengths tensor, read once where the mask is built (None when unknown)."""
+    if t is None or not t.numel() or not _checking():
+        return None
+    return int(t.max())
 
 
 class _Padding(Mask):
@@ -77,6 +99,7 @@ class _Padding(Mask):
             raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
         self.side = side
         self.lengths = _lengths_tensor(lengths, "lengths") if lengths is not None else None
+        self._max_length = _max_or_none(self.lengths)  # checked against the padded length in _check
         if keep is not None:
             keep = torch.as_tensor(keep)
             if keep.dtype != torch.bool:
@@ -103,8 +126,7 @@ class _Padding(Mask):
         if self.batch_size not in (1, batch_size):
             raise ValueError(f"{self.axis_name} padding has batch size {self.batch_size}, expected {batch_size}")
         if self.lengths is not None:
-            too_long = self.lengths > n
-            if too_long.any():
+            if self._max_length is not None and self._max_length > n:
                 raise ValueError(
                     f"{self.axis_name} padding lengths {self.lengths.tolist()} exceed the sequence length {n}"
                 )
@@ -117,7 +139,9 @@ class _Padding(Mask):
         """Each row's real tokens as one interval ``[lo, hi)`` along the padded axis of length ``n``.
 
         Returns ``(lo, hi)`` lists of ``batch_size`` ints, or None when some row's real tokens are
-        not contiguous (a ``keep`` with holes). Attention uses this to slice instead of masking.
+        not contiguous (a ``keep`` with holes). The CPU block plan uses this to slice instead of
+        masking; it reads the tensors on the host, so nothing on an accelerator or under
+        ``torch.compile`` calls it.
         """
         if self.lengths is not None:
             lengths = self.lengths.expand(batch_size).tolist()
@@ -136,19 +160,26 @@ class _Padding(Mask):
         lo, count = lo.tolist(), count.tolist()
         return lo, [a + c for a, c in zip(lo, count)]
 
-    def _real(self, ctx: _Ctx, pos: Tensor, n: int, start: int) -> Tensor:
-        """Whether absolute positions ``pos`` (any shape, last dims broadcast) are real tokens."""
-        local = pos - start  # index along the padded axis
+    def _batch_free(self):
+        return self.batch_size == 1
+
+    def _real(self, ctx: _Ctx, b: Tensor, local: Tensor, n: int | None) -> Tensor:
+        """Whether index ``local`` along the padded axis (of length ``n``) is a real token in batch
+        row ``b``; ``b`` and ``local`` are broadcast index tensors or, in a mask_mod, scalars."""
         if self.keep is not None:
-            keep = self.keep.to(ctx.device)
-            # pos is (1, 1, T, 1) or (1, 1, 1, T); gather along T for every batch row
-            idx = local.reshape(-1).clamp(0, n - 1)
-            vals = keep[:, idx]  # (B, T)
-            return vals.view(vals.shape[0], 1, *[s for s in pos.shape[2:]])
-        lengths = self.lengths.to(ctx.device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+            keep = ctx.on_device(self.keep)  # (B|1, n)
+            if ctx.dense:  # local is an arange along the padded axis: slice, no per-element gather
+                return keep[:, local.reshape(-1)].view(keep.shape[0], *local.shape[1:])  # (B|1, 1, Tq|1, Tk|1)
+            return keep[_batch_index(b, keep.shape[0]), local.clamp(0, keep.shape[1] - 1)]
+        lengths = ctx.on_device(self.lengths)  # (B|1,)
+        length = lengths.view(-1, 1, 1, 1) if ctx.dense else lengths[_batch_index(b, lengths.shape[0])]
         if self.side == "right":
-            return local < lengths
-        return local >= n - lengths
+            return local < length
+        if n is None:
+            raise ValueError(
+                f"left {self.axis_name} padding by lengths needs the padded length: call mask_mod(q_len, kv_len)"
+            )
+        return local >= n - length
 
     def __repr__(self):
         what = f"lengths={self.lengths.tolist()}" if self.lengths is not None else "keep=..."
@@ -159,7 +190,7 @@ class KeyPadding(_Padding):
     """Blocks ``<PAD>`` keys (seed 004's padding mask); cross-attention uses it over encoder keys."""
 
     def _eval(self, ctx, b, h, q, kv):
-        return self._real(ctx, kv, ctx.kv_len, 0)
+        return self._real(ctx, b, kv, ctx.kv_len)  # (B, 1, 1, Tk)
 
 
 class QueryPadding(_Padding):
@@ -171,25 +202,37 @@ class QueryPadding(_Padding):
         return q_len
 
     def _eval(self, ctx, b, h, q, kv):
-        return self._real(ctx, q, ctx.q_len, ctx.q_start)
+        return self._real(ctx, b, q - ctx.q_start, ctx.q_len)  # (B, 1, Tq, 1)
 
 
 class PrefixLM(Mask):
-    """Bidirectional over each row's prefix, causal after it (T5/UL2 prefix LM)."""
+    """Bidirectional over each row's prefix, causal after it (T5/UL2 prefix LM).
+
+    ``prefix_lengths``: (B,) ints, or one int for every row; each at most the number of keys."""
 
     def __init__(self, prefix_lengths, align: str = "bottom_right"):
-        self.prefix_lengths = _lengths_tensor(prefix_lengths, "prefix_lengths")
+        self.prefix_lengths = _lengths_tensor(prefix_lengths, "prefix_lengths", allow_int=True)
+        self._max_length = _max_or_none(self.prefix_lengths)
         self.align = _check_align(align)
 
     def _device(self):
         return self.prefix_lengths.device
 
+    def _batch_free(self):
+        return len(self.prefix_lengths) == 1
+
     def _check(self, batch_size, q_len, kv_len):
         if len(self.prefix_lengths) not in (1, batch_size):
             raise ValueError(f"prefix_lengths has {len(self.prefix_lengths)} rows, expected {batch_size}")
+        if self._max_length is not None and self._max_length > kv_len:
+            raise ValueError(
+                f"prefix_lengths {self.prefix_lengths.tolist()} exceed the sequence length {kv_len} (the keys)"
+            )
 
     def _eval(self, ctx, b, h, q, kv):
-        prefix = self.prefix_lengths.to(ctx.device).view(-1, 1, 1, 1)
+        lengths = ctx.on_device(self.prefix_lengths)
+        # (B|1, 1, 1, 1) dense; a scalar in a mask_mod
+        prefix = lengths.view(-1, 1, 1, 1) if ctx.dense else lengths[_batch_index(b, lengths.shape[0])]
         return (kv <= q) | (kv < prefix)
 
     def __repr__(self):
@@ -215,19 +258,24 @@ class Document(Mask):
                 f"segment_ids has shape {(B, T)}, expected (B={batch_size}, Tk={kv_len}) covering every key"
             )
 
+    def _batch_free(self):
+        return self.segment_ids.shape[0] == 1
+
     def _eval(self, ctx, b, h, q, kv):
-        seg = self.segment_ids.to(ctx.device)
+        seg = ctx.on_device(self.segment_ids)  # (B|1, Tk)
         # A query's segment is the segment of the key at its position, so every query must sit on a key.
-        first, last = ctx.q_start, ctx.q_start + ctx.q_len - 1
+        first, last = ctx.q_start, ctx.q_start + (ctx.q_len or 0) - 1
         if ctx.q_len and (first < 0 or last >= ctx.kv_len):
             raise ValueError(
                 f"document mask: queries sit at positions {first}..{last} but segment_ids cover keys "
                 f"0..{ctx.kv_len - 1}; expected every query position to be a key position (Tq <= Tk, and "
                 "with align='top_left' q_offset + Tq <= Tk)"
             )
-        seg_q = seg[:, q.reshape(-1)].view(seg.shape[0], 1, -1, 1)  # (B, 1, Tq, 1)
-        seg_k = seg.view(seg.shape[0], 1, 1, -1)  # (B, 1, 1, Tk)
-        return seg_q == seg_k
+        if ctx.dense:  # q and kv are aranges of positions, all on keys (checked above)
+            seg_q = seg[:, q.reshape(-1)].view(seg.shape[0], 1, -1, 1)  # (B|1, 1, Tq, 1)
+            return seg_q == seg.view(seg.shape[0], 1, 1, -1)  # (B|1, 1, Tq, Tk)
+        row, last_key = _batch_index(b, seg.shape[0]), seg.shape[1] - 1
+        return seg[row, q.clamp(0, last_key)] == seg[row, kv.clamp(0, last_key)]
 
     def __repr__(self):
         return f"Document(segment_ids shape={tuple(self.segment_ids.shape)})"
@@ -294,6 +342,8 @@ def sliding_window(size: int, align: str = "bottom_right") -> SlidingWindow:
 
 
 def prefix_lm(prefix_lengths, align: str = "bottom_right") -> PrefixLM:
+    """Bidirectional over the first ``prefix_lengths[b]`` keys of row b, causal after them.
+    ``prefix_lengths``: (B,) ints or one int for every row; longer than the keys is an error."""
     return PrefixLM(prefix_lengths, align)
 
 

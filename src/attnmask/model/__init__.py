@@ -29,9 +29,9 @@ from attnmask.model.layers import (  # noqa: F401
     sinusoidal_table,
 )
 from attnmask.model.transformer import (  # noqa: F401
-    TransformerLayer,
     ModelOutput,
     Transformer,
+    TransformerLayer,
     fuse_projections_,
     lm_loss,
 )

@@ -9,6 +9,7 @@ every collective here is the identity, so the training loop has a single code pa
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +37,12 @@ def setup(device: str = "auto") -> Dist:
     """Join the process group if launched by torchrun; pick this rank's device.
 
     ``device``: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-    Under torchrun with CUDA, each rank takes ``cuda:LOCAL_RANK``.
+    Under torchrun with CUDA, each rank takes ``cuda:LOCAL_RANK``; with more local ranks than GPUs,
+    ``auto`` runs every rank on the CPU (one notice) and ``cuda`` is an error naming the numbers.
 
     Raises:
-        ValueError: ``device`` asks for CUDA but none is available, or is not a device name.
+        ValueError: ``device`` asks for CUDA but none is available (or fewer GPUs than local
+            ranks), or is not a device name.
     """
     try:
         want = torch.device(
@@ -55,13 +58,35 @@ def setup(device: str = "auto") -> Dist:
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if want.type == "cuda":
-        want = torch.device("cuda", local_rank)
+        want = _rank_device(device, rank, local_rank)
+    if want.type == "cuda":
         torch.cuda.set_device(want)
     started = False
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if want.type == "cuda" else "gloo")
         started = True
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=want, started_group=started)
+
+
+def _rank_device(device: str, rank: int, local_rank: int) -> torch.device:
+    """``cuda:LOCAL_RANK``, when this machine has a GPU for every local rank.
+
+    With more local ranks (torchrun's ``LOCAL_WORLD_SIZE``) than GPUs, ``--device auto`` puts every
+    rank on the CPU (gloo), with a one-line notice from rank 0 -- all ranks decide alike, since they
+    read the same numbers -- and an explicit ``--device cuda`` stops with a one-line error.
+    """
+    gpus = torch.cuda.device_count()
+    local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)), local_rank + 1)
+    if local_ranks <= gpus:
+        return torch.device("cuda", local_rank)
+    numbers = f"{local_ranks} local ranks (torchrun --nproc-per-node) but {gpus} GPU{'s' if gpus != 1 else ''}"
+    if device != "auto":
+        raise ValueError(
+            f"--device {device}: {numbers}; start at most {gpus} processes per node, or use --device auto (CPU) or cpu"
+        )
+    if rank == 0:
+        print(f"distributed: {numbers}: every rank runs on the CPU (gloo)", file=sys.stderr, flush=True)
+    return torch.device("cpu")
 
 
 def teardown(ctx: Dist) -> None:
