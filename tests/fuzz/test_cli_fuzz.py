@@ -112,8 +112,42 @@ def world(tmp_path_factory):
     w = build_world(root)
     before = os.getcwd()
     os.chdir(w["scratch"])  # `attention` writes ./attention by default
-    yield w
+    with address_space_cap(ADDRESS_SPACE_HEADROOM):
+        yield w
     os.chdir(before)
+
+
+ADDRESS_SPACE_HEADROOM = 8 * 1024**3
+
+
+@contextlib.contextmanager
+def address_space_cap(headroom: int):
+    """Cap this process's address space at its present size plus ``headroom`` bytes.
+
+    A command that tries to allocate without bound then fails its example with an allocation
+    error naming the argument vector, instead of the whole test run being killed by the OOM killer.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    size = _address_space_now()
+    if size is None:
+        yield
+        return
+    cap = size + headroom if hard == resource.RLIM_INFINITY else min(size + headroom, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _address_space_now() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,6 +71,8 @@ _DEFAULT_TOLERANCE = {
     torch.bfloat16: (1.6e-2, 1e-5),
 }
 CACHE_TOLERANCE_FACTOR = 10.0
+MAX_AUDIT_LENGTH = 65_536  # tokens per audited sequence, where the model itself sets no limit
+MAX_AUDIT_DRAWS = 4_096  # random base sequences, and random tokens tried per perturbed position
 GRADIENT_EPS_FACTOR = 1e-6  # a gradient above this times eps times the largest one is not zero
 
 
@@ -175,15 +177,20 @@ class _Auditor:
         atol: float | None,
         chunk_size: int,
     ):
-        for name, val, low in (
-            ("length", length, 2),
-            ("src_length", src_length, 1),
-            ("n_sequences", n_sequences, 1),
-            ("n_replacements", n_replacements, 1),
-            ("chunk_size", chunk_size, 1),
+        for name, val, low, high in (
+            ("length", length, 2, MAX_AUDIT_LENGTH),
+            ("src_length", src_length, 1, MAX_AUDIT_LENGTH),
+            ("n_sequences", n_sequences, 1, MAX_AUDIT_DRAWS),
+            ("n_replacements", n_replacements, 1, MAX_AUDIT_DRAWS),
+            ("chunk_size", chunk_size, 1, None),
         ):
             if not isinstance(val, int) or val < low:
                 raise ValueError(f"audit {name} must be an int >= {low}, got {val!r}")
+            if high is not None and val > high:
+                raise ValueError(
+                    f"audit {name}={val} is more than {high}: the audit runs n_sequences x length x "
+                    f"n_replacements forward passes; expected {low}..{high}"
+                )
         for name, n in (("length", length), ("src_length", src_length if subject.encoder_decoder else 0)):
             if subject.max_len is not None and n > subject.max_len:
                 raise ValueError(f"audit {name}={n} exceeds the model's longest sequence {subject.max_len}")
