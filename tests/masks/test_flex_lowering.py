@@ -35,6 +35,7 @@ def problems(draw):
 def leaves(draw, B, Tq, Tk, align, q_offset):
     start = Tk - Tq if align == "bottom_right" else q_offset
     kinds = ["causal", "window", "padding", "keep", "qpad", "prefix", "predicate", "tensor", "batch_tensor"]
+    kinds.append("cross_doc")
     if start >= 0 and start + Tq <= Tk:
         kinds.append("document")  # a query's segment is that of the key at its position
     kind = draw(st.sampled_from(kinds))
@@ -58,6 +59,11 @@ def leaves(draw, B, Tq, Tk, align, q_offset):
     if kind == "document":
         seg = [sorted(draw(st.lists(st.integers(0, 2), min_size=Tk, max_size=Tk))) for _ in range(rows)]
         return masks.document(torch.tensor(seg))
+    if kind == "cross_doc":  # queries carry their own segments (packed cross-attention)
+        kseg = [sorted(draw(st.lists(st.integers(0, 2), min_size=Tk, max_size=Tk))) for _ in range(rows)]
+        qrows = draw(st.sampled_from([1, B]))
+        qseg = [sorted(draw(st.lists(st.integers(0, 2), min_size=Tq, max_size=Tq))) for _ in range(qrows)]
+        return masks.document(torch.tensor(kseg), query_segment_ids=torch.tensor(qseg))
     shape = (Tq, Tk) if kind == "tensor" else (rows, 1, draw(st.sampled_from([1, Tq])), Tk)
     n = 1
     for s in shape:

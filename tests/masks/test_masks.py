@@ -420,3 +420,15 @@ def test_from_tensor_broadcasts_like_sdpa():
     keep = torch.tensor([[True, False], [True, True]])  # (B, Tk)
     m = masks.from_tensor(keep[:, None, None, :])  # (B, 1, 1, Tk)
     assert_close(m.to_bool(2, 3, 2), masks.padding(keep=keep).to_bool(2, 3, 2))
+
+
+def test_document_with_query_segments_is_cross_attention_within_a_pair():
+    """Packed cross-attention: target sentence k (queries) sees exactly source sentence k (keys)."""
+    src_seg = torch.tensor([[0, 0, 0, 1, 1, 2, -1]])  # three sources and a padded tail
+    tgt_seg = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2, -1]])
+    got = masks.document(src_seg, query_segment_ids=tgt_seg).to_bool(1, 9, 7)[0, 0]
+    ref = tgt_seg[0].view(-1, 1) == src_seg[0].view(1, -1)
+    assert torch.equal(got, ref)
+    assert got[2].tolist() == [False, False, False, True, True, False, False]
+    with pytest.raises(ValueError, match=r"query_segment_ids has shape \(1, 9\), expected \(B=1, Tq=4"):
+        masks.document(src_seg, query_segment_ids=tgt_seg).to_bool(1, 4, 7)

@@ -54,6 +54,14 @@ _FLAGS = (
     ("Batches and optimisation", None, None, None),
     ("--batch-tokens", "batch_tokens", int, "padded tokens per batch and process (lm: batch size x block size)"),
     ("--block-size", "block_size", int, "--task lm: tokens per training sequence"),
+    (
+        "--batching",
+        "batching",
+        ("auto", "pad", "pack"),
+        "translation batches: pad (length buckets), pack (several pairs per row kept apart by document masks, "
+        "no padding computed), auto (the faster on the device: pack on CUDA, pad on the CPU)",
+    ),
+    ("--pack-length", "pack_length", int, "--batching pack: tokens per packed row"),
     ("--grad-accum", "grad_accum", int, "micro-batches per optimizer step"),
     ("--lr", "lr", float, "peak learning rate (AdamW)"),
     ("--min-lr-ratio", "min_lr_ratio", float, "cosine decay ends at lr x this"),

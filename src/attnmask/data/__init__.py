@@ -2,21 +2,25 @@
 
 - :mod:`.files`: UTF-8 / gzip corpora read with errors that name the file and line;
 - :mod:`.tokenizer`: BPE or character tokenizers (Hugging Face ``tokenizers``);
-- :mod:`.batches`: padded teacher-forcing batches (labels = target shifted by one, pads ignored);
+- :mod:`.batches`: padded and packed teacher-forcing batches (labels = target shifted by one, pads ignored);
 - :mod:`.batching`: which examples form a batch (token budgets, length buckets, LM streams);
 - :mod:`.synthetic`: generated tasks that need no download (dates to ISO 8601)."""
 
 from attnmask.data.batches import (  # noqa: F401
     IGNORE_INDEX,
+    PAD_SEGMENT,
     LMBatch,
+    PackedTranslationBatch,
     TranslationBatch,
     make_lm_batch,
+    make_packed_translation_batch,
     make_translation_batch,
     translation_lengths,
 )
 from attnmask.data.batching import (  # noqa: F401
     Lengths,
     LMStream,
+    PackingBatcher,
     TokenBucketBatcher,
     iter_eval_blocks,
     padding_fraction,

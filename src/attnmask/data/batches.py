@@ -119,6 +119,94 @@ def make_translation_batch(
     return TranslationBatch(src=src, src_lengths=src_lengths, tgt_in=tgt_in, tgt_lengths=tgt_lengths, labels=labels)
 
 
+PAD_SEGMENT = -1  # segment id of a packed row's padded tail: no sentence uses it
+
+
+@dataclass(frozen=True)
+class PackedTranslationBatch(_BatchMixin):
+    """A teacher-forcing batch with several sentence pairs per row and (almost) no padding.
+
+    Row ``b`` holds pairs ``0..n_b-1`` back to back: the sources in ``src`` and the targets in
+    ``tgt_in``/``labels``, pair ``k`` numbered ``k`` in ``src_segments`` and ``segments``. Only the
+    tail of a row shorter than the longest one is padding (``pad_id``, segment :data:`PAD_SEGMENT`,
+    label ``IGNORE_INDEX``). The model keeps pairs apart with ``document`` masks and restarts
+    positions at every sentence (:meth:`attnmask.model.Transformer.forward` with ``segments``).
+
+    Attributes:
+        src: (B, S) sources, each followed by ``<eos>``.
+        src_segments: (B, S) pair index of every source position.
+        tgt_in: (B, T) ``<sos>`` + target of each pair.
+        segments: (B, T) pair index of every target position.
+        labels: (B, T) target + ``<eos>`` of each pair.
+    """
+
+    src: torch.Tensor
+    src_segments: torch.Tensor
+    tgt_in: torch.Tensor
+    segments: torch.Tensor
+    labels: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Target tokens the loss is computed over (``labels != IGNORE_INDEX``)."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    @property
+    def padding_fraction(self) -> float:
+        """Fraction of ``src`` and ``tgt_in`` slots in a padded tail (0 = no wasted compute)."""
+        slots = self.src.numel() + self.tgt_in.numel()
+        pad = int((self.src_segments == PAD_SEGMENT).sum()) + int((self.segments == PAD_SEGMENT).sum())
+        return pad / slots
+
+
+def make_packed_translation_batch(
+    rows: Sequence[Sequence[int]],
+    src_ids: Sequence[Sequence[int]],
+    tgt_ids: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    sos_id: int,
+    eos_id: int,
+) -> PackedTranslationBatch:
+    """Pack the pairs ``rows[b]`` (indices into ``src_ids``/``tgt_ids``) into row ``b``.
+
+    Each pair is laid out exactly as :func:`make_translation_batch` lays it out in a row of its
+    own (source + ``<eos>``; ``<sos>`` + target; target + ``<eos>``), so a packed batch and a padded
+    batch of the same pairs give the same loss and gradients.
+
+    Raises:
+        ValueError: a row is empty, the batch is empty, or an index is out of range.
+    """
+    if not rows:
+        raise ValueError("cannot build an empty batch; expected at least one row of pairs")
+    srcs, seg_s, tins, seg_t, labs = [], [], [], [], []
+    for b, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"row {b} of the packed batch is empty; expected at least one pair per row")
+        s_row, ss, t_row, ts, l_row = [], [], [], [], []
+        for k, i in enumerate(row):
+            if not 0 <= i < len(src_ids):
+                raise ValueError(f"pair index {i} out of range for {len(src_ids)} pairs")
+            src = list(src_ids[i]) + [eos_id]
+            tgt = list(tgt_ids[i])
+            s_row += src
+            ss += [k] * len(src)
+            t_row += [sos_id] + tgt
+            ts += [k] * (len(tgt) + 1)
+            l_row += tgt + [eos_id]
+        srcs.append(s_row)
+        seg_s.append(ss)
+        tins.append(t_row)
+        seg_t.append(ts)
+        labs.append(l_row)
+    src, _ = _pad_rows(srcs, pad_id)  # (B, S)
+    src_segments, _ = _pad_rows(seg_s, PAD_SEGMENT)  # (B, S)
+    tgt_in, _ = _pad_rows(tins, pad_id)  # (B, T)
+    segments, _ = _pad_rows(seg_t, PAD_SEGMENT)  # (B, T)
+    labels, _ = _pad_rows(labs, IGNORE_INDEX)  # (B, T)
+    return PackedTranslationBatch(src=src, src_segments=src_segments, tgt_in=tgt_in, segments=segments, labels=labels)
+
+
 def translation_lengths(src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     """Padded-tensor lengths ``(len(src) + 1, len(tgt) + 1)`` that :func:`make_translation_batch`
     will produce: the +1 is the added ``<eos>`` / ``<sos>``. Feed these to the token batcher."""

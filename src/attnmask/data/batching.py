@@ -2,6 +2,7 @@
 
 - :class:`TokenBucketBatcher` groups variable-length examples into batches under a token budget,
   with length bucketing, per-epoch shuffling and disjoint shards for data-parallel ranks.
+- :class:`PackingBatcher` packs several examples into each row instead (padding-free batches);
 - :class:`LMStream` draws random fixed-length blocks from one long token stream (nanoGPT style);
   :func:`iter_eval_blocks` walks the stream deterministically for evaluation.
 
@@ -257,6 +258,106 @@ class TokenBucketBatcher:
         """Token-weighted padding share of this rank's batches in ``epoch`` (default: current)."""
         epoch = self.epoch if epoch is None else epoch
         return padding_fraction(self.batches_for_epoch(epoch), self._pairs)
+
+
+class PackingBatcher(TokenBucketBatcher):
+    """Batches of packed rows: several examples per row, so almost no position is padding.
+
+    A batch is a list of rows, each row a list of example indices laid out back to back (see
+    :func:`attnmask.data.batches.make_packed_translation_batch`). Each epoch's chunks are sorted by
+    length as in :class:`TokenBucketBatcher`; rows are filled first-fit decreasing (each example, longest
+    first, into the first row with room for it), so that the sources and the targets of a row each
+    stay within ``row_tokens``; ``max_tokens // row_tokens`` rows make a batch. Shuffling, sharding over
+    ranks, ``remainder`` and resuming work as in the parent class.
+
+    Raises:
+        DataError: an example is longer than ``row_tokens``.
+        ValueError: ``row_tokens`` is not positive or exceeds ``max_tokens``.
+    """
+
+    def __init__(self, lengths: Lengths, max_tokens: int, *, row_tokens: int = 128, **kwargs) -> None:
+        if not 1 <= row_tokens <= max_tokens:
+            raise ValueError(f"row_tokens={row_tokens}; expected 1 <= row_tokens <= max_tokens={max_tokens}")
+        self.row_tokens = row_tokens
+        super().__init__(lengths, max_tokens, **kwargs)
+        for i, cost in enumerate(self._cost):
+            if cost > row_tokens:
+                raise DataError(
+                    f"example {i} has length {cost}, longer than a packed row of {row_tokens} tokens; "
+                    f"raise the row length or filter out long examples"
+                )
+
+    def _pack(self, chunk: list[int]) -> list[list[list[int]]]:
+        """Rows from one length-sorted chunk (longest example first, then the shortest that fit),
+        then batches of ``max_tokens // row_tokens`` consecutive rows (``max_sentences`` caps the
+        examples of a batch)."""
+        R = self.row_tokens
+        # The longer side of the chunk fills rows of R tokens; the other side gets the share its
+        # lengths call for (German sources run longer than English targets), so neither side of a
+        # row is left mostly empty.
+        src_total = sum(self._pairs[i][0] for i in chunk)
+        tgt_total = sum(self._pairs[i][1] for i in chunk)
+        longest = max(src_total, tgt_total, 1)
+        r_src = max(R * src_total // longest, max(self._pairs[i][0] for i in chunk))
+        r_tgt = max(R * tgt_total // longest, max(self._pairs[i][1] for i in chunk))
+        # First-fit decreasing: each example, longest first, goes into the first row with room for
+        # both its source and its target (a new row when none has).
+        order = sorted(chunk, key=lambda i: (-self._cost[i], self._pairs[i], i))
+        room = torch.empty(len(order), 2, dtype=torch.long)  # (rows, 2) tokens left per side
+        room[:, 0], room[:, 1] = r_src, r_tgt
+        rows: list[list[int]] = []
+        for i in order:
+            s, t = self._pairs[i]
+            open_rows = room[: len(rows) + 1]
+            r = int(((open_rows[:, 0] >= s) & (open_rows[:, 1] >= t)).nonzero()[0])  # the new row always fits
+            if r == len(rows):
+                rows.append([])
+            rows[r].append(i)
+            room[r, 0] -= s
+            room[r, 1] -= t
+        per_batch = max(1, self.max_tokens // R)
+        batches, batch, n = [], [], 0
+        for row in rows:
+            too_many = self.max_sentences is not None and n + len(row) > self.max_sentences
+            if batch and (len(batch) == per_batch or too_many):
+                batches.append(batch)
+                batch, n = [], 0
+            batch.append(row)
+            n += len(row)
+        if batch:
+            batches.append(batch)
+        return batches
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        if self.position >= len(self.batches_for_epoch(self.epoch)):
+            self.epoch, self.position = self.epoch + 1, 0
+        batches = self.batches_for_epoch(self.epoch)
+        while self.position < len(batches):
+            batch = batches[self.position]
+            self.position += 1
+            yield [list(row) for row in batch]
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "row_tokens": self.row_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("row_tokens") != self.row_tokens:
+            raise ValueError(
+                f"batcher state does not match this batcher (row_tokens: saved {state.get('row_tokens')!r}, "
+                f"now {self.row_tokens!r}); expected equal"
+            )
+        super().load_state_dict(state)
+
+    def padding_fraction(self, epoch: int | None = None) -> float:
+        """Token-weighted padding share of this rank's packed batches in ``epoch`` (default: current):
+        each row padded to the batch's longest row, sources and targets counted separately."""
+        epoch = self.epoch if epoch is None else epoch
+        slots = real = 0
+        for batch in self.batches_for_epoch(epoch):
+            sums = [(sum(self._pairs[i][0] for i in row), sum(self._pairs[i][1] for i in row)) for row in batch]
+            slots += len(batch) * (max(s for s, _ in sums) + max(t for _, t in sums))
+            real += sum(s + t for s, t in sums)
+        return 1.0 - real / slots if slots else 0.0
 
 
 class LMStream:

@@ -240,13 +240,25 @@ class PrefixLM(Mask):
 
 
 class Document(Mask):
-    """Packed sequences: a query sees only keys of its own segment. ``segment_ids`` is (B, Tk)."""
+    """Packed sequences: a query sees only keys of its own segment.
 
-    def __init__(self, segment_ids):
-        seg = torch.as_tensor(segment_ids)
+    ``segment_ids`` (B, Tk) names the segment of every key. A query's segment is, by default, the
+    segment of the key at its own position (self-attention over one packed row). With
+    ``query_segment_ids`` (B, Tq) the queries carry their own segments, so queries and keys may be
+    different sequences: cross-attention from each packed target sentence to its own source only.
+    """
+
+    def __init__(self, segment_ids, query_segment_ids=None):
+        self.segment_ids = self._ids(segment_ids, "segment_ids")
+        q = query_segment_ids
+        self.query_segment_ids = None if q is None else self._ids(q, "query_segment_ids")
+
+    @staticmethod
+    def _ids(ids, name: str) -> Tensor:
+        seg = torch.as_tensor(ids)
         if seg.dim() != 2 or seg.dtype.is_floating_point or seg.dtype == torch.bool:
-            raise ValueError(f"segment_ids must be an integer tensor (B, T), got {seg.dtype} {tuple(seg.shape)}")
-        self.segment_ids = seg
+            raise ValueError(f"{name} must be an integer tensor (B, T), got {seg.dtype} {tuple(seg.shape)}")
+        return seg
 
     def _device(self):
         return self.segment_ids.device
@@ -257,19 +269,38 @@ class Document(Mask):
             raise ValueError(
                 f"segment_ids has shape {(B, T)}, expected (B={batch_size}, Tk={kv_len}) covering every key"
             )
+        if self.query_segment_ids is not None:
+            Bq, Tq = self.query_segment_ids.shape
+            if Bq not in (1, batch_size) or q_len != Tq:
+                raise ValueError(
+                    f"query_segment_ids has shape {(Bq, Tq)}, expected (B={batch_size}, Tq={q_len}) "
+                    "covering every query"
+                )
 
     def _batch_free(self):
-        return self.segment_ids.shape[0] == 1
+        rows = [self.segment_ids] + ([] if self.query_segment_ids is None else [self.query_segment_ids])
+        return all(t.shape[0] == 1 for t in rows)
 
     def _eval(self, ctx, b, h, q, kv):
         seg = ctx.on_device(self.segment_ids)  # (B|1, Tk)
+        if self.query_segment_ids is not None:
+            qseg = ctx.on_device(self.query_segment_ids)  # (B|1, Tq)
+            row = q - ctx.q_start  # query row index
+            if ctx.dense:
+                seg_q = qseg[:, row.reshape(-1)].view(qseg.shape[0], 1, -1, 1)  # (B|1, 1, Tq, 1)
+                return seg_q == seg.view(seg.shape[0], 1, 1, -1)  # (B|1|B, 1, Tq, Tk)
+            last_q, last_key = qseg.shape[1] - 1, seg.shape[1] - 1
+            return (
+                qseg[_batch_index(b, qseg.shape[0]), row.clamp(0, last_q)]
+                == seg[_batch_index(b, seg.shape[0]), kv.clamp(0, last_key)]
+            )
         # A query's segment is the segment of the key at its position, so every query must sit on a key.
         first, last = ctx.q_start, ctx.q_start + (ctx.q_len or 0) - 1
         if ctx.q_len and (first < 0 or last >= ctx.kv_len):
             raise ValueError(
                 f"document mask: queries sit at positions {first}..{last} but segment_ids cover keys "
                 f"0..{ctx.kv_len - 1}; expected every query position to be a key position (Tq <= Tk, and "
-                "with align='top_left' q_offset + Tq <= Tk)"
+                "with align='top_left' q_offset + Tq <= Tk), or query_segment_ids"
             )
         if ctx.dense:  # q and kv are aranges of positions, all on keys (checked above)
             seg_q = seg[:, q.reshape(-1)].view(seg.shape[0], 1, -1, 1)  # (B|1, 1, Tq, 1)
@@ -278,7 +309,8 @@ class Document(Mask):
         return seg[row, q.clamp(0, last_key)] == seg[row, kv.clamp(0, last_key)]
 
     def __repr__(self):
-        return f"Document(segment_ids shape={tuple(self.segment_ids.shape)})"
+        q = "" if self.query_segment_ids is None else f", query_segment_ids shape={tuple(self.query_segment_ids.shape)}"
+        return f"Document(segment_ids shape={tuple(self.segment_ids.shape)}{q})"
 
 
 class Predicate(Mask):
@@ -347,8 +379,8 @@ def prefix_lm(prefix_lengths, align: str = "bottom_right") -> PrefixLM:
     return PrefixLM(prefix_lengths, align)
 
 
-def document(segment_ids) -> Document:
-    return Document(segment_ids)
+def document(segment_ids, query_segment_ids=None) -> Document:
+    return Document(segment_ids, query_segment_ids)
 
 
 def from_predicate(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], align: str | None = None) -> Predicate:

@@ -34,4 +34,5 @@ from attnmask.model.transformer import (  # noqa: F401
     TransformerLayer,
     fuse_projections_,
     lm_loss,
+    segment_positions,
 )

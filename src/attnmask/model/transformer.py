@@ -6,6 +6,11 @@ One config, one implementation. Every mask comes from :mod:`attnmask.masks`:
 - decoder self-attention: look-ahead (causal) + key padding (seed 004's ``M_total``);
 - cross-attention: key padding over the encoder's positions.
 
+Packed batches (several sentences per row, no padding computed) replace the padding by
+``document`` masks: each sentence attends within itself, each packed target sentence to its own
+source only, and positions restart at every sentence (:meth:`Transformer.forward` with
+``segments``).
+
 The prediction head ``W_pred`` (``lm_head``) maps hidden states ``(B, T, C)`` to logits
 ``(B, T, V)``; :func:`lm_loss` averages cross-entropy over real tokens only (seed 000, eq. 11).
 """
@@ -213,12 +218,14 @@ class Transformer(nn.Module):
         return rope
 
     # -- encoder ------------------------------------------------------------------------------
-    def encode(self, src_ids: Tensor, src_mask: masks.Mask | None = None) -> Tensor:
-        """``src_ids (B, S)`` -> memory ``(B, S, C)``. Padding is masked as keys."""
+    def encode(self, src_ids: Tensor, src_mask: masks.Mask | None = None, *, positions: Tensor | None = None) -> Tensor:
+        """``src_ids (B, S)`` -> memory ``(B, S, C)``. Padding is masked as keys.
+        ``positions (B, S)`` default to ``arange(S)`` (packed rows pass positions restarting per sentence)."""
         if not self.is_encoder_decoder:
             raise ValueError("encode() needs an encoder-decoder model (ModelConfig.arch='encoder_decoder')")
         B, S = src_ids.shape
-        positions = torch.arange(S, device=src_ids.device).expand(B, S)  # (B, S)
+        if positions is None:
+            positions = torch.arange(S, device=src_ids.device).expand(B, S)  # (B, S)
         self._check_positions(positions)
         x = self._embed(src_ids, positions, source=True)
         src_mask = self.source_mask(src_ids) if src_mask is None else src_mask
@@ -300,20 +307,58 @@ class Transformer(nn.Module):
         *,
         labels: Tensor | None = None,
         label_smoothing: float = 0.0,
+        segments: Tensor | None = None,
+        src_segments: Tensor | None = None,
     ) -> ModelOutput:
         """Teacher forcing: all positions in parallel. ``input_ids (B, T)`` is the decoder input
-        (``<sos>`` + target), ``labels (B, T)`` the target + ``<eos>`` with -100 at pads."""
+        (``<sos>`` + target), ``labels (B, T)`` the target + ``<eos>`` with -100 at pads.
+
+        Packed rows: ``segments (B, T)`` (and ``src_segments (B, S)`` for an encoder-decoder model)
+        number the sentences of each row, in order, each sentence one contiguous run; target sentence
+        ``k`` belongs to source sentence ``k``. Attention stays inside a sentence (and a pair),
+        positions restart at each sentence, and padding needs no mask of its own: give the padded
+        tail a segment id no sentence uses (e.g. -1), and ``IGNORE_INDEX`` labels.
+        """
+        if (segments is None) != (src_segments is None) and self.is_encoder_decoder:
+            raise ValueError("packed rows need both segments (B, T) and src_segments (B, S), or neither")
+        if src_segments is not None and not self.is_encoder_decoder:
+            raise ValueError("src_segments is for encoder-decoder models; a decoder-only model takes segments only")
         memory = memory_mask = None
         if self.is_encoder_decoder:
             if src_ids is None:
                 raise ValueError("an encoder-decoder model needs src_ids (B, S)")
-            memory_mask = self.source_mask(src_ids)
-            memory = self.encode(src_ids, memory_mask)
-        logits = self.decode(input_ids, memory, memory_mask=memory_mask)
+            if src_segments is None:
+                memory_mask = self.source_mask(src_ids)
+                memory = self.encode(src_ids, memory_mask)
+            else:
+                src_doc = masks.document(src_segments)
+                memory = self.encode(src_ids, src_doc, positions=segment_positions(src_segments))
+                memory_mask = masks.document(src_segments, query_segment_ids=segments)
+        if segments is None:
+            logits = self.decode(input_ids, memory, memory_mask=memory_mask)
+        else:
+            mask = masks.causal() & masks.document(segments)
+            logits = self.decode(
+                input_ids, memory, memory_mask=memory_mask, mask=mask, positions=segment_positions(segments)
+            )
         if labels is None:
             return ModelOutput(logits=logits)
         loss, n = lm_loss(logits, labels, label_smoothing=label_smoothing)
         return ModelOutput(logits=logits, loss=loss, num_tokens=n)
+
+
+def segment_positions(segments: Tensor) -> Tensor:
+    """Positions restarting at 0 where each segment begins: ``(B, T)`` segment ids -> ``(B, T)``.
+
+    Segments are contiguous runs (``[[5, 5, 7, 7, 7]]`` -> ``[[0, 1, 0, 1, 2]]``). Computed on the
+    device without reading values back, so it runs inside ``torch.compile`` and never stalls a GPU.
+    """
+    B, T = segments.shape
+    idx = torch.arange(T, device=segments.device).expand(B, T)  # (B, T)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    start_of = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # (B, T)
+    return idx - start_of
 
 
 def _concat_linear(layers: list[nn.Module]) -> nn.Module | None:

@@ -19,6 +19,7 @@ from attnmask.train.rundir import TASKS, read_config
 
 TOKENIZERS = ("bpe", "char")
 PRECISIONS = ("auto", "fp32", "bf16")
+BATCHINGS = ("auto", "pad", "pack")
 
 # Model sizes; every field can be overridden one by one (--dim, --layers, ...).
 MODEL_PRESETS: dict[str, dict] = {
@@ -66,11 +67,18 @@ class DataConfig:
     max_len: int = 256  # longest sequence in tokens (specials included); longer training pairs are dropped
     batch_tokens: int = 4096  # translation: padded tokens per batch (per rank); lm: batch_size * block_size
     block_size: int = 128  # lm: tokens per training sequence
+    # translation: "pad" (length-bucketed padded batches), "pack" (several pairs per row, document
+    # masks, no padding computed) or "auto" (the faster of the two on the device, as measured in
+    # docs/benchmarks.md: pack on CUDA, pad on the CPU)
+    batching: str = "auto"
+    pack_length: int = 128  # translation with packing: tokens per packed row (each side)
 
     def __post_init__(self):
         _choice("task", self.task, TASKS)
         _choice("tokenizer", self.tokenizer, TOKENIZERS)
-        _positive(self, ("batch_tokens", "block_size", "max_len", "train_size", "valid_size", "vocab_size"))
+        _choice("batching", self.batching, BATCHINGS)
+        sizes = ("batch_tokens", "block_size", "max_len", "train_size", "valid_size", "vocab_size", "pack_length")
+        _positive(self, sizes)
         if not 0.0 < self.valid_fraction < 1.0:
             raise ValueError(f"valid_fraction={self.valid_fraction}; expected a number in (0, 1)")
         if self.task == "lm" and self.batch_tokens < self.block_size:

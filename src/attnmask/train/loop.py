@@ -279,7 +279,7 @@ class Trainer:
         for k, b in enumerate(micro):
             sync = k == len(micro) - 1 or not ctx.enabled
             with contextlib.nullcontext() if sync else self.ddp.no_sync(), self.autocast():
-                logits = self.ddp(b.inputs, b.src).logits  # (B, T, V)
+                logits = self.ddp(b.inputs, b.src, segments=b.segments, src_segments=b.src_segments).logits  # (B, T, V)
             part, _ = lm_loss(logits, b.labels, label_smoothing=cfg.label_smoothing, reduction="sum")
             # DDP averages gradients over ranks: scaling by world_size / global tokens turns that
             # average into the mean over every real token of the global batch.

@@ -6,8 +6,9 @@ implementations, chosen by ``TrainConfig.data.task``:
 - :class:`TranslationTask`: aligned ``(source, target)`` pairs from two files (or from a
   built-in task of :mod:`attnmask.data.synthetic`), tokenized once, served as teacher-forcing batches
   (:func:`attnmask.data.make_translation_batch`) under a token budget with length bucketing
-  (:class:`attnmask.data.batching.TokenBucketBatcher`); evaluated by validation loss and
-  BLEU / chrF / exact match of greedy translations.
+  (:class:`attnmask.data.batching.TokenBucketBatcher`), or packed several pairs to a row with no
+  padding computed (:class:`attnmask.data.batching.PackingBatcher`, ``--batching pack``);
+  evaluated by validation loss and BLEU / chrF / exact match of greedy translations.
 - :class:`LMTask`: one token stream, served as random fixed-length blocks
   (:class:`attnmask.data.batching.LMStream`), evaluated on consecutive blocks of the validation stream.
 
@@ -28,13 +29,14 @@ from attnmask.data import (
     IGNORE_INDEX,
     DataError,
     TranslationBatch,
+    make_packed_translation_batch,
     make_translation_batch,
     read_parallel,
     read_text,
     synthetic,
     translation_lengths,
 )
-from attnmask.data.batching import LMStream, TokenBucketBatcher
+from attnmask.data.batching import LMStream, PackingBatcher, TokenBucketBatcher
 from attnmask.data.tokenizer import Tokenizer
 from attnmask.model import ModelConfig, Transformer
 from attnmask.train import distributed, evaluate
@@ -62,6 +64,18 @@ class Batch:
     labels: Tensor  # (B, T) next tokens, IGNORE_INDEX where no loss is taken
     padding_fraction: float  # share of padded positions in the batch (0 for packed LM blocks)
     tokens: int  # labels that count in the loss, counted on the host before the batch moved
+    segments: Tensor | None = None  # packed rows: (B, T) sentence index of each target position
+    src_segments: Tensor | None = None  # packed rows: (B, S) sentence index of each source position
+
+
+def packs_on(batching: str, device: torch.device) -> bool:
+    """Whether translation batches are packed: ``pack``, ``pad``, or for ``auto`` the faster on the
+    device as measured (benchmarks/packing.py, docs/benchmarks.md): packing on CUDA, where the
+    document masks run as block-sparse FlexAttention; padded buckets on the CPU, where a packed row's
+    dense masked attention costs more than the padding it saves."""
+    if batching == "auto":
+        return device.type == "cuda"
+    return batching == "pack"
 
 
 class TrainingTask(Protocol):
@@ -130,9 +144,18 @@ class TranslationTask:
 
     def start(self, *, rank: int, world_size: int, device: torch.device) -> None:
         self._device = device
-        self._sampler = TokenBucketBatcher(
-            self.train_lengths(), self.data.batch_tokens, shuffle=True, seed=self.seed, rank=rank, world_size=world_size
-        )
+        lengths = self.train_lengths()
+        shard = {"shuffle": True, "seed": self.seed, "rank": rank, "world_size": world_size}
+        if packs_on(self.data.batching, device):
+            # a row holds at least the longest pair; pack_length is the usual row
+            row = min(max(self.data.pack_length, *(max(p) for p in lengths)), self.data.batch_tokens)
+            self._sampler = PackingBatcher(lengths, self.data.batch_tokens, row_tokens=row, **shard)
+        else:
+            self._sampler = TokenBucketBatcher(lengths, self.data.batch_tokens, **shard)
+
+    @property
+    def packed(self) -> bool:
+        return isinstance(self._sampler, PackingBatcher)
 
     def next_batch(self) -> Batch:
         while True:
@@ -143,10 +166,19 @@ class TranslationTask:
                 break
             except StopIteration:  # epoch done; the next iter() starts the following one
                 self._epoch = None
+        if self.packed:
+            t = self.tokenizer
+            p = make_packed_translation_batch(
+                idx, self.train_src, self.train_tgt, pad_id=t.pad_id, sos_id=t.sos_id, eos_id=t.eos_id
+            )
+            tokens, padding = p.num_tokens, p.padding_fraction
+            p = p.to(self._device)
+            return Batch(p.tgt_in, p.src, p.labels, padding, tokens, segments=p.segments, src_segments=p.src_segments)
         b = self.batch(idx)
         tokens = int((b.labels != IGNORE_INDEX).sum())
+        padding = b.padding_fraction
         b = b.to(self._device)
-        return Batch(b.tgt_in, b.src, b.labels, b.padding_fraction, tokens)
+        return Batch(b.tgt_in, b.src, b.labels, padding, tokens)
 
     def valid_batches(self, batch_tokens: int) -> list[list[int]]:
         """All validation examples, length-sorted into batches (every rank computes the same list)."""
@@ -160,7 +192,10 @@ class TranslationTask:
 
     def describe(self) -> str:
         sampler = self._sampler
-        batches = f", {len(sampler)} batches/epoch/rank, padding {sampler.padding_fraction():.1%}" if sampler else ""
+        batches = ""
+        if sampler:
+            how = f"packed rows of {sampler.row_tokens} tokens" if self.packed else "length-bucketed"
+            batches = f", {len(sampler)} batches/epoch/rank ({how}), padding {sampler.padding_fraction():.1%}"
         return (
             f"{len(self.train_src)} training pairs, {len(self.valid_src)} validation pairs, "
             f"vocabulary {self.tokenizer.vocab_size}{batches}"
