@@ -165,8 +165,8 @@ def test_packing_batcher_resumes_where_it_stopped_and_refuses_another_row_length
         PackingBatcher(lengths, 512, row_tokens=8)
 
 
-def test_auto_packs_on_cuda_and_pads_on_the_cpu():
-    assert packs_on("auto", torch.device("cuda")) and not packs_on("auto", torch.device("cpu"))
+def test_batching_choice():
+    assert not packs_on("auto", torch.device("cpu"))  # measured a wash on the CPU: padded buckets
     assert packs_on("pack", torch.device("cpu")) and not packs_on("pad", torch.device("cuda"))
 
 

@@ -59,7 +59,8 @@ _FLAGS = (
         "batching",
         ("auto", "pad", "pack"),
         "translation batches: pad (length buckets), pack (several pairs per row kept apart by document masks, "
-        "no padding computed), auto (the faster on the device: pack on CUDA, pad on the CPU)",
+        "no padding computed), auto (pack only where it measured faster; so far pad everywhere: on the CPU "
+        "packing is a wash, on a GPU not yet measured)",
     ),
     ("--pack-length", "pack_length", int, "--batching pack: tokens per packed row"),
     ("--grad-accum", "grad_accum", int, "micro-batches per optimizer step"),

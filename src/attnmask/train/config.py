@@ -68,8 +68,7 @@ class DataConfig:
     batch_tokens: int = 4096  # translation: padded tokens per batch (per rank); lm: batch_size * block_size
     block_size: int = 128  # lm: tokens per training sequence
     # translation: "pad" (length-bucketed padded batches), "pack" (several pairs per row, document
-    # masks, no padding computed) or "auto" (the faster of the two on the device, as measured in
-    # docs/benchmarks.md: pack on CUDA, pad on the CPU)
+    # masks, no padding computed) or "auto" (pack only where it measured faster: train/tasks.py)
     batching: str = "auto"
     pack_length: int = 128  # translation with packing: tokens per packed row (each side)
 

@@ -68,13 +68,17 @@ class Batch:
     src_segments: Tensor | None = None  # packed rows: (B, S) sentence index of each source position
 
 
+# Devices on which packed rows measured faster than padded buckets (benchmarks/packing.py,
+# docs/benchmarks.md). CPU: a wash (0.99-1.03x with 9.6% -> 5.2% padding; a packed row's masked
+# attention costs what the padding saved). CUDA: not measured yet, so not listed.
+PACK_BY_DEFAULT_ON: tuple[str, ...] = ()
+
+
 def packs_on(batching: str, device: torch.device) -> bool:
-    """Whether translation batches are packed: ``pack``, ``pad``, or for ``auto`` the faster on the
-    device as measured (benchmarks/packing.py, docs/benchmarks.md): packing on CUDA, where the
-    document masks run as block-sparse FlexAttention; padded buckets on the CPU, where a packed row's
-    dense masked attention costs more than the padding it saves."""
+    """Whether translation batches are packed: ``pack``, ``pad``, or for ``auto`` packing only on
+    the device types where it measured faster (:data:`PACK_BY_DEFAULT_ON`)."""
     if batching == "auto":
-        return device.type == "cuda"
+        return device.type in PACK_BY_DEFAULT_ON
     return batching == "pack"
 
 
