@@ -18,8 +18,9 @@ One loop, :func:`train`, serves the CLI (``attnmask train``, ``attnmask demo``),
 - ``max_minutes`` is the budget of *this* invocation's loop: a resume with ``--max-minutes 5``
   trains five more minutes. A time-budgeted schedule decays to its floor at the end of the budget.
 
-The loop knows no task by name: a :class:`~attnmask.train.tasks.TrainingTask` builds batches,
-evaluates and describes itself; :class:`~attnmask.train.rundir.RunDir` owns the files and
+The loop knows no task by name: a :class:`~attnmask.train.tasks.TrainingTask` builds batches
+(one ahead, on a background thread: :class:`~attnmask.train.prefetch.Prefetcher`), evaluates and
+describes itself; :class:`~attnmask.train.rundir.RunDir` owns the files and
 :class:`~attnmask.train.logger.TrainLogger` every report.
 
 Data-parallel: launched by ``torchrun``, each rank draws its own shard of the batches, DDP
@@ -47,6 +48,7 @@ from attnmask.model import Transformer, lm_loss
 from attnmask.train import checkpoint, distributed, precision
 from attnmask.train.config import RESUME_OVERRIDES, OptimConfig, TrainConfig, resume_changes
 from attnmask.train.logger import TrainLogger
+from attnmask.train.prefetch import Prefetcher
 from attnmask.train.rundir import FORMAT_VERSION, TRAINER_STATE, WEIGHTS, RunDir
 from attnmask.train.tasks import Batch, TrainingTask, build_task
 
@@ -164,6 +166,7 @@ class Trainer:
         self.task.start(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device)
         if state is not None:
             self._restore(state)
+        self.batches = Prefetcher(self.task)  # the next batch is built while a step runs
         self.ddp = self.model
         if ctx.enabled:
             from torch.nn.parallel import DistributedDataParallel
@@ -251,7 +254,7 @@ class Trainer:
 
     def save(self) -> None:
         """Write both checkpoint files (rank 0), with every rank's RNG and data position."""
-        mine = {"rng": checkpoint.rng_state(), "data": self.task.state_dict()}
+        mine = {"rng": checkpoint.rng_state(), "data": self.batches.state_dict()}
         ranks = distributed.all_gather_objects(self.ctx, mine)
         if not self.ctx.is_main:
             return
@@ -270,7 +273,7 @@ class Trainer:
         """One optimizer step. Reads nothing back from the device: the loss and gradient norm
         stay tensors until :meth:`_settle` reads a window of them at once."""
         cfg, ctx = self.cfg, self.ctx
-        micro: list[Batch] = [self.task.next_batch() for _ in range(cfg.optim.grad_accum)]
+        micro: list[Batch] = [self.batches.next_batch() for _ in range(cfg.optim.grad_accum)]
         (global_tokens,) = distributed.all_reduce_sum(ctx, [sum(b.tokens for b in micro)])
         lr = learning_rate(cfg.optim, self.step, self.elapsed, self._time_end)
         for group in self.optimizer.param_groups:
@@ -384,6 +387,7 @@ class Trainer:
             if ctx.is_main:
                 self.dir.plot_losses()
         finally:
+            self.batches.close()
             self.logger.close()
             for s, h in old_handlers.items():
                 signal.signal(s, h)
