@@ -180,3 +180,47 @@ def test_training_with_packed_batches_learns_and_saves_a_loadable_run(tmp_path):
     assert abs(packed.losses[-1] - padded.losses[-1]) < 0.1 * padded.losses[0]  # the same task, as well learned
     run = load_run(tmp_path / "pack")
     assert run.config["train"]["data"]["batching"] == "pack"
+
+
+# --- the compiled step ----------------------------------------------------------------------------
+
+
+def test_rounding_lengths_keeps_the_loss():
+    from attnmask.train.loop import round_lengths
+    from attnmask.train.tasks import Batch
+
+    model = tiny_model("encoder_decoder", std=0.5).double()
+    src, tgt = random_pairs(4, seed=5)
+    b = make_translation_batch(src, tgt, pad_id=PAD, sos_id=SOS, eos_id=EOS)
+    batch = Batch(b.tgt_in, b.src, b.labels, 0.0, b.num_tokens)
+    rounded = round_lengths(batch, 16, PAD)
+    assert rounded.inputs.shape[1] == 16 and rounded.src.shape[1] == 16 and rounded.labels.shape[1] == 16
+    loss = lm_loss(model(rounded.inputs, rounded.src).logits, rounded.labels, reduction="sum")[0]
+    ref = lm_loss(model(batch.inputs, batch.src).logits, batch.labels, reduction="sum")[0]
+    assert_close(loss, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_a_compiler_that_fails_gives_one_notice_and_trains_eagerly(tmp_path, monkeypatch):
+    def broken_compile(fn, *args, **kwargs):
+        def call(*a, **k):
+            raise RuntimeError("no C++ compiler found\nmore detail")
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    lines = []
+    result = train(tiny(tmp_path / "run", compile=True, max_steps=3), log=lines.append)
+    assert result.step == 3
+    notices = [line for line in lines if "torch.compile unavailable" in line]
+    assert notices == ["attnmask: torch.compile unavailable, training without it (RuntimeError: no C++ compiler found)"]
+
+
+@pytest.mark.slow
+def test_compiled_training_gives_the_eager_losses(tmp_path):
+    """--compile with inductor on the CPU: the same losses as eager, up to float32 rounding."""
+    eager = train(tiny(tmp_path / "eager", max_steps=4, dropout=0.0, deterministic=False), log=quiet)
+    lines = []
+    compiled = train(tiny(tmp_path / "compiled", max_steps=4, dropout=0.0, deterministic=False, compile=True),
+                     log=lines.append)  # fmt: skip
+    assert not [line for line in lines if "unavailable" in line], lines
+    assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), rtol=1e-4, atol=1e-4)

@@ -96,6 +96,13 @@ _FLAGS = (
     ),
     ("--device", "device", str, "auto, cpu, cuda or cuda:N"),
     ("--deterministic", "deterministic", "store_true", "deterministic algorithms (bit-identical resumes)"),
+    (
+        "--compile",
+        "compile",
+        "store_true",
+        "torch.compile the model step, batch lengths rounded to multiples of 16 (off by default: on a 2-core CPU "
+        "~10%% faster per step, but compiling takes minutes; worth it for long runs)",
+    ),
     ("--no-progress", "progress", "store_false", "no progress bar"),
 )
 

@@ -30,6 +30,7 @@ all-reduces gradients, rank 0 alone writes files, and evaluation is summed over 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import shutil
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from attnmask.data.batches import IGNORE_INDEX, PAD_SEGMENT
 from attnmask.model import Transformer, lm_loss
 from attnmask.train import checkpoint, distributed, precision
 from attnmask.train.config import RESUME_OVERRIDES, OptimConfig, TrainConfig, resume_changes
@@ -51,6 +53,29 @@ from attnmask.train.logger import TrainLogger
 from attnmask.train.prefetch import Prefetcher
 from attnmask.train.rundir import FORMAT_VERSION, TRAINER_STATE, WEIGHTS, RunDir
 from attnmask.train.tasks import Batch, TrainingTask, build_task
+
+COMPILE_ROUND_TO = 16  # --compile: batch lengths rounded up to a multiple of this, so few shapes compile
+
+
+def round_lengths(b: Batch, multiple: int, pad_id: int | None) -> Batch:
+    """``b`` with its time dimensions padded up to a multiple of ``multiple``: pad ids (masked as
+    padding by the model), ``IGNORE_INDEX`` labels, :data:`PAD_SEGMENT` segments. The loss is
+    unchanged; a compiled step sees a handful of shapes instead of one per batch."""
+
+    def grow(t: torch.Tensor | None, fill: int) -> torch.Tensor | None:
+        if t is None or t.shape[-1] % multiple == 0:
+            return t
+        return torch.nn.functional.pad(t, (0, multiple - t.shape[-1] % multiple), value=fill)
+
+    pad = 0 if pad_id is None else pad_id
+    return dataclasses.replace(
+        b,
+        inputs=grow(b.inputs, pad),
+        src=grow(b.src, pad),
+        labels=grow(b.labels, IGNORE_INDEX),
+        segments=grow(b.segments, PAD_SEGMENT),
+        src_segments=grow(b.src_segments, PAD_SEGMENT),
+    )
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -175,6 +200,8 @@ class Trainer:
                 self.model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
             )
         self.autocast = self._autocast()
+        # the model step, compiled with --compile (eager again, with one notice, if compiling fails)
+        self.forward = torch.compile(self.ddp) if cfg.run.compile else self.ddp
 
     # -- setup --------------------------------------------------------------------------------
     @property
@@ -281,8 +308,10 @@ class Trainer:
         loss_sum = None
         for k, b in enumerate(micro):
             sync = k == len(micro) - 1 or not ctx.enabled
+            if cfg.run.compile:
+                b = round_lengths(b, COMPILE_ROUND_TO, self.model.config.pad_id)
             with contextlib.nullcontext() if sync else self.ddp.no_sync(), self.autocast():
-                logits = self.ddp(b.inputs, b.src, segments=b.segments, src_segments=b.src_segments).logits  # (B, T, V)
+                logits = self._logits(b)  # (B, T, V)
             part, _ = lm_loss(logits, b.labels, label_smoothing=cfg.label_smoothing, reduction="sum")
             # DDP averages gradients over ranks: scaling by world_size / global tokens turns that
             # average into the mean over every real token of the global batch.
@@ -300,6 +329,21 @@ class Trainer:
             "tokens": int(global_tokens),
             "padding_fraction": sum(b.padding_fraction for b in micro) / len(micro),
         }
+
+    def _logits(self, b: Batch) -> torch.Tensor:
+        kwargs = {"segments": b.segments, "src_segments": b.src_segments}
+        if self.forward is not self.ddp:
+            try:
+                return self.forward(b.inputs, b.src, **kwargs).logits
+            except Exception as err:  # no C++ compiler, no triton, an unsupported op: train eagerly
+                root = err
+                while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+                    root = inner  # torch wraps the backend's error: say what went wrong
+                first = (str(root).strip().splitlines() or [""])[0]
+                why = f"{type(root).__name__}: {first}"
+                self.logger.line(f"attnmask: torch.compile unavailable, training without it ({why})")
+                self.forward = self.ddp
+        return self.ddp(b.inputs, b.src, **kwargs).logits
 
     def _settle(self, pending: list[dict], result: TrainResult) -> None:
         """Turn the records of unsettled steps into numbers: one device read and (with several
