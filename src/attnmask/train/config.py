@@ -184,8 +184,9 @@ class RunConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms for bit-identical resumes
     progress: bool = True  # show a progress bar
     # torch.compile the model step, batch lengths rounded up to multiples of COMPILE_ROUND_TO. Off by
-    # default: on a 2-core CPU it measured ~10% more tokens/s per step, but compiling the ~20 batch
-    # shapes of Multi30k took ~155 s, more than that gains in runs under ~30 minutes; not measured on a GPU
+    # default: on a 2-core CPU it measured 7-10% more tokens/s per step, but compiling the ~20 batch
+    # shapes of Multi30k took ~155 s with a cold inductor cache (~10 s warm), more than the 2-minute
+    # demo gains (docs/benchmarks.md); not measured on a GPU
     compile: bool = False
 
     def __post_init__(self):
