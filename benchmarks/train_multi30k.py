@@ -5,7 +5,10 @@ official validation split), loads the run with ``attnmask.load_run``, translates
 test_2016_flickr sentences greedily (and with beam search when ``attnmask.decode`` offers it), and
 scores the detokenized output against the raw references with sacreBLEU's defaults (13a).
 
-    python benchmarks/train_multi30k.py --minutes 25
+    python benchmarks/train_multi30k.py --minutes 25 [--png bleu.png]
+
+It also prints validation BLEU (greedy, the official ``val`` split) against the training loop's wall
+clock at every evaluation, and with ``--png`` draws that curve.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from attnmask.data import read_parallel
 from attnmask.train import TrainConfig, train
-from attnmask.train.rundir import load_run
+from attnmask.train.rundir import load_run, read_metrics
 
 DATA = Path(os.environ.get("ATTNMASK_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
@@ -54,6 +57,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=1000)
     ap.add_argument("--beam", type=int, default=4, help="also score beam search of this size (1 = greedy only)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="override a recipe field")
+    ap.add_argument("--png", default=None, help="draw validation BLEU against training minutes into this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     m30k = DATA / "multi30k"
@@ -98,6 +102,33 @@ def main() -> None:
         name = "greedy" if beam == 1 else f"beam {beam}"
         print(f"| {name} | {bleu.score:.2f} | {chrf.score:.2f} | {seconds:.0f} s |")
     print(f"sacreBLEU signature: {bleu_metric.get_signature()}")  # the metric of the last decoding
+    curve = [(r["elapsed_s"] / 60, r["step"], r["bleu"]) for r in read_metrics(args.out)
+             if r["split"] == "valid" and "elapsed_s" in r and "bleu" in r]  # fmt: skip
+    print("\n| training minutes | step | validation BLEU (greedy) |")
+    print("|---:|---:|---:|")
+    for minutes, step, bleu in curve:
+        print(f"| {minutes:.1f} | {step} | {bleu:.2f} |")
+    if args.png and curve:
+        draw_curve(curve, rows, args.png)
+
+
+def draw_curve(curve: list[tuple[float, int, float]], rows, path: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.6))
+    ax = fig.add_subplot()
+    ax.plot([m for m, _, _ in curve], [b for _, _, b in curve], marker="o", label="validation (greedy)")
+    for beam, bleu, _, _ in rows:
+        name = "test_2016_flickr, greedy" if beam == 1 else f"test_2016_flickr, beam {beam}"
+        ax.scatter([curve[-1][0]], [bleu.score], marker="*" if beam > 1 else "s", s=80, label=name, zorder=3)
+    ax.set_xlabel("training minutes (wall clock, evaluations included)")
+    ax.set_ylabel("BLEU (sacreBLEU)")
+    ax.set_title("Multi30k de→en on the CPU")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"curve: {path}")
 
 
 if __name__ == "__main__":

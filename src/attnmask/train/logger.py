@@ -60,8 +60,10 @@ class TrainLogger:
             if key not in ("step", "split") and isinstance(val, (int, float)):
                 self._writer.add_scalar(f"{rec['split']}/{key}", val, rec["step"])
 
-    def evaluation(self, step: int, metrics: dict) -> None:
-        self.record({"step": step, "split": "valid", **metrics})
+    def evaluation(self, step: int, metrics: dict, elapsed_s: float | None = None) -> None:
+        """A validation record (with the training loop's clock, for curves against wall time)."""
+        clock = {} if elapsed_s is None else {"elapsed_s": elapsed_s}
+        self.record({"step": step, "split": "valid", **metrics, **clock})
         self.line(f"step {step}: {fmt(metrics)}")
 
     def advance(self, postfix: dict | None = None) -> None:

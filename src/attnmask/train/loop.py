@@ -416,7 +416,7 @@ class Trainer:
             self.logger.end_progress()
             if not result.signalled and (self._last_eval != self.step or not result.eval):
                 result.eval = self.evaluate()
-                self.logger.evaluation(self.step, result.eval)
+                self.logger.evaluation(self.step, result.eval, elapsed_s=self.elapsed)
             if self._last_save != self.step or not self.dir.has_checkpoint:
                 self.save()
             if result.signalled:
@@ -489,7 +489,7 @@ class Trainer:
                 if eval_now:
                     result.eval = self.evaluate()
                     self._last_eval = self.step
-                    self.logger.evaluation(self.step, result.eval)
+                    self.logger.evaluation(self.step, result.eval, elapsed_s=self.elapsed)
                 if save_now:
                     self.save()
                     self._last_save = self.step
