@@ -226,3 +226,24 @@ def test_smollm2_eager_and_sdpa(tmp_path):
     print(report.to_text(), f"\n{seconds:.1f} s")
     assert failed(report) == {(ALL_ONES_PACKED, "eager"), (ALL_ONES_PACKED, "sdpa")}, report.to_text()
     assert report.result("float64 reference", "sdpa").max_deviation < 1e-3
+
+
+def test_an_implementation_that_raises_is_a_failed_verdict_not_a_crash(llama):
+    """A kernel that crashes (as torch 2.13's CPU FlexAttention did on SmolLM2: an inductor
+    'index out of bounds') is reported as failing every scenario it breaks; the suite goes on."""
+    from transformers import AttentionInterface
+
+    def exploding(module, query, key, value, attention_mask, **kwargs):
+        raise RuntimeError("index out of bounds: 0 <= tmp20 < cur_qSplitSize\nC++ detail")
+
+    AttentionInterface.register("exploding_test_kernel", exploding)
+    try:
+        report = conform(llama, ["eager", "exploding_test_kernel"], scenarios=["causality", "right padding"])
+    finally:
+        AttentionInterface._global_mapping.pop("exploding_test_kernel", None)
+    bad = [r for r in report.results if r.implementation == "exploding_test_kernel"]
+    good = [r for r in report.results if r.implementation == "eager"]
+    assert bad and all(not r.passed and r.error for r in bad)
+    assert all(r.passed for r in good)
+    assert "raised RuntimeError: index out of bounds" in bad[0].detail and "C++ detail" not in bad[0].detail
+    assert report.exit_code == 1 and "✗ error" in report.to_text()

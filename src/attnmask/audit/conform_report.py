@@ -41,10 +41,13 @@ class ConformResult:
     intended: Tensor | None = field(default=None, repr=False)  # (T, T) bool, True = may depend
     dependency: Tensor | None = field(default=None, repr=False)  # (T, T) measured max |Δ logits_i| per token j
     offending: list[tuple[int, int]] = field(default_factory=list, repr=False)  # pairs to outline in the picture
+    error: bool = False  # the implementation raised instead of answering (detail names the error)
 
     def cell(self) -> str:
         if self.skipped:
             return "–"
+        if self.error:
+            return "✗ error"
         return f"{'✓' if self.passed else '✗'} {self.max_deviation:.1e}"
 
     def to_dict(self) -> dict:

@@ -65,6 +65,13 @@ def _first_over(ratio: Tensor) -> int | None:
     return int(over[0]) if len(over) else None
 
 
+def _crashed(scenario: str, impl: str, err: Exception) -> ConformResult:
+    """A scenario whose implementation raised: failed, with the error's first line as the detail."""
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return ConformResult(scenario, impl, False, detail=f"the implementation raised {type(err).__name__}: {first}",
+                         max_deviation=float("inf"), error=True)  # fmt: skip
+
+
 class Suite:
     def __init__(self, model, *, length: int, seed: int):
         self.m = model
@@ -157,10 +164,10 @@ class Suite:
         for scenario in wanted:
             if (scenario == "source padding" and not self.enc_dec) or (self.enc_dec and scenario in _DECODER_ONLY):
                 continue  # not this architecture's scenario
-            if self.enc_dec:
-                out += self.seq2seq(scenario, impl)
-            else:
-                out += self.decoder(scenario, impl, wanted)
+            try:
+                out += self.seq2seq(scenario, impl) if self.enc_dec else self.decoder(scenario, impl, wanted)
+            except Exception as err:  # the implementation itself failed: a verdict, not a crash of the suite
+                out.append(_crashed(scenario, impl, err))
         return out
 
     def decoder(self, scenario: str, impl: str, wanted: list[str]) -> list[ConformResult]:

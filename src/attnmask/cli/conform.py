@@ -6,6 +6,7 @@ Exit codes: 0 every scenario passed under every implementation, 1 one failed, 2 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 import torch
@@ -89,6 +90,8 @@ def run(args) -> int:
     except ImportError as e:
         raise ValueError("attnmask conform needs the transformers package: pip install 'attnmask[hf]'") from e
     hf_logging.set_verbosity_error()  # transformers' own notices would bury the verdict
+    # and so would torch.compile's recompile warnings (FlexAttention compiles per mask and shape)
+    torch._logging.set_logs(dynamo=logging.ERROR, inductor=logging.ERROR)
     model, description = load_model(args.model, seed=args.seed, dtype=DTYPES[args.dtype])
     report = conform(
         model, impls, scenarios=wanted, length=args.length, seed=args.seed, png_dir=args.png_dir, name=description
