@@ -22,11 +22,18 @@ IGNORE_INDEX = -100  # label of a position the loss skips (what F.cross_entropy 
 
 
 class _BatchMixin:
-    """``.to(device)`` for dataclasses whose fields are all tensors."""
+    """``.to(device)`` and the loss's token count for dataclasses of tensors with ``labels``."""
+
+    labels: torch.Tensor
 
     def to(self, device: torch.device | str, non_blocking: bool = False):
         """A copy with every tensor moved to ``device``."""
         return type(self)(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions the loss is computed over (``labels != IGNORE_INDEX``)."""
+        return int((self.labels != IGNORE_INDEX).sum())
 
 
 @dataclass(frozen=True)
@@ -49,11 +56,6 @@ class TranslationBatch(_BatchMixin):
     labels: torch.Tensor
 
     @property
-    def num_tokens(self) -> int:
-        """Target tokens the loss is computed over (``labels != IGNORE_INDEX``)."""
-        return int((self.labels != IGNORE_INDEX).sum())
-
-    @property
     def padding_fraction(self) -> float:
         """Fraction of ``src`` and ``tgt_in`` slots that are padding (0 = no wasted compute)."""
         slots = self.src.numel() + self.tgt_in.numel()
@@ -74,11 +76,6 @@ class LMBatch(_BatchMixin):
     input_ids: torch.Tensor
     lengths: torch.Tensor
     labels: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        """Positions the loss is computed over (``labels != IGNORE_INDEX``)."""
-        return int((self.labels != IGNORE_INDEX).sum())
 
 
 def _pad_rows(rows: Sequence[Sequence[int]], fill: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,11 +142,6 @@ class PackedTranslationBatch(_BatchMixin):
     tgt_in: torch.Tensor
     segments: torch.Tensor
     labels: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        """Target tokens the loss is computed over (``labels != IGNORE_INDEX``)."""
-        return int((self.labels != IGNORE_INDEX).sum())
 
     @property
     def padding_fraction(self) -> float:

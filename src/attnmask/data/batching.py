@@ -328,15 +328,6 @@ class PackingBatcher(TokenBucketBatcher):
             batches.append(batch)
         return batches
 
-    def __iter__(self) -> Iterator[list[list[int]]]:
-        if self.position >= len(self.batches_for_epoch(self.epoch)):
-            self.epoch, self.position = self.epoch + 1, 0
-        batches = self.batches_for_epoch(self.epoch)
-        while self.position < len(batches):
-            batch = batches[self.position]
-            self.position += 1
-            yield [list(row) for row in batch]
-
     def state_dict(self) -> dict:
         return {**super().state_dict(), "row_tokens": self.row_tokens}
 
