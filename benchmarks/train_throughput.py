@@ -13,6 +13,10 @@ checkpointing at the default intervals; evaluation off) on the same files and di
 the step times its ``on_step`` hook sees after two warm-up steps.
 
     python benchmarks/train_throughput.py [--rounds 3] [--steps 10] [--threads 2] [--precision bf16]
+                                          [--device cpu|cuda]
+
+On CUDA every round ends with a synchronisation, so the times are the GPU's, and the header names
+the GPU instead of the CPU.
 """
 
 from __future__ import annotations
@@ -60,15 +64,18 @@ def ours_step(model, b) -> torch.Tensor:
     return lm_loss(model(b.tgt_in, b.src).logits, b.labels)[0]
 
 
-def timed_round(model, step_fn, optimizer, batches, bf16: bool = False) -> tuple[float, int]:
+def timed_round(model, step_fn, optimizer, batches, bf16: bool = False, device_type: str = "cpu") -> tuple[float, int]:
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    sync()
     tokens, t0 = 0, time.perf_counter()
     for b in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
             loss = step_fn(model, b)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens += b.num_tokens
+    sync()
     return time.perf_counter() - t0, tokens
 
 
@@ -98,7 +105,7 @@ def train_loop_rate(args) -> float:
             valid_tgt=str(m30k / "val.en.gz"), vocab_size=args.vocab_size, dim=args.dim, n_layers=args.layers,
             n_heads=args.heads, ffn_dim=args.ffn, batch_tokens=args.batch_tokens, max_steps=args.steps + 2,
             eval_every=0, eval_sentences=0, eval_max_tokens=1, dropout=0.0, precision=args.precision,
-            device="cpu", progress=False, out=str(Path(tmp) / "run"),
+            device=args.device, progress=False, out=str(Path(tmp) / "run"),
         )  # fmt: skip
         train(cfg, on_step=lambda step, model, rec: stamps.append((time.perf_counter(), rec["tokens"])),
               log=lambda msg: None)  # fmt: skip
@@ -118,6 +125,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16 = bfloat16 autocast")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--no-loop", action="store_true", help="skip the `attnmask train` loop row")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -134,12 +142,14 @@ def main() -> None:
         make_translation_batch([src[i] for i in idx], [tgt[i] for i in idx], pad_id=0, sos_id=1, eos_id=2)
         for idx in plan
     ]
+    device = torch.device(args.device)
+    batches = [b.to(device) for b in batches]
     warm, timed = batches[:2], batches[2:]
 
     hf = marian(tok.vocab_size, args.dim, args.layers, args.heads, args.ffn)
     ours = transformer_from_hf_model(hf)  # same weights, same function
-    hf.train()
-    ours.train()
+    hf.to(device).train()
+    ours.to(device).train()
     with torch.no_grad():
         l_hf, l_ours = float(marian_step(hf, batches[0])), float(ours_step(ours, batches[0]))
     assert abs(l_hf - l_ours) < 1e-4 * abs(l_hf), f"not the same function: Marian loss {l_hf}, attnmask {l_ours}"
@@ -148,11 +158,11 @@ def main() -> None:
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, (m, _) in runs.items()}
     bf16 = args.precision == "bf16"
     for name, (m, fn) in runs.items():
-        timed_round(m, fn, opts[name], warm, bf16)
+        timed_round(m, fn, opts[name], warm, bf16, device.type)
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, (m, fn) in runs.items():
-            seconds, tokens = timed_round(m, fn, opts[name], timed, bf16)
+            seconds, tokens = timed_round(m, fn, opts[name], timed, bf16, device.type)
             rates[name].append(tokens / seconds)
     if not args.no_loop:
         rates["attnmask train loop"] = [train_loop_rate(args) for _ in range(args.rounds)]
@@ -162,7 +172,10 @@ def main() -> None:
     print(f"model: dim {args.dim}, {args.layers}+{args.layers} layers, {args.heads} heads, ffn {args.ffn}, "
           f"vocab {tok.vocab_size}, {params / 1e6:.1f}M parameters; {args.precision}, "
           f"{args.threads} threads")  # fmt: skip
-    print(f"CPU: {cpu_name()}; bf16 matrix units: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+    if device.type == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name(device)}")
+    else:
+        print(f"CPU: {cpu_name()}; bf16 matrix units: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
     print(f"batches: Multi30k de->en, {args.batch_tokens} padded tokens, {tokens_per_step:.0f} target tokens/step "
           f"on average; {args.steps} steps x {args.rounds} alternating rounds; initial losses "
           f"{l_ours:.4f} (attnmask) / {l_hf:.4f} (Marian)\n")  # fmt: skip

@@ -30,6 +30,14 @@ class _BatchMixin:
         """A copy with every tensor moved to ``device``."""
         return type(self)(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
 
+    def to_device(self, device: torch.device):
+        """A copy on ``device``; for CUDA through pinned memory with an asynchronous copy, so that a
+        batch built on a background thread overlaps the step running on the GPU."""
+        if device.type != "cuda":
+            return self.to(device)
+        pinned = type(self)(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+        return pinned.to(device, non_blocking=True)
+
     @property
     def num_tokens(self) -> int:
         """Positions the loss is computed over (``labels != IGNORE_INDEX``)."""
