@@ -71,7 +71,7 @@ def main() -> None:
     wall = time.perf_counter() - t0
     if result.stopped not in ("max_steps", "time budget"):
         raise SystemExit(f"interrupted ({result.stopped}); no score")
-    tokens = result.step * cfg.lm_batch_size * cfg.block_size
+    tokens = result.step * cfg.data.lm_batch_size * cfg.data.block_size
     print(f"\nrecipe {args.recipe}: {json.dumps(recipe)}")
     print(f"threads {args.threads}, precision {args.precision}, budget {args.minutes} min")
     print("| recipe | steps | training time | tokens/s | val loss (whole split) | nanoGPT CPU recipe |")
