@@ -186,11 +186,14 @@ def test_cuda_forward_makes_no_device_to_host_copy():
     model = tiny_model("encoder_decoder", pad_id=0).cuda()
     src = torch.tensor([[5, 6, 7, 0], [5, 6, 7, 8]], device="cuda")
     tgt = torch.tensor([[1, 5, 0], [1, 5, 6]], device="cuda")
-    model(tgt, src)  # warm up: compile FlexAttention and the BlockMask builder
+    with torch.no_grad():
+        warm = model(tgt, src).logits  # warm up: compile FlexAttention and the BlockMask builder
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host copy now raises
     try:
         with torch.no_grad():
-            model(tgt, src)
+            logits = model(tgt, src).logits
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert logits.shape == (2, 3, model.config.vocab_size)
+    torch.testing.assert_close(logits, warm, rtol=0, atol=1e-5)  # the same function as the first forward

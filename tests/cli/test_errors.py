@@ -54,7 +54,8 @@ def test_unusable_device_is_one_line(capsys, mt_run, lm_run, tmp_path, device, c
         "generate": ["generate", "--run", str(lm_run), "a man", "--max-new-tokens", "2"],
         "eval": ["eval", "--run", str(mt_run), "--src", str(src), "--ref", str(src)],
     }[command]
-    one_line_error(capsys, [*argv, "--device", device], f"--device {device!r}")
+    line = one_line_error(capsys, [*argv, "--device", device], f"--device {device!r}")
+    assert line.startswith(f"attnmask {command}: error: --device {device!r}"), line
 
 
 @pytest.mark.parametrize("command", ["translate", "generate", "eval", "attention", "audit"])
@@ -120,7 +121,9 @@ def test_mask_document_without_separator(capsys):
 
 
 def test_mask_window_below_one(capsys):
-    one_line_error(capsys, ["mask", "a b c", "--kind", "window", "--window", "0"], "--window must be >= 1")
+    line = one_line_error(capsys, ["mask", "a b c", "--kind", "window", "--window", "0"], "--window must be >= 1")
+    assert line.startswith("attnmask mask: error:"), line
+    assert main(["mask", "a b c", "--kind", "window", "--window", "1"]) == 0
 
 
 def test_mask_too_many_tokens_for_text(capsys, tmp_path):
