@@ -27,12 +27,10 @@ from attnmask.data import (
     TokenBucketBatcher,
     make_packed_translation_batch,
     make_translation_batch,
-    read_parallel,
     translation_lengths,
 )
-from attnmask.data.tokenizer import Tokenizer
 from attnmask.model import ModelConfig, Transformer, lm_loss
-from train_throughput import DATA, cpu_name
+from train_throughput import cpu_name, multi30k_ids
 
 
 def step(model, b, packed: bool, device, bf16: bool) -> None:
@@ -72,14 +70,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device, bf16 = torch.device(args.device), args.precision == "bf16"
-    m30k = DATA / "multi30k"
-    if not (m30k / "train.de.gz").exists():
-        raise SystemExit(f"Multi30k not found under {m30k} (set ATTNMASK_DATA)")
-
-    pairs = read_parallel(m30k / "train.de.gz", m30k / "train.en.gz").pairs
-    tok = Tokenizer.train_bpe([s for s, _ in pairs] + [t for _, t in pairs], args.vocab_size)
-    src = tok.encode_batch([s for s, _ in pairs])
-    tgt = tok.encode_batch([t for _, t in pairs])
+    tok, src, tgt = multi30k_ids(args.vocab_size)
     lengths = translation_lengths(src, tgt)
     ids = {"pad_id": tok.pad_id, "sos_id": tok.sos_id, "eos_id": tok.eos_id}
     samplers = {

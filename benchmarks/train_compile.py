@@ -17,11 +17,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from attnmask.data import TokenBucketBatcher, make_translation_batch, read_parallel, translation_lengths
-from attnmask.data.tokenizer import Tokenizer
+from attnmask.data import TokenBucketBatcher, make_translation_batch, translation_lengths
 from attnmask.model import ModelConfig, Transformer, lm_loss
 from attnmask.train.loop import COMPILE_ROUND_TO
-from train_throughput import DATA, cpu_name
+from train_throughput import cpu_name, multi30k_ids
 
 
 def rounded(t: torch.Tensor, fill: int) -> torch.Tensor:
@@ -55,10 +54,10 @@ def main() -> None:
         raise SystemExit("--steps must be at least 12 (10 warm-up steps, then the steady state)")
     torch.set_num_threads(args.threads)
     bf16 = args.precision == "bf16"
-    pairs = read_parallel(DATA / "multi30k" / "train.de.gz", DATA / "multi30k" / "train.en.gz").pairs[: args.pairs]
-    tok = Tokenizer.train_bpe([s for s, _ in pairs] + [t for _, t in pairs], 8000)
-    src, tgt = tok.encode_batch([s for s, _ in pairs]), tok.encode_batch([t for _, t in pairs])
+    tok, src, tgt = multi30k_ids(8000, args.pairs)
     plan = TokenBucketBatcher(translation_lengths(src, tgt), 4096, seed=0).batches_for_epoch(0)[: args.steps]
+    if len(plan) < args.steps:
+        raise SystemExit(f"--pairs {args.pairs} make only {len(plan)} batches; raise --pairs for {args.steps} steps")
     batches = []
     for idx in plan:
         b = make_translation_batch([src[i] for i in idx], [tgt[i] for i in idx], pad_id=tok.pad_id,

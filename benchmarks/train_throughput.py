@@ -38,6 +38,16 @@ from attnmask.pretrained.hf import transformer_from_hf_model
 DATA = Path(os.environ.get("ATTNMASK_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
+def multi30k_ids(vocab_size: int, pairs: int | None = None) -> tuple[Tokenizer, list[list[int]], list[list[int]]]:
+    """A joint BPE trained on Multi30k de-en's training pairs (the first ``pairs``), and their ids."""
+    m30k = DATA / "multi30k"
+    if not (m30k / "train.de.gz").exists():
+        raise SystemExit(f"Multi30k not found under {m30k} (set ATTNMASK_DATA)")
+    found = read_parallel(m30k / "train.de.gz", m30k / "train.en.gz").pairs[:pairs]
+    tok = Tokenizer.train_bpe([s for s, _ in found] + [t for _, t in found], vocab_size)
+    return tok, tok.encode_batch([s for s, _ in found]), tok.encode_batch([t for _, t in found])
+
+
 def marian(vocab: int, dim: int, layers: int, heads: int, ffn: int):
     from transformers import MarianConfig, MarianMTModel
 
@@ -129,13 +139,7 @@ def main() -> None:
     ap.add_argument("--no-loop", action="store_true", help="skip the `attnmask train` loop row")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not (DATA / "multi30k" / "train.de.gz").exists():
-        raise SystemExit(f"Multi30k not found under {DATA}/multi30k (set ATTNMASK_DATA)")
-
-    pairs = read_parallel(DATA / "multi30k" / "train.de.gz", DATA / "multi30k" / "train.en.gz").pairs
-    tok = Tokenizer.train_bpe([s for s, _ in pairs] + [t for _, t in pairs], args.vocab_size)
-    src = tok.encode_batch([s for s, _ in pairs])
-    tgt = tok.encode_batch([t for _, t in pairs])
+    tok, src, tgt = multi30k_ids(args.vocab_size)
     sampler = TokenBucketBatcher(translation_lengths(src, tgt), args.batch_tokens, seed=0)
     plan = sampler.batches_for_epoch(0)[: args.steps + 2]
     batches = [

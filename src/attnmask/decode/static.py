@@ -176,6 +176,15 @@ def zero_unwritten(cache: KVCache) -> None:
             layer.v[:, :, cache.pos :].zero_()
 
 
+def compile_failure(err: BaseException) -> str:
+    """``"Type: first line"`` of the error under torch.compile's wrappers: what went wrong, in one line."""
+    root = err
+    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+        root = inner
+    lines = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {lines[0] if lines else ''}"
+
+
 def bucket(n: int) -> int:
     """The shape a compiled step uses for ``n`` columns: the next power of two, at least 64."""
     return max(64, 1 << (n - 1).bit_length())
@@ -249,11 +258,7 @@ class CompiledStep:
                 self.model, k_fixed, v_fixed, cross, tokens, positions, col, keys, key_fixed, src_fixed, True
             )
         except Exception as err:  # no C++ compiler, no triton, an unsupported op: run eagerly
-            root = err
-            while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
-                root = inner  # torch wraps the backend's error: say what went wrong
-            lines = str(root).strip().splitlines()
-            self.failed = f"{type(root).__name__}: {lines[0] if lines else ''}"
+            self.failed = compile_failure(err)
             self.notice(f"attnmask: torch.compile unavailable, decoding without it ({self.failed})")
             logits = _step(self.model, k_bufs, v_bufs, cross, tokens, positions, col, cache.pos + 1, key_ok, src_ok)
         cache.advance(1)

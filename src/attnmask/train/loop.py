@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from attnmask.data.batches import IGNORE_INDEX, PAD_SEGMENT
+from attnmask.decode.static import compile_failure
 from attnmask.model import Transformer, lm_loss
 from attnmask.train import checkpoint, distributed, precision
 from attnmask.train.config import RESUME_OVERRIDES, OptimConfig, TrainConfig, resume_changes
@@ -336,11 +337,7 @@ class Trainer:
             try:
                 return self.forward(b.inputs, b.src, **kwargs).logits
             except Exception as err:  # no C++ compiler, no triton, an unsupported op: train eagerly
-                root = err
-                while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
-                    root = inner  # torch wraps the backend's error: say what went wrong
-                first = (str(root).strip().splitlines() or [""])[0]
-                why = f"{type(root).__name__}: {first}"
+                why = compile_failure(err)
                 self.logger.line(f"attnmask: torch.compile unavailable, training without it ({why})")
                 self.forward = self.ddp
         return self.ddp(b.inputs, b.src, **kwargs).logits
