@@ -41,8 +41,9 @@ smol_hf = test_pretrained.smol_hf
 
 EPS32 = torch.finfo(torch.float32).eps
 KINDS = ["Q4_1", "Q8_0"]
-# (out_features, in_features): 3 and 5 blocks per row (odd: Q4_1 pairs blocks), odd row counts, SmolLM2's 576
-SHAPES = [(13, 96), (24, 160), (192, 576)]
+# (out_features, in_features): 3, 5 and 8 blocks per row (odd: Q4_1 pairs blocks; AVX-512 takes two pairs or
+# two blocks at once, with an odd one left over or none), odd row counts, SmolLM2's 576
+SHAPES = [(13, 96), (24, 160), (7, 256), (192, 576)]
 ROWS = [1, 2, 3, 4, 5, 16, 17, 70]  # the kernel takes rows 4 at a time: full and partial groups
 
 
@@ -254,27 +255,31 @@ def test_pytorch_fallback_gives_the_same_values(kind, monkeypatch):
     assert torch.equal(fresh.weight, w)
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
 def test_kernel_is_built_into_the_cache_folder(monkeypatch, tmp_path, build):
-    """A fresh build (``$ATTNMASK_CACHE/kernels``): the CPU's own kernel, and the portable C one that
-    machines without AVX2/FMA get, forced here with a compiler wrapper that turns those off."""
+    """A fresh build (``$ATTNMASK_CACHE/kernels``): the CPU's own kernel, the AVX2 one an AVX-512 CPU
+    would otherwise never run, and the portable C one that machines without AVX2/FMA get, forced here
+    with a compiler wrapper that turns those instructions off."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         pytest.skip("no C compiler: the kernel cannot be built here")
     monkeypatch.setattr(quantized, "_state", {})
     monkeypatch.delenv("ATTNMASK_QUANT_KERNEL", raising=False)
     monkeypatch.setenv("ATTNMASK_CACHE", str(tmp_path))
-    if build == "portable":
+    off = {"avx2": "-mno-avx512f", "portable": "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"}
+    if build in off:
         if platform.machine().lower() not in ("x86_64", "amd64"):
             pytest.skip("the native build is the portable one on this machine")
-        wrapper = tmp_path / "cc-portable"
-        wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" -mno-avx2 -mno-fma -mno-f16c\n')
+        if build == "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+            pytest.skip("the native build is the AVX2 (or portable) one on this CPU")
+        wrapper = tmp_path / f"cc-{build}"
+        wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {off[build]}\n')
         wrapper.chmod(0o755)
         monkeypatch.setenv("CC", str(wrapper))
     status = kernel_status()
     assert status.startswith("compiled kernel"), status
-    if build == "portable":
-        assert status.endswith("(portable C)"), status
+    expected = {"avx2": "(AVX2)", "portable": "(portable C)"}.get(build, ")")
+    assert status.endswith(expected), status
     built = list((tmp_path / "kernels").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so", built
     assert str(built[0]) in status

@@ -17,6 +17,11 @@
  * would give. The result equals the float32 product with the dequantized matrix up to summation
  * order.
  *
+ * With AVX-512 the loops take 16 lanes at a time: two Q4_1 pairs (or two Q8_0 blocks) side by side,
+ * the activations copied once per call into the matching interleaved order (an odd last pair or
+ * block keeps the 8-lane order and the AVX2 instructions). Each output is then computed by the
+ * same operations in the same order for every batch size and thread count, as on the AVX2 path.
+ *
  * Rows of W are split over `threads` OpenMP threads (the libgomp PyTorch has loaded).
  */
 #include <stdint.h>
@@ -29,12 +34,18 @@
 #else
 #define BLOCKS_AVX2 0
 #endif
+#if BLOCKS_AVX2 && defined(__AVX512F__) && defined(__AVX512VL__)
+#define BLOCKS_AVX512 1
+#else
+#define BLOCKS_AVX512 0
+#endif
 
 #define QK 32
 #define ROWS_PER_TASK 16
 #define MAX_R 4 /* activation rows per pass over a weight row */
 
-int attnmask_blocks_avx2(void) { return BLOCKS_AVX2; }
+/* the vector width the loops were built for: 512, 256, or 0 (portable C) */
+int attnmask_blocks_simd(void) { return BLOCKS_AVX512 ? 512 : BLOCKS_AVX2 ? 256 : 0; }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -62,48 +73,118 @@ static float dot(const float *a, const float *b, int64_t n) {
 /* ------------------------------------------------------------------------------------------ */
 /* Q4_1                                                                                        */
 /* ------------------------------------------------------------------------------------------ */
-/* x (R rows of K) -> xq (R rows of nbp * 32: x * 16^-k at weight 8k + i of each pair, k < 7;
- * zero padded) and xsum (R rows of nbp block sums) */
+/* Where weight j of a row (of `groups` groups of `width` weights: Q4_1 pairs of 64, Q8_0 blocks of
+ * 32, in 8 lanes each) sits in the loops' order: within a group, weight 8k + i at 8k + i; with
+ * AVX-512, groups 2g and 2g + 1 interleave as 16 lanes, weight 8k + i of group 2g + h at
+ * 16k + 8h + i of their 2 * width. An odd last group keeps its own order unless `pad_last` (then
+ * it takes lanes 0..7 of a group pair whose lanes 8..15 the caller fills with zeros). */
+static inline int64_t lane_order(int64_t j, int64_t width, int64_t groups, int pad_last) {
+    const int64_t g = j / width, w = j % width;
+    if (!BLOCKS_AVX512 || (!pad_last && g >= groups / 2 * 2)) return j;
+    return (g / 2) * 2 * width + (w / 8) * 16 + (g % 2) * 8 + w % 8;
+}
+
+/* Blocks per row of the activation scratch: nbp, or with AVX-512 nbp rounded up to whole quads
+ * (2 pairs), the loops reading 16 lanes at a time. */
+static inline int64_t q4_1_xblocks(int64_t nbp) { return BLOCKS_AVX512 ? (nbp + 3) / 4 * 4 : nbp; }
+
+/* x (R rows of K) -> xq (R rows of xb * 32: x * 16^-k at weight 8k + i of each pair, k < 7;
+ * in lane_order; zero padded) and xsum (R rows of xb block sums, zero padded), xb = q4_1_xblocks */
 static void q4_1_prepare(const float *x, float *xq, float *xsum, int64_t M, int64_t K, int64_t nbp) {
     static const float scale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+    const int64_t xb = q4_1_xblocks(nbp);
+    memset(xq, 0, sizeof(float) * (size_t)(M * xb * (QK + 1)));
     for (int64_t r = 0; r < M; r++) {
-        for (int64_t j = 0; j < nbp * QK; j++)
-            xq[r * nbp * QK + j] = j < K ? x[r * K + j] * scale[(j % 64) / 8] : 0.0f;
-        for (int64_t b = 0; b < nbp; b++) {
+        for (int64_t j = 0; j < K; j++)
+            xq[r * xb * QK + lane_order(j, 64, nbp / 2, 1)] = x[r * K + j] * scale[(j % 64) / 8];
+        for (int64_t b = 0; b < K / QK; b++) {
             float s = 0.0f;
-            for (int64_t j = b * QK; j < min64((b + 1) * QK, K); j++) s += x[r * K + j];
-            xsum[r * nbp + b] = s;
+            for (int64_t j = b * QK; j < (b + 1) * QK; j++) s += x[r * K + j];
+            xsum[r * xb + b] = s;
         }
     }
 }
 
 /* up to MAX_R activation rows against weight row n. R is a constant at each call site of the
- * AVX2 version (see q4_1_row), so the accumulators stay in registers. */
+ * vector versions (see q4_1_row), so the accumulators stay in registers. */
 #if BLOCKS_AVX2
+#if BLOCKS_AVX512
+/* 16 lanes: quad q holds pairs 2q and 2q + 1 (codes + 16 q, activations xq + 128 q); `lanes` and
+ * `scales` mask what a last quad of one pair reads (8 lanes of codes, 2 scales; the rest zero). The m
+ * term joins per quad: 4 block minimums times the 4 block sums of x (macc). */
+static inline __attribute__((always_inline)) void q4_1_quad(const uint32_t *codes, const float *d, const float *m,
+                                                            const float *xq, const float *xsum, __m512 *acc0,
+                                                            __m512 *acc1, __m128 *macc, const int R, int64_t xb,
+                                                            int64_t q, const __mmask16 lanes, const __mmask8 scales) {
+    const __m512i nib = _mm512_set1_epi32(15);
+    /* lanes 0..7 scale the first pair (d[4q] for k < 4, d[4q + 1] above), lanes 8..15 the second's */
+    const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i second = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m512i raw = _mm512_maskz_loadu_epi32(lanes, codes + q * 16);
+    const __m128 d4 = _mm_maskz_loadu_ps(scales, d + 4 * q), m4 = _mm_maskz_loadu_ps(scales, m + 4 * q);
+    __m512 v[8];
+    for (int k = 0; k < 7; k++) v[k] = _mm512_cvtepi32_ps(_mm512_and_si512(raw, _mm512_slli_epi32(nib, 4 * k)));
+    v[7] = _mm512_cvtepi32_ps(_mm512_srli_epi32(raw, 28));
+    const __m512 ds = _mm512_castps128_ps512(d4);
+    const __m512 d0 = _mm512_permutexvar_ps(first, ds), d1 = _mm512_permutexvar_ps(second, ds);
+    for (int r = 0; r < R; r++) {
+        const float *xp = xq + r * xb * QK + q * 128;
+        const __m512 t0 = _mm512_add_ps(_mm512_fmadd_ps(v[1], _mm512_loadu_ps(xp + 16), _mm512_mul_ps(v[0], _mm512_loadu_ps(xp))),
+                                        _mm512_fmadd_ps(v[3], _mm512_loadu_ps(xp + 48), _mm512_mul_ps(v[2], _mm512_loadu_ps(xp + 32))));
+        const __m512 t1 = _mm512_add_ps(_mm512_fmadd_ps(v[5], _mm512_loadu_ps(xp + 80), _mm512_mul_ps(v[4], _mm512_loadu_ps(xp + 64))),
+                                        _mm512_fmadd_ps(v[7], _mm512_loadu_ps(xp + 112), _mm512_mul_ps(v[6], _mm512_loadu_ps(xp + 96))));
+        acc0[r] = _mm512_fmadd_ps(d0, t0, acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(d1, t1, acc1[r]);
+        macc[r] = _mm_fmadd_ps(m4, _mm_loadu_ps(xsum + r * xb + 4 * q), macc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q4_1_row_r(const uint32_t *codes, const float *d, const float *m,
+                                                             const float *xq, const float *xsum, float *y, const int R,
+                                                             int64_t N, int64_t nbp) {
+    const int64_t pairs = nbp / 2, xb = q4_1_xblocks(nbp);
+    __m512 acc0[MAX_R], acc1[MAX_R];
+    __m128 macc[MAX_R];
+    for (int r = 0; r < R; r++) {
+        acc0[r] = acc1[r] = _mm512_setzero_ps();
+        macc[r] = _mm_setzero_ps();
+    }
+    for (int64_t q = 0; q < pairs / 2; q++) q4_1_quad(codes, d, m, xq, xsum, acc0, acc1, macc, R, xb, q, 0xFFFF, 0xF);
+    if (pairs % 2) q4_1_quad(codes, d, m, xq, xsum, acc0, acc1, macc, R, xb, pairs / 2, 0x00FF, 0x3);
+    for (int r = 0; r < R; r++)
+        y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), _mm512_zextps128_ps512(macc[r])));
+}
+#else
+/* pair p of the row in the 8-lane order: acc0 += d0 * (first block's q . xq), acc1 likewise */
+static inline __attribute__((always_inline)) void q4_1_pair8(const uint32_t *codes, const float *d, const float *xq,
+                                                             __m256 *acc0, __m256 *acc1, const int R, int64_t nbp,
+                                                             int64_t p, int64_t at) {
+    const __m256i nib = _mm256_set1_epi32(15);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + p * 8));
+    __m256 v[8];
+    for (int k = 0; k < 7; k++) v[k] = _mm256_cvtepi32_ps(_mm256_and_si256(raw, _mm256_slli_epi32(nib, 4 * k)));
+    v[7] = _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 28));
+    const __m256 d0 = _mm256_broadcast_ss(d + 2 * p), d1 = _mm256_broadcast_ss(d + 2 * p + 1);
+    for (int r = 0; r < R; r++) {
+        const float *xp = xq + r * nbp * QK + at;
+        const __m256 t0 = _mm256_add_ps(_mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xp))),
+                                        _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(xp + 16))));
+        const __m256 t1 = _mm256_add_ps(_mm256_fmadd_ps(v[5], _mm256_loadu_ps(xp + 40), _mm256_mul_ps(v[4], _mm256_loadu_ps(xp + 32))),
+                                        _mm256_fmadd_ps(v[7], _mm256_loadu_ps(xp + 56), _mm256_mul_ps(v[6], _mm256_loadu_ps(xp + 48))));
+        acc0[r] = _mm256_fmadd_ps(d0, t0, acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(d1, t1, acc1[r]);
+    }
+}
+
 static inline __attribute__((always_inline)) void q4_1_row_r(const uint32_t *codes, const float *d, const float *m,
                                                              const float *xq, const float *xsum, float *y, const int R,
                                                              int64_t N, int64_t nbp) {
     __m256 acc0[MAX_R], acc1[MAX_R];
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    const __m256i nib = _mm256_set1_epi32(15);
-    for (int64_t p = 0; p < nbp / 2; p++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + p * 8));
-        __m256 v[8];
-        for (int k = 0; k < 7; k++) v[k] = _mm256_cvtepi32_ps(_mm256_and_si256(raw, _mm256_slli_epi32(nib, 4 * k)));
-        v[7] = _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 28));
-        const __m256 d0 = _mm256_broadcast_ss(d + 2 * p), d1 = _mm256_broadcast_ss(d + 2 * p + 1);
-        for (int r = 0; r < R; r++) {
-            const float *xp = xq + r * nbp * QK + p * 64;
-            const __m256 t0 = _mm256_add_ps(_mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xp))),
-                                            _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(xp + 16))));
-            const __m256 t1 = _mm256_add_ps(_mm256_fmadd_ps(v[5], _mm256_loadu_ps(xp + 40), _mm256_mul_ps(v[4], _mm256_loadu_ps(xp + 32))),
-                                            _mm256_fmadd_ps(v[7], _mm256_loadu_ps(xp + 56), _mm256_mul_ps(v[6], _mm256_loadu_ps(xp + 48))));
-            acc0[r] = _mm256_fmadd_ps(d0, t0, acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(d1, t1, acc1[r]);
-        }
-    }
+    for (int64_t p = 0; p < nbp / 2; p++) q4_1_pair8(codes, d, xq, acc0, acc1, R, nbp, p, p * 64);
     for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + dot(m, xsum + r * nbp, nbp);
 }
+#endif
 
 static void q4_1_row(const uint32_t *codes, const float *d, const float *m, const float *xq, const float *xsum,
                      float *y, int64_t R, int64_t N, int64_t nbp) {
@@ -139,17 +220,17 @@ static void q4_1_row(const uint32_t *codes, const float *d, const float *m, cons
  * Returns 0, or -1 if the scratch buffer cannot be allocated. */
 int attnmask_q4_1_matmul(const uint32_t *codes, const float *d, const float *m, const float *x, float *y, int64_t M,
                          int64_t N, int64_t K, int threads) {
-    const int64_t nbp = ((K / QK) + 1) / 2 * 2;
-    float *xq = (float *)malloc(sizeof(float) * (size_t)(M * nbp * (QK + 1)));
+    const int64_t nbp = ((K / QK) + 1) / 2 * 2, xb = q4_1_xblocks(nbp);
+    float *xq = (float *)malloc(sizeof(float) * (size_t)(M * xb * (QK + 1)));
     if (!xq) return -1;
-    float *xsum = xq + M * nbp * QK;
+    float *xsum = xq + M * xb * QK;
     q4_1_prepare(x, xq, xsum, M, K, nbp);
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
     for (int64_t task = 0; task < tasks; task++)
         for (int64_t r0 = 0; r0 < M; r0 += MAX_R)
             for (int64_t n = task * ROWS_PER_TASK; n < min64((task + 1) * ROWS_PER_TASK, N); n++)
-                q4_1_row(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * nbp * QK, xsum + r0 * nbp,
+                q4_1_row(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK, xsum + r0 * xb,
                          y + r0 * N + n, min64(MAX_R, M - r0), N, nbp);
     free(xq);
     return 0;
@@ -172,30 +253,63 @@ void attnmask_q4_1_dequantize(const uint32_t *codes, const float *d, const float
 /* Q8_0                                                                                        */
 /* ------------------------------------------------------------------------------------------ */
 #if BLOCKS_AVX2
+/* block b of the row in the 8-lane order, its activations at x + at: acc += d[b] * (q . x) */
+static inline __attribute__((always_inline)) void q8_0_block8(const uint32_t *codes, const float *d, const float *x,
+                                                              __m256 *acc, const int R, int64_t K, int64_t b,
+                                                              int64_t at) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + b * 8));
+    const __m256 v0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
+    const __m256 v1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 16), 24));
+    const __m256 v2 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 8), 24));
+    const __m256 v3 = _mm256_cvtepi32_ps(_mm256_srai_epi32(raw, 24));
+    const __m256 db = _mm256_broadcast_ss(d + b);
+    for (int r = 0; r < R; r++) {
+        const float *xb = x + r * K + at;
+        const __m256 t = _mm256_add_ps(_mm256_fmadd_ps(v1, _mm256_loadu_ps(xb + 8), _mm256_mul_ps(v0, _mm256_loadu_ps(xb))),
+                                       _mm256_fmadd_ps(v3, _mm256_loadu_ps(xb + 24), _mm256_mul_ps(v2, _mm256_loadu_ps(xb + 16))));
+        acc[r] = _mm256_fmadd_ps(db, t, acc[r]);
+    }
+}
+
+#if BLOCKS_AVX512
+/* x in lane_order (blocks 2g and 2g + 1 side by side, 16 lanes) */
 static inline __attribute__((always_inline)) void q8_0_row_r(const uint32_t *codes, const float *d, const float *x,
                                                              float *y, const int R, int64_t N, int64_t K) {
     const int64_t nb = K / QK;
-    __m256 acc0[MAX_R], acc1[MAX_R];
-    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + b * 8));
-        const __m256 v0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
-        const __m256 v1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 16), 24));
-        const __m256 v2 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 8), 24));
-        const __m256 v3 = _mm256_cvtepi32_ps(_mm256_srai_epi32(raw, 24));
-        const __m256 db = _mm256_broadcast_ss(d + b);
+    __m512 acc0[MAX_R], acc1[MAX_R];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < nb / 2; g++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(codes + g * 16));
+        const __m512 v0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 24), 24));
+        const __m512 v1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 16), 24));
+        const __m512 v2 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 8), 24));
+        const __m512 v3 = _mm512_cvtepi32_ps(_mm512_srai_epi32(raw, 24));
+        const __m512 dg = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[2 * g]), _mm512_set1_ps(d[2 * g + 1]));
         for (int r = 0; r < R; r++) {
-            const float *xb = x + r * K + b * QK;
-            const __m256 t = _mm256_add_ps(_mm256_fmadd_ps(v1, _mm256_loadu_ps(xb + 8), _mm256_mul_ps(v0, _mm256_loadu_ps(xb))),
-                                           _mm256_fmadd_ps(v3, _mm256_loadu_ps(xb + 24), _mm256_mul_ps(v2, _mm256_loadu_ps(xb + 16))));
-            if (b & 1)
-                acc1[r] = _mm256_fmadd_ps(db, t, acc1[r]);
+            const float *xg = x + r * K + g * 64;
+            const __m512 t = _mm512_add_ps(_mm512_fmadd_ps(v1, _mm512_loadu_ps(xg + 16), _mm512_mul_ps(v0, _mm512_loadu_ps(xg))),
+                                           _mm512_fmadd_ps(v3, _mm512_loadu_ps(xg + 48), _mm512_mul_ps(v2, _mm512_loadu_ps(xg + 32))));
+            if (g & 1)
+                acc1[r] = _mm512_fmadd_ps(dg, t, acc1[r]);
             else
-                acc0[r] = _mm256_fmadd_ps(db, t, acc0[r]);
+                acc0[r] = _mm512_fmadd_ps(dg, t, acc0[r]);
         }
     }
-    for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+    __m256 tail[MAX_R];
+    for (int r = 0; r < R; r++) tail[r] = _mm256_setzero_ps();
+    if (nb % 2) q8_0_block8(codes, d, x, tail, R, K, nb - 1, (nb - 1) * QK);
+    for (int r = 0; r < R; r++) y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + hsum8(tail[r]);
 }
+#else
+static inline __attribute__((always_inline)) void q8_0_row_r(const uint32_t *codes, const float *d, const float *x,
+                                                             float *y, const int R, int64_t N, int64_t K) {
+    const int64_t nb = K / QK;
+    __m256 acc[2][MAX_R];
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) q8_0_block8(codes, d, x, acc[b & 1], R, K, b, b * QK);
+    for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r]));
+}
+#endif
 
 static void q8_0_row(const uint32_t *codes, const float *d, const float *x, float *y, int64_t R, int64_t N, int64_t K) {
     switch (R) {
@@ -222,15 +336,25 @@ static void q8_0_row(const uint32_t *codes, const float *d, const float *x, floa
 }
 #endif
 
-/* y (M, N) = x (M, K) @ W^T. codes: N rows of K uint8 (as K / 4 uint32); d: N rows of K / 32 float32. */
+/* y (M, N) = x (M, K) @ W^T. codes: N rows of K uint8 (as K / 4 uint32); d: N rows of K / 32 float32.
+ * Returns 0, or -1 if the scratch buffer (AVX-512: x in lane_order) cannot be allocated. */
 int attnmask_q8_0_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
                          int64_t K, int threads) {
+    float *xo = NULL;
+    if (BLOCKS_AVX512) {
+        xo = (float *)malloc(sizeof(float) * (size_t)(M * K));
+        if (!xo) return -1;
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t j = 0; j < K; j++) xo[r * K + lane_order(j, QK, K / QK, 0)] = x[r * K + j];
+        x = xo;
+    }
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
     for (int64_t task = 0; task < tasks; task++)
         for (int64_t r0 = 0; r0 < M; r0 += MAX_R)
             for (int64_t n = task * ROWS_PER_TASK; n < min64((task + 1) * ROWS_PER_TASK, N); n++)
                 q8_0_row(codes + n * (K / 4), d + n * (K / QK), x + r0 * K, y + r0 * N + n, min64(MAX_R, M - r0), N, K);
+    free(xo);
     return 0;
 }
 
