@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -278,9 +280,9 @@ def test_kernel_is_built_into_the_cache_folder(monkeypatch, tmp_path, build):
         monkeypatch.setenv("CC", str(wrapper))
     status = kernel_status()
     assert status.startswith("compiled kernel"), status
-    expected = {"avx2": "(AVX2)", "portable": "(portable C)"}.get(build, ")")
-    assert status.endswith(expected), status
-    built = list((tmp_path / "kernels").iterdir())
+    expected = {"avx2": "(AVX2);", "portable": "(portable C);"}.get(build, ");")
+    assert expected in status, status
+    built = [f for f in (tmp_path / "kernels").iterdir() if not f.name.startswith("quantized-op-")]
     assert len(built) == 1 and built[0].suffix == ".so", built
     assert str(built[0]) in status
     for kind in KINDS:
@@ -527,11 +529,39 @@ def test_the_registered_operator_checks_every_buffer(kind):
     for what, (i, value) in bad.items():
         wrong = list(args)
         wrong[i] = value
-        if what != "x on meta":
-            with pytest.raises(ValueError, match="block kernel|Q4_1 needs|Q8_0 has no"):
-                op(*wrong)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError) as python:
             quantized.check_buffers(*wrong[:3], kind, 96, wrong[3])
+        if what != "x on meta":
+            with pytest.raises(ValueError, match="block kernel|Q4_1 needs|Q8_0 has no") as operator:
+                op(*wrong)
+            assert str(operator.value) == str(python.value), what  # the C++ checks say what Python's say
+
+
+def test_the_operator_runs_in_cxx_where_a_cxx_compiler_is():
+    if shutil.which(os.environ.get("CXX", "c++")) is None or quantized._load_kernel() is None:
+        pytest.skip("no C++ compiler or no kernel here: the operator runs in Python")
+    assert quantized.kernel_status().endswith("operator in C++"), quantized.kernel_status()
+    layer, args = _good_args("Q4_1")
+    x = args[3]
+    assert torch.equal(torch.ops.attnmask.block_matmul(*args), quantized._block_matmul(*args))  # same kernel
+    assert torch.equal(layer(x), quantized._block_matmul(*args))
+
+
+def test_without_a_cxx_compiler_the_operator_stays_in_python(tmp_path):
+    """A fresh process (a loaded C++ operator cannot be unloaded) whose $CXX does not exist."""
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler: no kernel at all here")
+    code = (
+        "import torch; from attnmask.pretrained import quantized as q; print(q.kernel_status()); "
+        "layer = q.BlockLinear(torch.zeros(2, 20, dtype=torch.uint8), 'Q4_1', 32); "
+        "print(layer(torch.ones(1, 32)).tolist())"
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "ATTNMASK_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    status, result = proc.stdout.splitlines()
+    assert "operator in Python" in status and "no-such-c++" in status, status
+    assert result == "[[0.0, 0.0]]"  # zero scales and minimums: zero weights
 
 
 def test_a_damaged_buffer_is_refused_not_read():

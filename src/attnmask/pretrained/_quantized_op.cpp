@@ -1,0 +1,85 @@
+// attnmask::block_matmul's CPU kernel as a C++ operator (attnmask.pretrained.quantized).
+//
+// The schema, the shape rule for torch.compile and the implementation for every other device
+// (which refuses with the same errors) are registered from Python; this file adds the CPU
+// implementation, linked with _quantized.c's kernel, so that a call from Python or from a compiled
+// graph costs the dispatcher's ~2 us instead of a Python function and ctypes marshalling (~6 us),
+// 121 times a token for SmolLM2. The buffer checks are quantized.check_buffers's, word for word:
+// the C kernel reads raw pointers, so nothing reaches it that could make it read past an end.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+extern "C" {
+int attnmask_q4_1_matmul(const uint32_t *codes, const float *d, const float *m, const float *x, float *y, int64_t M,
+                         int64_t N, int64_t K, int threads);
+int attnmask_q8_0_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
+                         int64_t K, int threads);
+}
+
+namespace {
+
+constexpr int64_t QK = 32;
+
+std::string py_dtype(c10::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+
+std::string py_shape(c10::IntArrayRef shape) {
+    std::ostringstream out;
+    out << "(";
+    for (size_t i = 0; i < shape.size(); i++) out << (i ? ", " : "") << shape[i];
+    out << (shape.size() == 1 ? ",)" : ")");
+    return out.str();
+}
+
+void check(const at::Tensor &t, const char *name, c10::ScalarType dtype, std::vector<int64_t> shape,
+           const std::string &kind, bool n_known) {
+    TORCH_CHECK_VALUE(t.device().is_cpu(), "block kernel: ", name, " is on ", t.device().str(),
+                      "; the kernel reads CPU memory");
+    TORCH_CHECK_VALUE(t.scalar_type() == dtype, "block kernel: ", name, " is ", py_dtype(t.scalar_type()),
+                      "; the kernel reads ", py_dtype(dtype));
+    TORCH_CHECK_VALUE(n_known && t.sizes() == c10::IntArrayRef(shape), "block kernel: ", name, " has shape ",
+                      py_shape(t.sizes()), "; expected ", py_shape(shape), " for ", kind);
+    TORCH_CHECK_VALUE(t.is_contiguous(), "block kernel: ", name, " is not contiguous");
+}
+
+at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
+                        const at::Tensor &x, c10::string_view kind_view, int64_t in_features) {
+    const std::string kind(kind_view);
+    const bool q4_1 = kind == "Q4_1";
+    TORCH_CHECK_VALUE(q4_1 || kind == "Q8_0", "block format '", kind,
+                      "' is not supported; expected one of ['Q4_1', 'Q8_0']");
+    TORCH_CHECK_VALUE(in_features > 0 && in_features % QK == 0, "in_features=", in_features,
+                      " is not a positive multiple of the block size ", QK);
+    TORCH_CHECK_VALUE(!q4_1 || m.has_value(), "Q4_1 needs the block minimums m; got None");
+    TORCH_CHECK_VALUE(q4_1 || !m.has_value(), "Q8_0 has no block minimums; got an m tensor");
+    const bool n_known = codes.dim() == 2;
+    const int64_t n = n_known ? codes.size(0) : -1, blocks = in_features / QK;
+    const int64_t nb = q4_1 ? blocks + blocks % 2 : blocks;  // Q4_1 pads an odd block count
+    check(codes, "codes", at::kByte, {n, q4_1 ? nb * 16 : nb * QK}, kind, n_known);
+    check(d, "d", at::kFloat, {n, nb}, kind, n_known);
+    if (q4_1) check(*m, "m", at::kFloat, {n, nb}, kind, n_known);
+    const int64_t rows = x.dim() == 2 ? x.size(0) : -1;
+    check(x, "x", at::kFloat, {rows, in_features}, kind, n_known);
+    at::Tensor out = at::empty({rows, n}, x.options());
+    const int threads = at::get_num_threads();
+    const auto *c = static_cast<const uint32_t *>(codes.const_data_ptr());
+    const int status =
+        q4_1 ? attnmask_q4_1_matmul(c, d.const_data_ptr<float>(), m->const_data_ptr<float>(),
+                                    x.const_data_ptr<float>(), out.mutable_data_ptr<float>(), rows, n, in_features,
+                                    threads)
+             : attnmask_q8_0_matmul(c, d.const_data_ptr<float>(), x.const_data_ptr<float>(),
+                                    out.mutable_data_ptr<float>(), rows, n, in_features, threads);
+    if (status) throw std::bad_alloc();  // -> MemoryError: the kernel's scratch buffer
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnmask, CPU, lib) { lib.impl("block_matmul", &block_matmul); }
