@@ -186,6 +186,27 @@ static inline __attribute__((always_inline)) void q4_1_row_r(const uint32_t *cod
 }
 #endif
 
+#if BLOCKS_AVX512
+/* one activation row against weight rows n and n + 1: the operations of q4_1_row_r for each row,
+ * interleaved, so that two short rows' loop and reduction overheads overlap (the same result, bit for bit) */
+static void q4_1_row_pair(const uint32_t *codes, const float *d, const float *m, const float *xq, const float *xsum,
+                          float *y, int64_t nbp) {
+    const int64_t pairs = nbp / 2, xb = q4_1_xblocks(nbp);
+    __m512 a0[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, a1[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m128 mc[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
+    for (int64_t q = 0; q < pairs / 2; q++) {
+        q4_1_quad(codes, d, m, xq, xsum, &a0[0], &a1[0], &mc[0], 1, xb, q, 0xFFFF, 0xF);
+        q4_1_quad(codes + nbp * 4, d + nbp, m + nbp, xq, xsum, &a0[1], &a1[1], &mc[1], 1, xb, q, 0xFFFF, 0xF);
+    }
+    if (pairs % 2) {
+        q4_1_quad(codes, d, m, xq, xsum, &a0[0], &a1[0], &mc[0], 1, xb, pairs / 2, 0x00FF, 0x3);
+        q4_1_quad(codes + nbp * 4, d + nbp, m + nbp, xq, xsum, &a0[1], &a1[1], &mc[1], 1, xb, pairs / 2, 0x00FF, 0x3);
+    }
+    for (int i = 0; i < 2; i++)
+        y[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[i], a1[i]), _mm512_zextps128_ps512(mc[i])));
+}
+#endif
+
 static void q4_1_row(const uint32_t *codes, const float *d, const float *m, const float *xq, const float *xsum,
                      float *y, int64_t R, int64_t N, int64_t nbp) {
     switch (R) {
@@ -228,10 +249,19 @@ int attnmask_q4_1_matmul(const uint32_t *codes, const float *d, const float *m, 
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
     for (int64_t task = 0; task < tasks; task++)
-        for (int64_t r0 = 0; r0 < M; r0 += MAX_R)
-            for (int64_t n = task * ROWS_PER_TASK; n < min64((task + 1) * ROWS_PER_TASK, N); n++)
+        for (int64_t r0 = 0; r0 < M; r0 += MAX_R) {
+            int64_t n = task * ROWS_PER_TASK;
+            const int64_t end = min64((task + 1) * ROWS_PER_TASK, N);
+#if BLOCKS_AVX512
+            if (M - r0 == 1 && nbp < 32)  /* short rows: measured 15-19% faster at K = 576, ~2% slower at 1536 */
+                for (; n + 2 <= end; n += 2)
+                    q4_1_row_pair(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK, xsum + r0 * xb,
+                                  y + r0 * N + n, nbp);
+#endif
+            for (; n < end; n++)
                 q4_1_row(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK, xsum + r0 * xb,
                          y + r0 * N + n, min64(MAX_R, M - r0), N, nbp);
+        }
     free(xq);
     return 0;
 }
