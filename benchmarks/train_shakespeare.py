@@ -34,10 +34,11 @@ RECIPES = {
         activation="gelu", block_size=64, batch_tokens=12 * 64, lr=1e-3, min_lr_ratio=0.1, beta2=0.99,
         warmup=100, weight_decay=0.1, max_steps=2000,
     ),
-    # ours: rotary, RMSNorm, SwiGLU, longer blocks, a hotter learning rate, schedule set by the clock
+    # ours: rotary, RMSNorm, SwiGLU, blocks of 256 (1.534 against 1.565 with 16 x 128, bf16, same
+    # machine and hour), a hotter learning rate, schedule set by the clock
     "ours": dict(
         model="tiny", dim=128, n_layers=4, n_heads=4, ffn_dim=384, positions="rotary", norm="rmsnorm",
-        activation="swiglu", block_size=128, batch_tokens=16 * 128, lr=3e-3, min_lr_ratio=0.1, beta2=0.99,
+        activation="swiglu", block_size=256, batch_tokens=8 * 256, lr=3e-3, min_lr_ratio=0.1, beta2=0.99,
         warmup=50, weight_decay=0.1, max_steps=None,
     ),
 }  # fmt: skip
