@@ -13,8 +13,11 @@ reference). A one-token step then reads 0.75 bytes per Q4_1 weight (4-bit codes,
 
 The products run in a small C kernel (``_quantized.c``: AVX-512 or AVX2/FMA, whichever PyTorch
 finds the CPU runs, portable C otherwise, rows split over PyTorch's thread count with OpenMP). It
-is compiled with the system C compiler the first time it is needed and kept in ``<cache_dir>/kernels`` (see
-:func:`attnmask.pretrained.cache_dir`). Without a compiler, or with ``ATTNMASK_QUANT_KERNEL=0``,
+is compiled with the system C compiler the first time it is needed and kept in
+``<cache_dir>/kernels`` (see :func:`attnmask.pretrained.cache_dir`), and linked with
+``_quantized_op.cpp`` (``$CXX``, PyTorch's headers) into the CPU implementation of the operator
+``torch.ops.attnmask.block_matmul``, which eager code and compiled graphs call for ~5 us; without a
+C++ compiler the operator runs in Python. Without a C compiler, or with ``ATTNMASK_QUANT_KERNEL=0``,
 each layer decodes its blocks once and keeps the float32 weight (``F.linear``): correct, as fast
 and as large as plain float32 weights.
 
@@ -32,7 +35,6 @@ Inference only: the block weights are buffers, not parameters, and have no gradi
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import platform
@@ -94,16 +96,15 @@ def _compile(target: Path, flags: list[str], compiler: str) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         attempts = [flags, [f for f in flags if f != "-fopenmp"]]  # no OpenMP runtime: one thread
-        errors = []
         for attempt in attempts:
-            proc = subprocess.run(
-                [compiler, *attempt, "-o", str(out), str(_SOURCE)], capture_output=True, text=True, timeout=120
-            )
-            if proc.returncode == 0:
-                os.replace(out, target)  # atomic: concurrent processes see a whole library or none
-                return
-            errors.append(proc.stderr.strip().splitlines()[-1:] or ["?"])
-        raise OSError(f"{compiler} could not build {_SOURCE.name}: {errors[-1][0]}")
+            try:
+                _run([compiler, *attempt, "-o", str(out), str(_SOURCE)], _SOURCE.name)
+            except OSError as err:
+                error = err
+                continue
+            os.replace(out, target)  # atomic: concurrent processes see a whole library or none
+            return
+        raise error
 
 
 def _load_kernel():
@@ -297,48 +298,9 @@ def check_buffers(codes: Tensor, d: Tensor, m: Tensor | None, kind: str, in_feat
             raise ValueError(f"block kernel: {name} is not contiguous")
 
 
-@functools.cache
-def _layout(kind: str, in_features: int) -> tuple[int, int] | None:
-    """(blocks per row, code bytes per row) of a valid format and width, else None."""
-    if kind not in BLOCK_BYTES or in_features <= 0 or in_features % QK:
-        return None
-    nb = _blocks_per_row(kind, in_features)
-    return nb, nb * 16 if kind == "Q4_1" else nb * QK
-
-
-def _fits(codes: Tensor, d: Tensor, m: Tensor | None, x: Tensor, kind: str, in_features: int) -> bool:
-    """Everything :func:`check_buffers` asks, answered in about a microsecond (the kernel runs
-    once per linear layer and token); False sends the caller to :func:`check_buffers` for the error."""
-    layout = _layout(kind, in_features)
-    if layout is None or codes.dim() != 2 or x.dim() != 2:
-        return False
-    (nb, code_bytes), n = layout, codes.shape[0]
-    if kind == "Q4_1":
-        if m is None or m.dtype != torch.float32 or m.shape != (n, nb) or not m.is_cpu or not m.is_contiguous():
-            return False
-    elif m is not None:
-        return False
-    return (
-        codes.dtype == torch.uint8
-        and d.dtype == torch.float32
-        and x.dtype == torch.float32
-        and codes.shape == (n, code_bytes)
-        and d.shape == (n, nb)
-        and x.shape[1] == in_features
-        and codes.is_cpu
-        and d.is_cpu
-        and x.is_cpu
-        and codes.is_contiguous()
-        and d.is_contiguous()
-        and x.is_contiguous()
-    )
-
-
 def _block_matmul(codes: Tensor, d: Tensor, m: Tensor | None, x: Tensor, kind: str, in_features: int) -> Tensor:
     """``x (rows, K) @ W^T`` through the C kernel, every buffer checked first."""
-    if not _fits(codes, d, m, x, kind, in_features):
-        check_buffers(codes, d, m, kind, in_features, x)  # raises, naming what is wrong
-        raise AssertionError("check_buffers accepted what _fits refused")  # (the two must agree)
+    check_buffers(codes, d, m, kind, in_features, x)
     lib = _state.get("lib") or _load_kernel()
     if lib is None:
         raise RuntimeError(f"the block kernel is not available: {_state['why']}")
@@ -359,9 +321,10 @@ def _block_matmul(codes: Tensor, d: Tensor, m: Tensor | None, x: Tensor, kind: s
 
 
 # The registered operator ``torch.ops.attnmask.block_matmul``: what ``torch.compile`` sees of the
-# kernel (an opaque call with a shape rule), with the same buffer checks. Defined with
-# torch.library.Library rather than @custom_op: the dispatcher then calls _block_matmul directly,
-# ~5 us a call instead of ~15 (measured at batch 1), which a compiled decode step pays 121 times a token.
+# kernel (an opaque call with a shape rule), with the same buffer checks. Schema, shape rule and
+# this Python implementation are defined here, with torch.library.Library rather than @custom_op (no
+# autograd wrapper: ~9 us a call instead of ~15); _quantized_op.cpp adds the CPU implementation in
+# C++ (~5 us) once the kernel is loaded. A decode step of SmolLM2 calls it 121 times a token.
 _LIBRARY = torch.library.Library("attnmask", "DEF")
 _LIBRARY.define("block_matmul(Tensor codes, Tensor d, Tensor? m, Tensor x, str kind, int in_features) -> Tensor")
 _LIBRARY.impl("block_matmul", _block_matmul, "CompositeExplicitAutograd")
