@@ -49,6 +49,14 @@ int attnmask_blocks_simd(void) { return BLOCKS_AVX512 ? 512 : BLOCKS_AVX2 ? 256 
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* Software prefetch: the loops take ~10 cycles per 64 bytes of codes, too few for the hardware
+ * prefetchers alone to bring a weight's streams (codes, d, m) from memory in time. Each step of a
+ * loop asks for the codes CODES_AHEAD bytes further on, each row for its scales as many rows ahead,
+ * into L2 (a hint: it never faults, past an array's end included). Measured on Zen 5, one thread,
+ * SmolLM2's 121 products of a token streamed from memory: 5.2 ms without, 4.3 ms with (same bits). */
+#define CODES_AHEAD 8192
+static inline void ahead(const void *p, int64_t bytes) { __builtin_prefetch((const void *)((uintptr_t)p + bytes), 0, 2); }
+
 #if BLOCKS_AVX2
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -121,6 +129,7 @@ static inline __attribute__((always_inline)) void q4_1_quad(const uint32_t *code
     const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
     const __m512i second = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m512i raw = _mm512_maskz_loadu_epi32(lanes, codes + q * 16);
+    ahead(codes + q * 16, CODES_AHEAD);
     const __m128 d4 = _mm_maskz_loadu_ps(scales, d + 4 * q), m4 = _mm_maskz_loadu_ps(scales, m + 4 * q);
     __m512 v[8];
     for (int k = 0; k < 7; k++) v[k] = _mm512_cvtepi32_ps(_mm512_and_si512(raw, _mm512_slli_epi32(nib, 4 * k)));
@@ -143,6 +152,8 @@ static inline __attribute__((always_inline)) void q4_1_row_r(const uint32_t *cod
                                                              const float *xq, const float *xsum, float *y, const int R,
                                                              int64_t N, int64_t nbp) {
     const int64_t pairs = nbp / 2, xb = q4_1_xblocks(nbp);
+    ahead(d, CODES_AHEAD / 4);  /* a Q4_1 row has 16 bytes of codes per 4 of d (or m) */
+    ahead(m, CODES_AHEAD / 4);
     __m512 acc0[MAX_R], acc1[MAX_R];
     __m128 macc[MAX_R];
     for (int r = 0; r < R; r++) {
@@ -161,6 +172,7 @@ static inline __attribute__((always_inline)) void q4_1_pair8(const uint32_t *cod
                                                              int64_t p, int64_t at) {
     const __m256i nib = _mm256_set1_epi32(15);
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + p * 8));
+    ahead(codes + p * 8, CODES_AHEAD);
     __m256 v[8];
     for (int k = 0; k < 7; k++) v[k] = _mm256_cvtepi32_ps(_mm256_and_si256(raw, _mm256_slli_epi32(nib, 4 * k)));
     v[7] = _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 28));
@@ -180,6 +192,8 @@ static inline __attribute__((always_inline)) void q4_1_row_r(const uint32_t *cod
                                                              const float *xq, const float *xsum, float *y, const int R,
                                                              int64_t N, int64_t nbp) {
     __m256 acc0[MAX_R], acc1[MAX_R];
+    ahead(d, CODES_AHEAD / 4);
+    ahead(m, CODES_AHEAD / 4);
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     for (int64_t p = 0; p < nbp / 2; p++) q4_1_pair8(codes, d, xq, acc0, acc1, R, nbp, p, p * 64);
     for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + dot(m, xsum + r * nbp, nbp);
@@ -192,6 +206,10 @@ static inline __attribute__((always_inline)) void q4_1_row_r(const uint32_t *cod
 static void q4_1_row_pair(const uint32_t *codes, const float *d, const float *m, const float *xq, const float *xsum,
                           float *y, int64_t nbp) {
     const int64_t pairs = nbp / 2, xb = q4_1_xblocks(nbp);
+    for (int i = 0; i < 2; i++) {
+        ahead(d + i * nbp, CODES_AHEAD / 4);
+        ahead(m + i * nbp, CODES_AHEAD / 4);
+    }
     __m512 a0[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, a1[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     __m128 mc[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
     for (int64_t q = 0; q < pairs / 2; q++) {
@@ -288,6 +306,7 @@ static inline __attribute__((always_inline)) void q8_0_block8(const uint32_t *co
                                                               __m256 *acc, const int R, int64_t K, int64_t b,
                                                               int64_t at) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + b * 8));
+    ahead(codes + b * 8, CODES_AHEAD);
     const __m256 v0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
     const __m256 v1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 16), 24));
     const __m256 v2 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 8), 24));
@@ -306,10 +325,12 @@ static inline __attribute__((always_inline)) void q8_0_block8(const uint32_t *co
 static inline __attribute__((always_inline)) void q8_0_row_r(const uint32_t *codes, const float *d, const float *x,
                                                              float *y, const int R, int64_t N, int64_t K) {
     const int64_t nb = K / QK;
+    ahead(d, CODES_AHEAD / 8);  /* a Q8_0 row has 32 bytes of codes per 4 of d */
     __m512 acc0[MAX_R], acc1[MAX_R];
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < nb / 2; g++) {
         const __m512i raw = _mm512_loadu_si512((const void *)(codes + g * 16));
+        ahead(codes + g * 16, CODES_AHEAD);
         const __m512 v0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 24), 24));
         const __m512 v1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 16), 24));
         const __m512 v2 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 8), 24));
@@ -334,6 +355,7 @@ static inline __attribute__((always_inline)) void q8_0_row_r(const uint32_t *cod
 static inline __attribute__((always_inline)) void q8_0_row_r(const uint32_t *codes, const float *d, const float *x,
                                                              float *y, const int R, int64_t N, int64_t K) {
     const int64_t nb = K / QK;
+    ahead(d, CODES_AHEAD / 8);
     __m256 acc[2][MAX_R];
     for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) q8_0_block8(codes, d, x, acc[b & 1], R, K, b, b * QK);
