@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnmask import decode, pretrained
+from attnmask import decode, native, pretrained
 from attnmask.audit import audit
 from attnmask.pretrained import build, load, quantized, registry
 from attnmask.pretrained.gguf_file import read_gguf
@@ -588,5 +588,5 @@ def test_kernel_cache_is_keyed_on_the_compiler_and_its_version():
         quantized._kernel_name(flags + ["-mavx512f"], "cc", "cc (GCC) 12.2.0"),
     }
     assert len(names) == 4
-    compiler, version = quantized._compiler()
+    compiler, version = native.compiler()
     assert compiler == os.environ.get("CC", "cc") and version

@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnmask.decode import fused
 from attnmask.model.cache import KVCache
-from attnmask.model.layers import Rotary
+from attnmask.model.layers import RMSNorm, Rotary
 
 __all__ = ["CompiledStep", "auto_compile", "bucket", "decode_one", "zero_unwritten"]
 
@@ -141,6 +142,54 @@ def _step(
     return model.lm_head(model.norm(x))[:, 0]  # (B, V)
 
 
+def _fusable(model, k_bufs: list[Tensor], cross) -> bool:
+    """Whether :func:`_fused_step` can run this step: a decoder-only, pre-norm RMSNorm / SwiGLU model
+    in eval mode with fused q/k/v and gate/up projections, float32 on the CPU, and the C++ operators
+    of :mod:`attnmask.decode.fused` built."""
+    cfg = model.config
+    if cross is not None or model.training or cfg.norm_position != "pre" or not isinstance(model.norm, RMSNorm):
+        return False
+    float32 = model.embed.weight.dtype == torch.float32 and model.embed.weight.device.type == "cpu"
+    if not float32 or not k_bufs or k_bufs[0].dtype != torch.float32 or k_bufs[0].device.type != "cpu":
+        return False
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None or mlp.gate_up_proj is None or not isinstance(layer.self_norm, RMSNorm):
+            return False
+    return fused.cpu_available()
+
+
+def _rows(proj):
+    """``proj`` as a function of ``(rows, K)`` float32 rows: its ``matmul_rows`` where it has one and no
+    hooks watch it (a block layer's operator without the module's per-call checks), else the module."""
+    fast = getattr(proj, "matmul_rows", None)
+    return fast if fast is not None and not (proj._forward_hooks or proj._forward_pre_hooks) else proj
+
+
+def _fused_step(model, k_bufs, v_bufs, tokens: Tensor, positions: Tensor, col: int, key_ok: Tensor | None) -> Tensor:
+    """:func:`_step` (eager, decoder-only) through the operators of :mod:`attnmask.decode.fused`: per
+    layer, the four products and three calls between them. Returns logits ``(B, V)``."""
+    B = tokens.shape[0]
+    x = model._embed(tokens[:, None], positions[:, None], source=False).reshape(B, -1)  # (B, C)
+    bias = _additive(_allowed(None, col + 1, key_ok, False), x.dtype)  # (B, 1, 1, col + 1) or None
+    cos = signed = x.new_empty(0)
+    if model.config.positions == "rotary":
+        cos, sin = model.rotary.cos_sin(positions[:, None])  # (B, 1, 1, D)
+        cos, signed = cos.reshape(B, -1), Rotary.signed_sin(sin).reshape(B, -1)  # (B, D)
+    layers = model.layers
+    h = fused.rms_norm(x, layers[0].self_norm.weight, layers[0].self_norm.eps)
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        qkv = _rows(attn.qkv_proj)(h)  # (B, (H + 2 Hkv) D)
+        out = fused.rope_attend(qkv, cos, signed, k_bufs[i], v_bufs[i], col, col + 1, bias, H, Hkv, D**-0.5)
+        x, h = fused.add_rms_norm(x, _rows(attn.o_proj)(out), layer.mlp_norm.weight, layer.mlp_norm.eps)
+        nxt = layers[i + 1].self_norm if i + 1 < len(layers) else model.norm
+        delta = _rows(mlp.down_proj)(fused.silu_mul(_rows(mlp.gate_up_proj)(h)))
+        x, h = fused.add_rms_norm(x, delta, nxt.weight, nxt.eps)
+    return _rows(model.lm_head)(h)  # (B, V)
+
+
 def _buffers(model, cache: KVCache, rows: int):
     if cache.rows != rows:
         raise ValueError(f"decode_one: {rows} tokens for a cache holding {cache.rows} rows")
@@ -162,8 +211,11 @@ def decode_one(
     returns the next logits ``(B, V)``. ``key_ok (B, 1, 1, Tmax)``: key padding (None: none);
     ``src_ok (B, 1, 1, S)``: source padding for cross-attention (None: none)."""
     k_bufs, v_bufs, cross = _buffers(model, cache, tokens.shape[0])
-    col = torch.tensor([cache.pos], device=tokens.device)
-    logits = _step(model, k_bufs, v_bufs, cross, tokens, positions, col, cache.pos + 1, key_ok, src_ok)
+    if _fusable(model, k_bufs, cross):
+        logits = _fused_step(model, k_bufs, v_bufs, tokens, positions, cache.pos, key_ok)
+    else:
+        col = torch.tensor([cache.pos], device=tokens.device)
+        logits = _step(model, k_bufs, v_bufs, cross, tokens, positions, col, cache.pos + 1, key_ok, src_ok)
     cache.advance(1)
     return logits
 

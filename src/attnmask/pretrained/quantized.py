@@ -35,11 +35,8 @@ Inference only: the block weights are buffers, not parameters, and have no gradi
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
 import subprocess
-import sys
 import tempfile
 import threading
 import warnings
@@ -50,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnmask.pretrained.storage import cache_dir
+from attnmask import native
 
 __all__ = ["BlockLinear", "BLOCK_BYTES", "block_matmul", "check_buffers", "dequantize_blocks", "kernel_status"]
 
@@ -69,26 +66,7 @@ _loaded_operator: dict[str, Path] = {}
 # The compiled kernel
 # ---------------------------------------------------------------------------------------------
 def _flags() -> list[str]:
-    flags = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off", "-fopenmp"]
-    capability = torch.backends.cpu.get_cpu_capability()  # what PyTorch found this CPU can run
-    if capability in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma"]
-    if capability == "AVX512":
-        flags += ["-mavx512f", "-mavx512vl"]
-    return flags
-
-
-def _compiler(variable: str = "CC", default: str = "cc") -> tuple[str, str]:
-    """The C compiler (``$CC``, else ``cc``; or another variable's) and the first line of its
-    ``--version``: part of the kernel cache key, so that another compiler (or version) builds its
-    own library."""
-    compiler = os.environ.get(variable, default)
-    try:
-        proc = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
-        version = (proc.stdout.strip().splitlines() or ["?"])[0]
-    except (OSError, subprocess.SubprocessError):
-        version = "unknown"  # _compile then reports why it cannot build
-    return compiler, version
+    return ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off", "-fopenmp", *native.simd_flags()]
 
 
 def _compile(target: Path, flags: list[str], compiler: str) -> None:
@@ -98,7 +76,7 @@ def _compile(target: Path, flags: list[str], compiler: str) -> None:
         attempts = [flags, [f for f in flags if f != "-fopenmp"]]  # no OpenMP runtime: one thread
         for attempt in attempts:
             try:
-                _run([compiler, *attempt, "-o", str(out), str(_SOURCE)], _SOURCE.name)
+                native.run([compiler, *attempt, "-o", str(out), str(_SOURCE)], _SOURCE.name)
             except OSError as err:
                 error = err
                 continue
@@ -119,8 +97,8 @@ def _load_kernel():
             _state["why"] = "disabled by ATTNMASK_QUANT_KERNEL=0"
         else:
             flags = _flags()
-            compiler = _compiler()
-            target = cache_dir() / "kernels" / _kernel_name(flags, *compiler)
+            compiler = native.compiler()
+            target = native.cache_dir() / "kernels" / _kernel_name(flags, *compiler)
             try:
                 if not target.is_file():
                     _compile(target, flags, compiler[0])
@@ -144,30 +122,21 @@ def _load_operator(flags: list[str], compiler: tuple[str, str]) -> str:
     """Build (once, into the kernel cache) and load ``_quantized_op.cpp``: the C++ CPU implementation
     of ``torch.ops.attnmask.block_matmul``, linked with this build of the kernel. Returns "" when
     loaded, else why the operator stays in Python (``$CXX`` missing, no PyTorch headers, ...)."""
-    from torch.utils import cpp_extension
-
-    cxx = _compiler("CXX", "c++")
+    cxx = native.compiler("CXX", "c++")
     name = _kernel_name(flags, *compiler, *cxx, torch.__version__, _OP_SOURCE.read_text(encoding="utf-8"))
-    target = cache_dir() / "kernels" / name.replace("quantized-", "quantized-op-")
+    target = native.cache_dir() / "kernels" / name.replace("quantized-", "quantized-op-")
     if _loaded_operator:
         loaded = _loaded_operator["path"]
         return "" if loaded == target else f"in Python (this process runs the C++ operator of {loaded.name})"
     try:
         if not target.is_file():
-            torch_lib = cpp_extension.library_paths()[0]
-            abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+            target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                obj, out = Path(tmp) / "kernel.o", Path(tmp) / target.name
+                obj = Path(tmp) / "kernel.o"
                 kernel = [f for f in flags if f != "-shared"]
-                _run([compiler[0], *kernel, "-c", str(_SOURCE), "-o", str(obj)], "the kernel object")
-                includes = [f"-I{path}" for path in cpp_extension.include_paths()]
-                _run(
-                    [cxx[0], "-O2", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
-                    + [str(_OP_SOURCE), str(obj), "-o", str(out), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
-                    + ["-ltorch", "-ltorch_cpu", "-lc10", *(["-fopenmp"] if "-fopenmp" in flags else [])],
-                    "the operator",
-                )
-                os.replace(out, target)
+                native.run([compiler[0], *kernel, "-c", str(_SOURCE), "-o", str(obj)], "the kernel object")
+                openmp = ["-fopenmp"] if "-fopenmp" in flags else []
+                native.build_operator(target, _OP_SOURCE, cxx[0], objects=[obj], flags=openmp)
         torch.ops.load_library(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         return f"in Python ({err})"
@@ -175,19 +144,11 @@ def _load_operator(flags: list[str], compiler: tuple[str, str]) -> str:
     return ""
 
 
-def _run(command: list[str], what: str) -> None:
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if proc.returncode:
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        raise OSError(f"{command[0]} could not build {what}: {last}")
-
-
 def _kernel_name(flags: list[str], compiler: str, version: str, *more: str) -> str:
     """File name of the compiled kernel: a hash of the source, the flags, the compiler and its version
     (and ``more``: what else the library is built from)."""
-    ident = "\0".join([_SOURCE.read_text(encoding="utf-8"), " ".join(flags), compiler, version, *more])
-    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    return f"quantized-{sys.platform}-{platform.machine()}-{key}.so"
+    source = _SOURCE.read_text(encoding="utf-8")
+    return native.library_name("quantized", source, " ".join(flags), compiler, version, *more)
 
 
 def _declare(lib) -> None:
@@ -445,6 +406,15 @@ class BlockLinear(nn.Module):
         in_cxx = torch.compiler.is_compiling() or _state.get("operator")
         out = block_matmul(*args) if in_cxx else _block_matmul(*args)  # (rows, N)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def matmul_rows(self, x: Tensor) -> Tensor:
+        """:meth:`forward` for ``x (rows, K)``, float32, on the CPU, without its per-call checks when the
+        C++ operator is loaded (the operator checks every buffer itself): what a decoding step calls,
+        121 times a SmolLM2 token. Anything else goes through :meth:`forward`."""
+        fits = x.dim() == 2 and x.is_cpu and x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad
+        if fits and _state.get("operator"):
+            return block_matmul(self.codes, self.d, self.m, x, self.kind, self.in_features)
+        return self(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"

@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from attnmask.native import cache_dir
 
-
-def cache_dir() -> Path:
-    """``$ATTNMASK_CACHE``, else ``$XDG_CACHE_HOME/attnmask``, else ``~/.cache/attnmask``."""
-    if os.environ.get("ATTNMASK_CACHE"):
-        return Path(os.environ["ATTNMASK_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "attnmask"
+__all__ = ["cache_dir"]

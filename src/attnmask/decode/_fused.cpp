@@ -1,0 +1,214 @@
+// The decoding step's work between the matrix products, as three C++ operators
+// (attnmask.decode.fused): what a one-token step of a pre-norm RMSNorm / rotary / SwiGLU decoder
+// does between its products, for rows of float32 on the CPU.
+//
+//   rms_norm(x, w, eps)               w * x / sqrt(mean(x^2) + eps), row by row
+//   add_rms_norm(x, delta, w, eps)    (x + delta, rms_norm(x + delta, w, eps)): a residual and the next norm
+//   silu_mul(gate_up)                 silu(gate) * up, gate and up the two halves of each row
+//   rope_attend(qkv, ...)             rotary on the new query and key, both written into the cache
+//                                     column, and one query per head against the cached keys
+//
+// Eager PyTorch runs each of these as 3 to 20 operator calls of a few microseconds each, and a
+// SmolLM2 token has 30 layers of them: ~3 ms a token of dispatching tiny tensors, as much as half
+// the time of the products themselves. Here each is one call. The schemas, the shape rules for
+// torch.compile and the PyTorch implementations (the reference the tests compare with) are
+// registered from Python; this file adds the CPU implementations.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;  // independent partial sums, so that the compiler can vectorize reductions
+
+void check_rows(const at::Tensor &t, const char *op, const char *name) {
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat, op, ": ", name,
+                      " must be a float32 CPU tensor; got ", t.scalar_type(), " on ", t.device().str());
+    TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+float dot(const float *a, const float *b, int64_t n) {
+    float part[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += a[i + l] * b[i + l];
+    float s = 0;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int l = 0; l < LANES; l++) s += part[l];
+    return s;
+}
+
+void norm_row(const float *x, const float *w, float *out, int64_t C, double eps) {
+    const float inv = 1.0f / std::sqrt(dot(x, x, C) / static_cast<float>(C) + static_cast<float>(eps));
+    for (int64_t c = 0; c < C; c++) out[c] = w[c] * (x[c] * inv);
+}
+
+void check_norm(const at::Tensor &x, const at::Tensor &w, const char *op) {
+    check_rows(x, op, "x");
+    check_rows(w, op, "weight");
+    TORCH_CHECK_VALUE(w.dim() == 1 && x.dim() >= 1 && x.size(-1) == w.size(0), op, ": weight has shape ", w.sizes(),
+                      "; expected (", x.dim() ? x.size(-1) : 0, ",) for x of shape ", x.sizes());
+}
+
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &w, double eps) {
+    check_norm(x, w, "rms_norm");
+    at::Tensor out = at::empty_like(x);
+    const int64_t C = w.size(0), rows = x.numel() / C;
+    const float *xp = x.const_data_ptr<float>(), *wp = w.const_data_ptr<float>();
+    float *op = out.mutable_data_ptr<float>();
+    for (int64_t r = 0; r < rows; r++) norm_row(xp + r * C, wp, op + r * C, C, eps);
+    return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x, const at::Tensor &delta, const at::Tensor &w,
+                                                double eps) {
+    check_norm(x, w, "add_rms_norm");
+    check_rows(delta, "add_rms_norm", "delta");
+    TORCH_CHECK_VALUE(delta.sizes() == x.sizes(), "add_rms_norm: delta has shape ", delta.sizes(),
+                      "; expected x's ", x.sizes());
+    at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
+    const int64_t C = w.size(0), rows = x.numel() / C;
+    const float *xp = x.const_data_ptr<float>(), *dp = delta.const_data_ptr<float>(), *wp = w.const_data_ptr<float>();
+    float *sp = sum.mutable_data_ptr<float>(), *op = out.mutable_data_ptr<float>();
+    for (int64_t i = 0; i < rows * C; i++) sp[i] = xp[i] + dp[i];
+    for (int64_t r = 0; r < rows; r++) norm_row(sp + r * C, wp, op + r * C, C, eps);
+    return {sum, out};
+}
+
+at::Tensor silu_mul(const at::Tensor &gate_up) {
+    check_rows(gate_up, "silu_mul", "gate_up");
+    TORCH_CHECK_VALUE(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: gate_up has shape ",
+                      gate_up.sizes(), "; expected (..., 2 * F): gate then up");
+    std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+    const int64_t F = shape.back() / 2, rows = gate_up.numel() / (2 * F);
+    shape.back() = F;
+    at::Tensor out = at::empty(shape, gate_up.options());
+    const float *g = gate_up.const_data_ptr<float>();
+    float *o = out.mutable_data_ptr<float>();
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t f = 0; f < F; f++) {
+            const float a = g[r * 2 * F + f];
+            o[r * F + f] = a / (1.0f + std::exp(-a)) * g[r * 2 * F + F + f];
+        }
+    return out;
+}
+
+// qkv (B, (H + 2 Hkv) D): each row's new query, key and value heads, as the fused projection gives them;
+// cos, signed_sin (B, D): the rows' rotary factors (signed_sin: sin with its first half negated), or
+// empty tensors for no rotary; k_cache, v_cache (B, Hkv, Tmax, D) written at column `col`; the query
+// attends to columns [0, keys) with `bias` (B or 1, 1, 1, >= keys) added to its scores (0 / -inf), or
+// none. Returns (B, H D), query head h of key/value head h / (H / Hkv), heads in order.
+at::Tensor rope_attend(const at::Tensor &qkv, const at::Tensor &cos, const at::Tensor &signed_sin,
+                       const at::Tensor &k_cache, const at::Tensor &v_cache, int64_t col, int64_t keys,
+                       const std::optional<at::Tensor> &bias, int64_t heads, int64_t kv_heads, double scale) {
+    const char *op = "rope_attend";
+    check_rows(qkv, op, "qkv");
+    TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
+                      ": the key and value caches must be (B, Hkv, Tmax, D) alike; got ", k_cache.sizes(), " and ",
+                      v_cache.sizes());
+    const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), T = k_cache.size(2), D = k_cache.size(3);
+    TORCH_CHECK_VALUE(kv_heads == Hkv && heads > 0 && heads % Hkv == 0, op, ": ", heads, " query heads over ",
+                      kv_heads, " key/value heads for a cache of ", Hkv);
+    TORCH_CHECK_VALUE(qkv.numel() == B * (heads + 2 * Hkv) * D, op, ": qkv has shape ", qkv.sizes(), "; expected (",
+                      B, ", ", (heads + 2 * Hkv) * D, ")");
+    TORCH_CHECK_VALUE(0 <= col && col < T && 0 < keys && keys <= T && col < keys, op, ": column ", col, " and ",
+                      keys, " keys do not fit a cache of ", T);
+    for (const at::Tensor *t : {&k_cache, &v_cache}) {
+        TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat, op,
+                          ": the caches must be float32 CPU tensors");
+        TORCH_CHECK_VALUE(t->stride(3) == 1 && t->stride(2) == D && t->stride(1) == T * D, op,
+                          ": the caches must be contiguous past their batch dimension");
+    }
+    const bool rotary = cos.numel() > 0;
+    if (rotary) {
+        check_rows(cos, op, "cos");
+        check_rows(signed_sin, op, "signed_sin");
+        TORCH_CHECK_VALUE(cos.numel() == B * D && signed_sin.numel() == B * D && D % 2 == 0, op,
+                          ": cos and signed_sin must hold (B, D) = (", B, ", ", D, "); got ", cos.sizes(), " and ",
+                          signed_sin.sizes());
+    }
+    const float *mask = nullptr;
+    int64_t mask_stride = 0;
+    if (bias.has_value()) {
+        const at::Tensor &m = *bias;
+        TORCH_CHECK_VALUE(m.device().is_cpu() && m.scalar_type() == at::kFloat && m.dim() == 4 && m.stride(3) == 1,
+                          op, ": bias must be a float32 CPU tensor (B or 1, 1, 1, >= keys), last dimension dense");
+        TORCH_CHECK_VALUE((m.size(0) == B || m.size(0) == 1) && m.size(1) == 1 && m.size(2) == 1 && m.size(3) >= keys,
+                          op, ": bias has shape ", m.sizes(), "; expected (", B, " or 1, 1, 1, >= ", keys, ")");
+        mask = m.const_data_ptr<float>();
+        mask_stride = m.size(0) == 1 ? 0 : m.stride(0);
+    }
+    const int64_t H = heads, G = H / Hkv, row = (H + 2 * Hkv) * D, half = D / 2;
+    const float *src = qkv.const_data_ptr<float>();
+    float *kc = k_cache.mutable_data_ptr<float>(), *vc = v_cache.mutable_data_ptr<float>();
+    const int64_t kb = k_cache.stride(0), vb = v_cache.stride(0);
+    at::Tensor q = at::empty({B, H, D}, qkv.options()), out = at::empty({B, H * D}, qkv.options());
+    float *qp = q.mutable_data_ptr<float>(), *o = out.mutable_data_ptr<float>();
+
+    // rotate the queries (into q) and keys (into the cache), copy the values: out = x cos + roll(x, D/2) ssin
+    const float *cp = rotary ? cos.const_data_ptr<float>() : nullptr;
+    const float *sp = rotary ? signed_sin.const_data_ptr<float>() : nullptr;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H + Hkv; h++) {
+            const float *x = src + b * row + h * D;
+            float *y = h < H ? qp + (b * H + h) * D : kc + b * kb + ((h - H) * T + col) * D;
+            if (!rotary) {
+                for (int64_t d = 0; d < D; d++) y[d] = x[d];
+                continue;
+            }
+            const float *c = cp + b * D, *s = sp + b * D;
+            for (int64_t d = 0; d < D; d++) y[d] = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
+        }
+        for (int64_t g = 0; g < Hkv; g++) {
+            const float *x = src + b * row + (H + Hkv + g) * D;
+            float *y = vc + b * vb + (g * T + col) * D;
+            for (int64_t d = 0; d < D; d++) y[d] = x[d];
+        }
+    }
+
+    // one query per (row, head) against the keys; rows with no finite score give zeros, never NaN
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, keys * D));
+    at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+        std::vector<float> p(keys);
+        for (int64_t i = begin; i < end; i++) {
+            const int64_t b = i / H, h = i % H, g = h / G;
+            const float *qh = qp + i * D, *kh = kc + b * kb + g * T * D, *vh = vc + b * vb + g * T * D;
+            const float *mb = mask ? mask + b * mask_stride : nullptr;
+            float top = -std::numeric_limits<float>::infinity();
+            for (int64_t t = 0; t < keys; t++) {
+                p[t] = dot(qh, kh + t * D, D) * static_cast<float>(scale) + (mb ? mb[t] : 0.0f);
+                top = std::max(top, p[t]);
+            }
+            float *oh = o + i * D;
+            for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
+            if (top == -std::numeric_limits<float>::infinity()) continue;
+            float total = 0.0f;
+            for (int64_t t = 0; t < keys; t++) {
+                p[t] = std::exp(p[t] - top);
+                total += p[t];
+                const float *vt = vh + t * D;
+                for (int64_t d = 0; d < D; d++) oh[d] += p[t] * vt[d];
+            }
+            const float inv = 1.0f / total;
+            for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+        }
+    });
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
+    lib.impl("rms_norm", &rms_norm);
+    lib.impl("add_rms_norm", &add_rms_norm);
+    lib.impl("silu_mul", &silu_mul);
+    lib.impl("rope_attend", &rope_attend);
+}

@@ -1,0 +1,192 @@
+"""The fused decoding operators (:mod:`attnmask.decode.fused`): each against its PyTorch definition
+computed in float64, rows independent of the batch and of the thread count, the cache written in
+place, no NaN on rows with nothing to attend to, clear refusals, and ``decode_one`` running through
+them with the logits of the general forward pass."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnmask import decode, masks
+from attnmask.decode import fused, static
+from attnmask.model import fuse_projections_
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _built():
+    if shutil.which(os.environ.get("CXX", "c++")) is None or not fused.cpu_available():
+        pytest.skip(f"no C++ build of the fused operators here: {fused.status()}")
+
+
+def _close(got: torch.Tensor, want64: torch.Tensor, what: str = "") -> None:
+    """float32 against a float64 reference: within a few float32 roundings of the result's scale."""
+    scale = want64.abs().max().clamp(min=1.0)
+    torch.testing.assert_close(got.double(), want64, atol=2e-6 * scale, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def _randn(*shape, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (5, 64), (2, 3, 96), (4, 7)])
+def test_norms_and_silu_match_their_definitions(shape):
+    x, delta, w = _randn(*shape, seed=1), _randn(*shape, seed=2), _randn(shape[-1], seed=3)
+    _close(fused.rms_norm(x, w, 1e-5), fused.rms_norm_reference(x.double(), w.double(), 1e-5), "rms_norm")
+    total, normed = fused.add_rms_norm(x, delta, w, 1e-6)
+    want_total, want_normed = fused.add_rms_norm_reference(x.double(), delta.double(), w.double(), 1e-6)
+    assert torch.equal(total, x + delta)  # one float32 addition, as PyTorch's
+    _close(normed, want_normed, "add_rms_norm")
+    gate_up = _randn(*shape[:-1], 2 * shape[-1], seed=4) * 4
+    _close(fused.silu_mul(gate_up), fused.silu_mul_reference(gate_up.double()), "silu_mul")
+
+
+def _attend_inputs(B=3, H=6, Hkv=2, D=16, T=12, col=7, seed=0):
+    qkv = _randn(B, (H + 2 * Hkv) * D, seed=seed)
+    angles = _randn(B, D // 2, seed=seed + 1) * 3
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    signed = torch.cat([-angles.sin(), angles.sin()], -1)
+    k_cache, v_cache = _randn(B, Hkv, T, D, seed=seed + 2), _randn(B, Hkv, T, D, seed=seed + 3)
+    return qkv, cos, signed, k_cache, v_cache, col
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("bias_rows", [None, 1, 3])
+def test_rope_attend_matches_its_definition(rotary, bias_rows):
+    """Grouped-query heads (6 over 2), rotary or none, no bias / one bias for every row / one per row,
+    against the definition in float64; the caches' column ``col`` holds the new key and value."""
+    qkv, cos, signed, k_cache, v_cache, col = _attend_inputs()
+    if not rotary:
+        cos = signed = torch.empty(0)
+    keys = col + 1
+    bias = None
+    if bias_rows is not None:
+        allowed = torch.rand(bias_rows, 1, 1, 12, generator=torch.Generator().manual_seed(5)) < 0.7
+        allowed[..., col] = True
+        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    k64, v64 = k_cache.double(), v_cache.double()
+    want = fused.rope_attend_reference(
+        qkv.double(), cos.double(), signed.double(), k64, v64, col, keys, None if bias is None else bias.double(), 6, 2,
+        0.25,
+    )  # fmt: skip
+    got = fused.rope_attend(qkv, cos, signed, k_cache, v_cache, col, keys, bias, 6, 2, 0.25)
+    _close(got, want, "rope_attend")
+    _close(k_cache, k64, "the key written into the cache")
+    _close(v_cache, v64, "the value written into the cache")
+    assert torch.equal(v_cache[:, :, col], qkv.view(3, 10, 16)[:, 8:])  # values are copied, not rounded
+
+
+def test_rope_attend_rows_with_nothing_to_attend_to_are_zero_not_nan():
+    qkv, cos, signed, k_cache, v_cache, col = _attend_inputs()
+    bias = torch.zeros(3, 1, 1, 12)
+    bias[1] = float("-inf")  # row 1 sees no key at all
+    got = fused.rope_attend(qkv, cos, signed, k_cache, v_cache, col, col + 1, bias, 6, 2, 0.25)
+    assert not got.isnan().any()
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+def test_rows_do_not_depend_on_the_batch_or_the_threads():
+    """Every operator gives a row the same bits alone or in a batch of three, with one or two threads."""
+    qkv, cos, signed, k_cache, v_cache, col = _attend_inputs(T=300, col=250)
+    bias = torch.zeros(3, 1, 1, 300)
+    bias[0, ..., :40] = float("-inf")  # a left-padded row
+
+    def run(rows, threads):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            kc, vc = k_cache[rows].clone(), v_cache[rows].clone()
+            out = fused.rope_attend(qkv[rows], cos[rows], signed[rows], kc, vc, col, col + 1, bias[rows], 6, 2, 0.25)
+            normed = fused.add_rms_norm(qkv[rows], qkv[rows] * 0.5, qkv[0], 1e-6)[1]
+            return out, kc, normed, fused.silu_mul(qkv[rows])
+        finally:
+            torch.set_num_threads(before)
+
+    whole = run(slice(0, 3), 1)
+    for threads in (1, 2):
+        for b in range(3):
+            alone = run(slice(b, b + 1), threads)
+            for got, want in zip(alone, whole):
+                assert torch.equal(got[0], want[b])
+
+
+def test_the_operators_refuse_what_they_cannot_compute():
+    qkv, cos, signed, k_cache, v_cache, col = _attend_inputs()
+    with pytest.raises(ValueError, match=r"rms_norm: x must be a float32 CPU tensor; got Double"):
+        fused.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1e-6)
+    with pytest.raises(ValueError, match=r"rms_norm: weight has shape \[5\]; expected \(4,\)"):
+        fused.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-6)
+    with pytest.raises(ValueError, match=r"silu_mul: gate_up has shape \[2, 5\]; expected \(\.\.\., 2 \* F\)"):
+        fused.silu_mul(torch.ones(2, 5))
+    with pytest.raises(ValueError, match=r"rope_attend: column 12 and 13 keys do not fit a cache of 12"):
+        fused.rope_attend(qkv, cos, signed, k_cache, v_cache, 12, 13, None, 6, 2, 0.25)
+    with pytest.raises(ValueError, match=r"rope_attend: qkv has shape \[3, 159\]; expected \(3, 160\)"):
+        fused.rope_attend(qkv[:, 1:].contiguous(), cos, signed, k_cache, v_cache, col, col + 1, None, 6, 2, 0.25)
+    with pytest.raises(ValueError, match=r"rope_attend: bias has shape \[2, 1, 1, 12\]; expected \(3 or 1, 1, 1"):
+        fused.rope_attend(qkv, cos, signed, k_cache, v_cache, col, col + 1, torch.zeros(2, 1, 1, 12), 6, 2, 0.25)
+    with pytest.raises(ValueError, match=r"rope_attend: 5 query heads over 2 key/value heads"):
+        fused.rope_attend(qkv, cos, signed, k_cache, v_cache, col, col + 1, None, 5, 2, 0.25)
+
+
+def test_decode_one_runs_through_the_operators(monkeypatch):
+    """A pre-norm RMSNorm / rotary / SwiGLU decoder with fused projections decodes through the operators
+    (counted), left padding included, with the logits of the general forward pass."""
+    model = fuse_projections_(
+        tiny_model(
+            "decoder", vocab=24, std=0.5, positions="rotary", n_heads=4, n_kv_heads=2, norm="rmsnorm",
+            activation="swiglu", lm_head_bias=True, tie_embeddings=False,
+        )
+    )  # fmt: skip
+    calls = []
+    real = fused.rope_attend
+    monkeypatch.setattr(fused, "rope_attend", lambda *a: calls.append(1) or real(*a))
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [4]]
+    steps = torch.randint(4, 24, (3, 5), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        state, _, _ = decode.start(model, prompts=prompts, max_new_tokens=6)
+        got = torch.stack([decode.decode_step(model, state, steps[:, t]) for t in range(5)], 1)  # (B, 5, V)
+    assert len(calls) == 5 * len(model.layers)
+    for b, row in enumerate(prompts):
+        with torch.no_grad():
+            want = model.decode(torch.tensor([row + steps[b].tolist()]), mask=masks.causal())[0, len(row) :]
+        torch.testing.assert_close(got[b], want, atol=1e-5 * want.abs().max(), rtol=0)
+
+
+def test_other_models_keep_the_general_step():
+    """Post-norm, LayerNorm, unfused projections, an encoder-decoder: not the fused step."""
+    cases = [
+        tiny_model("decoder", positions="rotary", norm="rmsnorm", activation="swiglu"),  # projections not fused
+        fuse_projections_(tiny_model("decoder", positions="rotary", norm="layernorm", activation="swiglu")),
+        tiny_model("encoder_decoder", positions="rotary", norm="rmsnorm", activation="swiglu"),
+    ]
+    for model in cases:
+        with torch.inference_mode():
+            state, _, _ = decode.start(model, **({"src": [[5, 6]]} if model.is_encoder_decoder else {"prompts": [[5]]}))
+            k_bufs, _, cross = static._buffers(model, state.cache, 1)
+        assert not static._fusable(model, k_bufs, cross)
+
+
+def test_without_a_cxx_compiler_decoding_says_so_and_goes_on(tmp_path):
+    """A fresh process (a loaded operator library cannot be unloaded) whose $CXX does not exist."""
+    code = (
+        "import warnings, torch\n"
+        "from attnmask.decode import fused\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(fused.cpu_available(), fused.cpu_available())\n"
+        "print(len(seen), str(seen[0].message))\n"
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "ATTNMASK_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    available, warning = proc.stdout.splitlines()
+    assert available == "False False"
+    assert warning.startswith("1 attnmask: fused decoding operators unavailable") and "no-such-c++" in warning
