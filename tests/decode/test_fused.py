@@ -171,7 +171,7 @@ def test_other_models_keep_the_general_step():
         with torch.inference_mode():
             state, _, _ = decode.start(model, **({"src": [[5, 6]]} if model.is_encoder_decoder else {"prompts": [[5]]}))
             k_bufs, _, cross = static._buffers(model, state.cache, 1)
-        assert not static._fusable(model, k_bufs, cross)
+        assert not static._fusable(model, static._layer_parts(model), k_bufs, cross)
 
 
 def test_without_a_cxx_compiler_decoding_says_so_and_goes_on(tmp_path):
