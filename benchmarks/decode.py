@@ -300,7 +300,7 @@ def general_step(model, state, tokens, step=None):
 
 
 def bench_framework(compile_too: bool) -> list[str]:
-    from attnmask.decode import steps
+    from attnmask.decode import static, steps
     from attnmask.decode.static import CompiledStep
     from attnmask.model import fuse_projections_
 
@@ -311,20 +311,26 @@ def bench_framework(compile_too: bool) -> list[str]:
     torch.manual_seed(0)
     model = fuse_projections_(Transformer(cfg).eval())
     prompt = [5, 6, 7, 8, 9]
-    variants = {"Transformer.decode per step (before)": (general_step, {}), "decode_one": (None, {})}
+    variants = {
+        "Transformer.decode per step (before)": (general_step, {}),
+        "decode_one, PyTorch operations (before the fused operators)": ("unfused", {}),
+        "decode_one": (None, {}),
+    }
     if compile_too:
         variants["decode_one compiled (inductor)"] = (None, {"compile": CompiledStep(model)})
 
     def run(step_fn, n, kw):
-        original = steps.decode_step
-        if step_fn is not None:
+        original, fusable = steps.decode_step, static._fusable
+        if step_fn == "unfused":
+            static._fusable = lambda *args: False
+        elif step_fn is not None:
             steps.decode_step = step_fn
         try:
             c, w = time.process_time(), time.perf_counter()
             decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None, **kw)
             return time.process_time() - c, time.perf_counter() - w
         finally:
-            steps.decode_step = original
+            steps.decode_step, static._fusable = original, fusable
 
     rows = [
         "SmolLM2-135M's structure at width 64 (30 layers, 9/3 heads of 64, rotary, RMSNorm, SwiGLU, fused "
