@@ -3,8 +3,9 @@
 Both models hold the *same* weights: the GGUF file dequantized by :func:`attnmask.pretrained.load`,
 copied into a ``transformers`` ``LlamaForCausalLM`` of the same configuration (their logits are
 compared first). attnmask's model is what ``load(...)`` returns: q/k/v and gate/up projections
-fused (:func:`attnmask.model.fuse_projections_`), float32 linear weights stored column-major
-(:func:`attnmask.pretrained.column_major_`). Variants (``--variants``): ``float32`` and ``bfloat16``
+fused (:func:`attnmask.model.fuse_projections_`), float32 linear weights row-major for the decoding
+step's own product (:func:`attnmask.decode.fused.linear_rows`; column-major for the BLAS where that
+operator cannot be built). Variants (``--variants``): ``float32`` and ``bfloat16``
 (Hugging Face's model cast with ``.to(dtype)``), and ``blocks``: ``load(quantized=True)``, the file's
 Q4_1/Q8_0 blocks multiplied directly with float32 activations (:mod:`attnmask.pretrained.quantized`), against
 Hugging Face in float32 on the dequantized file, which is the same function. For each variant and

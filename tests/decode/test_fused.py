@@ -49,6 +49,15 @@ def test_norms_and_silu_match_their_definitions(shape):
     _close(fused.silu_mul(gate_up), fused.silu_mul_reference(gate_up.double()), "silu_mul")
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("k", [576, 100, 7])
+def test_linear_rows_matches_its_definition(rows, k):
+    """Row lengths with and without a tail past the vector loop; with and without a bias."""
+    x, w, b = _randn(rows, k, seed=1), _randn(40, k, seed=2), _randn(40, seed=3)
+    _close(fused.linear_rows(x, w, b), fused.linear_rows_reference(x.double(), w.double(), b.double()), "with bias")
+    _close(fused.linear_rows(x, w, None), fused.linear_rows_reference(x.double(), w.double(), None), "no bias")
+
+
 def _attend_inputs(B=3, H=6, Hkv=2, D=16, T=12, col=7, seed=0):
     qkv = _randn(B, (H + 2 * Hkv) * D, seed=seed)
     angles = _randn(B, D // 2, seed=seed + 1) * 3
@@ -106,7 +115,8 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads():
             kc, vc = k_cache[rows].clone(), v_cache[rows].clone()
             out = fused.rope_attend(qkv[rows], cos[rows], signed[rows], kc, vc, col, col + 1, bias[rows], 6, 2, 0.25)
             normed = fused.add_rms_norm(qkv[rows], qkv[rows] * 0.5, qkv[0], 1e-6)[1]
-            return out, kc, normed, fused.silu_mul(qkv[rows])
+            product = fused.linear_rows(qkv[rows], k_cache.reshape(-1, 160)[:300], None)  # 300 weight rows
+            return out, kc, normed, fused.silu_mul(qkv[rows]), product
         finally:
             torch.set_num_threads(before)
 
@@ -126,6 +136,10 @@ def test_the_operators_refuse_what_they_cannot_compute():
         fused.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-6)
     with pytest.raises(ValueError, match=r"silu_mul: gate_up has shape \[2, 5\]; expected \(\.\.\., 2 \* F\)"):
         fused.silu_mul(torch.ones(2, 5))
+    with pytest.raises(ValueError, match=r"linear_rows: weight must be contiguous"):
+        fused.linear_rows(torch.ones(1, 4), torch.ones(4, 3).t(), None)  # column-major: the BLAS's business
+    with pytest.raises(ValueError, match=r"linear_rows: x has shape \[1, 4\] and weight \[3, 5\]; expected \(M, K\)"):
+        fused.linear_rows(torch.ones(1, 4), torch.ones(3, 5), None)
     with pytest.raises(ValueError, match=r"rope_attend: column 12 and 13 keys do not fit a cache of 12"):
         fused.rope_attend(qkv, cos, signed, k_cache, v_cache, 12, 13, None, 6, 2, 0.25)
     with pytest.raises(ValueError, match=r"rope_attend: qkv has shape \[3, 159\]; expected \(3, 160\)"):
@@ -145,15 +159,17 @@ def test_decode_one_runs_through_the_operators(monkeypatch):
             activation="swiglu", lm_head_bias=True, tie_embeddings=False,
         )
     )  # fmt: skip
-    calls = []
-    real = fused.rope_attend
+    calls, products = [], []
+    real, real_linear = fused.rope_attend, fused.linear_rows
     monkeypatch.setattr(fused, "rope_attend", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fused, "linear_rows", lambda *a: products.append(1) or real_linear(*a))
     prompts = [[5, 6, 7, 8, 9], [10, 11], [4]]
     steps = torch.randint(4, 24, (3, 5), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         state, _, _ = decode.start(model, prompts=prompts, max_new_tokens=6)
         got = torch.stack([decode.decode_step(model, state, steps[:, t]) for t in range(5)], 1)  # (B, 5, V)
     assert len(calls) == 5 * len(model.layers)
+    assert len(products) == 5 * (4 * len(model.layers) + 1)  # float32 row-major weights: the operator's product
     for b, row in enumerate(prompts):
         with torch.no_grad():
             want = model.decode(torch.tensor([row + steps[b].tolist()]), mask=masks.causal())[0, len(row) :]

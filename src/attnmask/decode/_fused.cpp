@@ -7,6 +7,7 @@
 //   silu_mul(gate_up)                 silu(gate) * up, gate and up the two halves of each row
 //   rope_attend(qkv, ...)             rotary on the new query and key, both written into the cache
 //                                     column, and one query per head against the cached keys
+//   linear_rows(x, weight, bias)      x W^T (+ b) for a few rows x and a row-major float32 W
 //
 // Eager PyTorch runs each of these as 3 to 20 operator calls of a few microseconds each, and a
 // SmolLM2 token has 30 layers of them: ~3 ms a token of dispatching tiny tensors, as much as half
@@ -14,6 +15,9 @@
 // torch.compile and the PyTorch implementations (the reference the tests compare with) are
 // registered from Python; this file adds the CPU implementations.
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -44,6 +48,42 @@ float dot(const float *a, const float *b, int64_t n) {
     for (; i < n; i++) s += a[i] * b[i];
     for (int l = 0; l < LANES; l++) s += part[l];
     return s;
+}
+
+// One weight row against one input row, K long: the product of linear_rows. Four vector accumulators
+// (then their sum, then the tail), and the weights asked for AHEAD floats ahead into L2: a matrix-vector
+// product streams its weights from memory once, and the hardware prefetchers alone leave the loop
+// waiting (measured on Zen 5: 38 GB/s with one core against the BLAS's 21-26).
+constexpr int64_t AHEAD = 2048;  // 8 KiB
+
+float weight_dot(const float *w, const float *x, int64_t K) {
+    int64_t k = 0;
+    float s = 0.0f;
+#if defined(__AVX512F__)
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (; k + 64 <= K; k += 64) {
+        for (int line = 0; line < 64; line += 16) __builtin_prefetch(w + k + AHEAD + line, 0, 2);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+    }
+    s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (; k + 32 <= K; k += 32) {
+        for (int line = 0; line < 32; line += 16) __builtin_prefetch(w + k + AHEAD + line, 0, 2);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    s = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+#endif
+    return s + dot(w + k, x + k, K - k);
 }
 
 void norm_row(const float *x, const float *w, float *out, int64_t C, double eps) {
@@ -204,6 +244,34 @@ at::Tensor rope_attend(const at::Tensor &qkv, const at::Tensor &cos, const at::T
     return out;
 }
 
+// x (M, K) W^T + bias for W (N, K) row-major: threads split W's rows, each output computed by the same
+// operations whatever M and the thread count (a row's result does not depend on its batch).
+at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+    const char *op = "linear_rows";
+    check_rows(x, op, "x");
+    check_rows(weight, op, "weight");
+    TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op, ": x has shape ",
+                      x.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
+    const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+    const float *b = nullptr;
+    if (bias.has_value()) {
+        check_rows(*bias, op, "bias");
+        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, op, ": bias has shape ", bias->sizes(),
+                          "; expected (", N, ",)");
+        b = bias->const_data_ptr<float>();
+    }
+    at::Tensor out = at::empty({M, N}, x.options());
+    const float *xp = x.const_data_ptr<float>(), *wp = weight.const_data_ptr<float>();
+    float *o = out.mutable_data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(1, K * M));
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; n++)
+            for (int64_t r = 0; r < M; r++)
+                o[r * N + n] = weight_dot(wp + n * K, xp + r * K, K) + (b ? b[n] : 0.0f);
+    });
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
@@ -211,4 +279,5 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("add_rms_norm", &add_rms_norm);
     lib.impl("silu_mul", &silu_mul);
     lib.impl("rope_attend", &rope_attend);
+    lib.impl("linear_rows", &linear_rows);
 }

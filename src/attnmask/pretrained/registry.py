@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from attnmask.data.tokenizer import TokenizerBase
+from attnmask.decode import fused
 from attnmask.model import ModelConfig, Rotary, Transformer, fuse_projections_, sinusoidal_table
 from attnmask.pretrained.quantized import BlockLinear
 from attnmask.pretrained.storage import cache_dir
@@ -418,7 +419,7 @@ def load(
     *,
     dtype: torch.dtype = torch.float32,
     cache: bool | str | os.PathLike = True,
-    column_major: bool = True,
+    column_major: bool | None = None,
     quantized: bool = False,
     fuse: bool = True,
 ) -> tuple[Transformer, PretrainedTokenizer, ChatTemplate | None]:
@@ -427,8 +428,10 @@ def load(
     Args:
         dtype: parameter dtype (the float32 dequantized weights, cast).
         cache: True for :func:`cache_dir`, a folder, or False to read the GGUF file every time.
-        column_major: store float32 linear weights column-major (:func:`column_major_`), faster
-            one-token steps on CPU.
+        column_major: store float32 linear weights column-major (:func:`column_major_`): faster
+            one-token steps where they run on the BLAS. None (default): only where the decoding
+            step's own float32 product (:func:`attnmask.decode.fused.linear_rows`, row-major
+            weights, ~1.6x faster than the BLAS on either layout) is not available.
         quantized: keep the file's Q4_1/Q8_0 blocks for the linear layers and ``W_pred``
             (:class:`attnmask.pretrained.quantized.BlockLinear`): the same function as the float32 model
             (products regrouped per block, activations float32) reading ~6x fewer weight bytes per
@@ -455,6 +458,8 @@ def load(
     model = build(loaded.config, state_dict, loaded.blocks).eval()
     if fuse:
         fuse_projections_(model)
+    if column_major is None:
+        column_major = dtype == torch.float32 and not quantized and not fused.cpu_available()
     if column_major:
         column_major_(model)
     tokenizer = PretrainedTokenizer.from_special_ids(loaded.tokenizer, loaded.special_ids, add_bos=loaded.add_bos)
