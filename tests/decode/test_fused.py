@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,6 +189,27 @@ def test_other_models_keep_the_general_step():
             state, _, _ = decode.start(model, **({"src": [[5, 6]]} if model.is_encoder_decoder else {"prompts": [[5]]}))
             k_bufs, _, cross = static._buffers(model, state.cache, 1)
         assert not static._fusable(model, static._layer_parts(model), k_bufs, cross)
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_the_other_builds_match_their_definitions_too(capability):
+    """The AVX2 and portable builds (what other CPUs get: the flags follow PyTorch's CPU capability,
+    which ATEN_CPU_CAPABILITY lowers), in a fresh process: the definition tests above, again."""
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU does not run AVX2")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    code = (
+        "import sys, pytest\n"
+        "from attnmask.decode import fused\n"
+        "print(fused.status())\n"
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', 'matches_its_definition']))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"C++, {'AVX2' if capability == 'avx2' else 'portable C'}, "), lines[0]
+    assert " passed" in lines[-1] and "skipped" not in lines[-1], lines[-1]
 
 
 def test_without_a_cxx_compiler_decoding_says_so_and_goes_on(tmp_path):

@@ -60,28 +60,25 @@ float weight_dot(const float *w, const float *x, int64_t K) {
     int64_t k = 0;
     float s = 0.0f;
 #if defined(__AVX512F__)
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (; k + 64 <= K; k += 64) {
-        for (int line = 0; line < 64; line += 16) __builtin_prefetch(w + k + AHEAD + line, 0, 2);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+        for (int j = 0; j < 4; j++) {
+            __builtin_prefetch(w + k + AHEAD + 16 * j, 0, 2);  // one 64-byte line
+            a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16 * j), _mm512_loadu_ps(x + k + 16 * j), a[j]);
+        }
     }
-    s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 #elif defined(__AVX2__) && defined(__FMA__)
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (; k + 32 <= K; k += 32) {
-        for (int line = 0; line < 32; line += 16) __builtin_prefetch(w + k + AHEAD + line, 0, 2);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+        for (int j = 0; j < 4; j++) {
+            if (j % 2 == 0) __builtin_prefetch(w + k + AHEAD + 8 * j, 0, 2);  // one 64-byte line per two
+            a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8 * j), _mm256_loadu_ps(x + k + 8 * j), a[j]);
+        }
     }
-    const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    s = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    for (float lane : lanes) s += lane;
 #endif
     return s + dot(w + k, x + k, K - k);
 }

@@ -3,8 +3,9 @@
 A one-token step of a pre-norm RMSNorm / rotary / SwiGLU decoder (Llama, SmolLM2) does, per layer,
 four matrix products and between them ~30 small operations on a few hundred floats: norms, a
 residual, rotary on the new query and key, two cache writes, attention of one query per head,
-SiLU. Eager PyTorch dispatches each of them (2-10 us apiece), ~3 ms a SmolLM2 token on one core,
-as long as the block products themselves. These operators do the same work in one call each:
+SiLU. Eager PyTorch dispatches each of them (2-10 us apiece): a SmolLM2 step's framework work
+took 4.0-4.5 ms a token on one Zen 5 core, and takes 1.95-2.3 ms with these operators, which do the
+same work in one call each:
 
 - ``torch.ops.attnmask.rms_norm(x, weight, eps)``: ``weight * x / sqrt(mean(x^2) + eps)`` per row;
 - ``torch.ops.attnmask.add_rms_norm(x, delta, weight, eps)`` -> ``(x + delta, rms_norm(x + delta))``:
@@ -179,7 +180,7 @@ def cpu_available() -> bool:
                 _state["why"] = "disabled by ATTNMASK_FUSED=0"
             else:
                 try:
-                    _state["why"] = f"C++ ({_load()})"
+                    _state["why"] = _load()
                     _state["loaded"] = True
                 except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                     _state["why"] = f"PyTorch ({err})"
@@ -196,7 +197,8 @@ def status() -> str:
     return str(_state["why"])
 
 
-def _load() -> Path:
+def _load() -> str:
+    """Build (once, into the kernel cache) and load ``_fused.cpp``; returns what was loaded, in words."""
     cxx = native.compiler("CXX", "c++")
     source = _SOURCE.read_text(encoding="utf-8")
     # at::parallel_for is OpenMP in PyTorch's CPU builds: without -fopenmp it runs on one thread
@@ -212,4 +214,5 @@ def _load() -> Path:
     else:
         raise error
     torch.ops.load_library(str(target))
-    return target
+    simd = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "portable C")
+    return f"C++, {simd}, {'OpenMP threads' if '-fopenmp' in flags else 'one thread'} ({target})"

@@ -13,6 +13,11 @@ one ``scaled_dot_product_attention`` per attention, and nothing else:
 - grouped-query heads attend without repeating keys: the ``H / Hkv`` query heads of a key/value
   head are its ``G`` queries (``(B, Hkv, G, D)`` against ``(B, Hkv, Tk, D)``).
 
+Eager, a pre-norm RMSNorm / SwiGLU decoder with fused projections in float32 on the CPU (Llama,
+SmolLM2) takes a shorter route, :func:`_fused_step`: the work between the products in the C++
+operators of :mod:`attnmask.decode.fused`, four products and three calls a layer (~2x fewer
+milliseconds of framework a token than the PyTorch operations; see docs/benchmarks.md).
+
 Eager calls attend over exactly the ``step + 1`` cached keys. :class:`CompiledStep` (``torch.compile``)
 attends over a *bucket* of keys (the next power of two >= 64, at most the cache's length), masked
 beyond the step: the compiled graph's shapes then change only when the bucket grows (a few times
@@ -39,8 +44,9 @@ __all__ = ["CompiledStep", "auto_compile", "bucket", "decode_one", "zero_unwritt
 
 def auto_compile(model) -> bool:
     """Whether compiling the step pays by default: on a GPU (a batch-1 step is bound by kernel
-    launches, which a CUDA graph replays at once), not on a CPU (inductor's compile takes minutes
-    there and saved ~1.5 ms of ~5 ms framework time per token; see docs/benchmarks.md)."""
+    launches, which a CUDA graph replays at once), not on a CPU (there the eager step with the fused
+    operators is faster than inductor's graph: SmolLM2 153 against 136 tok/s, one Zen 5 core; see
+    docs/benchmarks.md)."""
     return next(model.parameters()).device.type == "cuda"
 
 
