@@ -151,30 +151,75 @@ def test_the_operators_refuse_what_they_cannot_compute():
         fused.rope_attend(qkv, cos, signed, k_cache, v_cache, col, col + 1, None, 5, 2, 0.25)
 
 
-def test_decode_one_runs_through_the_operators(monkeypatch):
-    """A pre-norm RMSNorm / rotary / SwiGLU decoder with fused projections decodes through the operators
-    (counted), left padding included, with the logits of the general forward pass."""
-    model = fuse_projections_(
+def _fused_model():
+    return fuse_projections_(
         tiny_model(
             "decoder", vocab=24, std=0.5, positions="rotary", n_heads=4, n_kv_heads=2, norm="rmsnorm",
             activation="swiglu", lm_head_bias=True, tie_embeddings=False,
         )
     )  # fmt: skip
-    calls, products = [], []
-    real, real_linear = fused.rope_attend, fused.linear_rows
-    monkeypatch.setattr(fused, "rope_attend", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(fused, "linear_rows", lambda *a: products.append(1) or real_linear(*a))
-    prompts = [[5, 6, 7, 8, 9], [10, 11], [4]]
-    steps = torch.randint(4, 24, (3, 5), generator=torch.Generator().manual_seed(0))
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [4]]
+STEPS = torch.randint(4, 24, (3, 5), generator=torch.Generator().manual_seed(0))  # fed after the prefill
+
+
+def _counted(monkeypatch, *names):
+    """Count the calls decode_one makes to these operators of attnmask.decode.fused."""
+    calls = {name: 0 for name in names}
+    for name in names:
+        real = getattr(fused, name)
+
+        def counting(*args, name=name, real=real):
+            calls[name] += 1
+            return real(*args)
+
+        monkeypatch.setattr(fused, name, counting)
+    return calls
+
+
+def _decoded(model) -> torch.Tensor:
     with torch.inference_mode():
-        state, _, _ = decode.start(model, prompts=prompts, max_new_tokens=6)
-        got = torch.stack([decode.decode_step(model, state, steps[:, t]) for t in range(5)], 1)  # (B, 5, V)
-    assert len(calls) == 5 * len(model.layers)
-    assert len(products) == 5 * (4 * len(model.layers) + 1)  # float32 row-major weights: the operator's product
-    for b, row in enumerate(prompts):
+        state, _, _ = decode.start(model, prompts=PROMPTS, max_new_tokens=6)
+        return torch.stack([decode.decode_step(model, state, STEPS[:, t]) for t in range(5)], 1)  # (B, 5, V)
+
+
+def test_decode_one_runs_a_step_in_one_call(monkeypatch):
+    """A pre-norm RMSNorm / rotary / SwiGLU decoder with fused projections decodes each token in one
+    decoder_step call, left padding included, with the logits of the general forward pass."""
+    model = _fused_model()
+    calls = _counted(monkeypatch, "decoder_step", "rope_attend")
+    got = _decoded(model)
+    assert calls == {"decoder_step": 5, "rope_attend": 0}
+    for b, row in enumerate(PROMPTS):
         with torch.no_grad():
-            want = model.decode(torch.tensor([row + steps[b].tolist()]), mask=masks.causal())[0, len(row) :]
+            want = model.decode(torch.tensor([row + STEPS[b].tolist()]), mask=masks.causal())[0, len(row) :]
         torch.testing.assert_close(got[b], want, atol=1e-5 * want.abs().max(), rtol=0)
+
+
+def test_a_watched_module_takes_the_same_calls_from_python(monkeypatch):
+    """A hook on a product (as benchmarks/smollm2.py --breakdown sets): the step makes decoder_step's calls
+    one by one from Python, so that the hook sees its module called."""
+    model = _fused_model()
+    whole = _decoded(model)
+    seen = []
+    model.layers[1].mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    calls = _counted(monkeypatch, "decoder_step", "rope_attend", "linear_rows")
+    by_calls = _decoded(model)
+    # per step: every layer's attention, and 4 L + 1 products of which the watched one is the module's call
+    assert calls == {"decoder_step": 0, "rope_attend": 5 * len(model.layers), "linear_rows": 5 * 4 * len(model.layers)}
+    assert len(seen) == 1 + 5  # the prefill and the five steps
+    torch.testing.assert_close(by_calls, whole, atol=1e-5 * whole.abs().max(), rtol=0)  # one product on the BLAS
+
+
+def test_one_call_is_the_calls_one_by_one_bit_for_bit(monkeypatch):
+    """decoder_step makes from C++ the calls the step otherwise makes from Python, in the same order."""
+    model = _fused_model()
+    whole = _decoded(model)
+    monkeypatch.setattr(static, "_step_operands", lambda *args: None)  # every step by calls from Python
+    calls = _counted(monkeypatch, "decoder_step", "rope_attend")
+    assert torch.equal(_decoded(model), whole)
+    assert calls == {"decoder_step": 0, "rope_attend": 5 * len(model.layers)}
 
 
 def test_other_models_keep_the_general_step():

@@ -590,3 +590,27 @@ def test_kernel_cache_is_keyed_on_the_compiler_and_its_version():
     assert len(names) == 4
     compiler, version = native.compiler()
     assert compiler == os.environ.get("CC", "cc") and version
+
+
+@pytest.mark.slow  # the real SmolLM2-135M file
+def test_smollm2_quantized_step_in_one_call_is_the_calls_one_by_one(smol_q, monkeypatch):
+    """decoder_step (the block operator called from C++) against the same calls from Python, greedy with
+    two rows of different lengths (left padding): the same logits, bit for bit."""
+    from attnmask.decode import fused, static
+
+    if not fused.cpu_available():
+        pytest.skip(f"no C++ build of the fused operators here: {fused.status()}")
+    model, tok = smol_q
+    prompts = [tok.encode("The capital of France is"), tok.encode("Hello")]
+
+    def logits():
+        with torch.inference_mode():
+            state, first, _ = decode.start(model, prompts=prompts, max_new_tokens=8)
+            out = [first]
+            for _ in range(6):
+                out.append(decode.decode_step(model, state, out[-1].argmax(-1)))
+        return torch.stack(out, 1)
+
+    whole = logits()
+    monkeypatch.setattr(static, "_step_operands", lambda *args: None)
+    assert torch.equal(logits(), whole)

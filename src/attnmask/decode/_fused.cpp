@@ -8,6 +8,8 @@
 //   rope_attend(qkv, ...)             rotary on the new query and key, both written into the cache
 //                                     column, and one query per head against the cached keys
 //   linear_rows(x, weight, bias)      x W^T (+ b) for a few rows x and a row-major float32 W
+//   decoder_step(x, ...)              all of the above for every layer of a step, and its head: one
+//                                     call a token instead of ~210 from Python
 //
 // Eager PyTorch runs each of these as 3 to 20 operator calls of a few microseconds each, and a
 // SmolLM2 token has 30 layers of them: ~3 ms a token of dispatching tiny tensors, as much as half
@@ -19,6 +21,7 @@
 #include <immintrin.h>
 #endif
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -269,6 +272,65 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
     return out;
 }
 
+// One product of decoder_step: kind 0 is a float32 weight and its bias (an empty tensor for none),
+// through linear_rows; kinds 1 and 2 are a block layer's codes, d and m (Q4_1) or codes and d (Q8_0),
+// through the operator attnmask::block_matmul (attnmask.pretrained.quantized), looked up once.
+constexpr int64_t DENSE = 0, Q4_1 = 1, Q8_0 = 2;
+
+at::Tensor product(int64_t kind, const at::Tensor *t, const at::Tensor &x) {
+    if (kind == DENSE) return linear_rows(x, t[0], t[1].numel() ? std::optional<at::Tensor>(t[1]) : std::nullopt);
+    static auto block_matmul =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("attnmask::block_matmul", "")
+            .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &,
+                              const at::Tensor &, c10::string_view, int64_t)>();
+    const bool q4_1 = kind == Q4_1;
+    return block_matmul.call(t[0], t[1], q4_1 ? std::optional<at::Tensor>(t[2]) : std::nullopt, x,
+                             q4_1 ? "Q4_1" : "Q8_0", x.size(1));
+}
+
+int64_t product_tensors(int64_t kind) { return kind == Q4_1 ? 3 : 2; }
+
+// A whole one-token step of a pre-norm RMSNorm / rotary / SwiGLU decoder, the same calls in the same order
+// as attnmask.decode.static._fused_step makes them from Python (so the same bits), without ~210 trips
+// through Python and the dispatcher. x (B, C): the embedded tokens; norms: each layer's two norm weights,
+// then the final norm's (2 L + 1), eps theirs; products: per layer q/k/v, o, gate/up, down, then the head
+// (4 L + 1), their tensors one after another as `kinds` says; the caches, column, bias, heads and scale as
+// rope_attend takes them. Returns the logits (B, V).
+at::Tensor decoder_step(const at::Tensor &x0, const at::Tensor &cos, const at::Tensor &signed_sin,
+                        at::TensorList norms, at::ArrayRef<double> eps, at::TensorList products,
+                        at::IntArrayRef kinds, at::TensorList k_caches, at::TensorList v_caches, int64_t col,
+                        const std::optional<at::Tensor> &bias, int64_t heads, int64_t kv_heads, double scale) {
+    const char *op = "decoder_step";
+    const int64_t L = static_cast<int64_t>(k_caches.size());
+    TORCH_CHECK_VALUE(L > 0 && static_cast<int64_t>(v_caches.size()) == L, op, ": ", L, " key caches and ",
+                      v_caches.size(), " value caches; expected one of each per layer");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), op, ": ",
+                      norms.size(), " norm weights and ", eps.size(), " eps for ", L, " layers; expected ", 2 * L + 1,
+                      " of each");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(kinds.size()) == 4 * L + 1, op, ": ", kinds.size(), " products for ", L,
+                      " layers; expected ", 4 * L + 1);
+    std::vector<int64_t> first(kinds.size() + 1, 0);  // where each product's tensors start
+    for (size_t i = 0; i < kinds.size(); i++) {
+        TORCH_CHECK_VALUE(kinds[i] == DENSE || kinds[i] == Q4_1 || kinds[i] == Q8_0, op, ": product kind ", kinds[i],
+                          " is not one of 0 (float32), 1 (Q4_1), 2 (Q8_0)");
+        first[i + 1] = first[i] + product_tensors(kinds[i]);
+    }
+    TORCH_CHECK_VALUE(first.back() == static_cast<int64_t>(products.size()), op, ": ", products.size(),
+                      " product tensors; the kinds name ", first.back());
+    auto project = [&](int64_t i, const at::Tensor &h) { return product(kinds[i], products.data() + first[i], h); };
+    at::Tensor x = x0, h = rms_norm(x0, norms[0], eps[0]);
+    for (int64_t l = 0; l < L; l++) {
+        const at::Tensor qkv = project(4 * l, h);
+        const at::Tensor out = rope_attend(qkv, cos, signed_sin, k_caches[l], v_caches[l], col, col + 1, bias, heads,
+                                           kv_heads, scale);
+        std::tie(x, h) = add_rms_norm(x, project(4 * l + 1, out), norms[2 * l + 1], eps[2 * l + 1]);
+        const at::Tensor delta = project(4 * l + 3, silu_mul(project(4 * l + 2, h)));
+        std::tie(x, h) = add_rms_norm(x, delta, norms[2 * l + 2], eps[2 * l + 2]);
+    }
+    return project(4 * L, h);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
@@ -277,4 +339,5 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("silu_mul", &silu_mul);
     lib.impl("rope_attend", &rope_attend);
     lib.impl("linear_rows", &linear_rows);
+    lib.impl("decoder_step", &decoder_step);
 }

@@ -21,6 +21,11 @@ same work in one call each:
   splits their rows over PyTorch's threads, where the BLAS reads them at ~60% of the rate and on one
   thread only (measured: 38 GB/s against 21-26 on one Zen 5 core; 46-52 against 21-26 on two).
 
+- ``torch.ops.attnmask.decoder_step(x, cos, signed_sin, norms, eps, products, kinds, k_caches, v_caches,
+  col, bias, heads, kv_heads, scale)``: a whole one-token step, every layer and the head, making the
+  calls above (and ``attnmask::block_matmul`` for block layers) from C++: one call a token instead of
+  ~210 from Python, each ~4 us of Python and dispatcher (see :func:`attnmask.decode.static._fused_step`).
+
 The first four are what Llama's layers do between their products, the fifth their float32 products.
 The operators are implemented in C++ for float32 CPU tensors only (``_fused.cpp``, built on first
 use with ``$CXX`` against PyTorch's headers, see :mod:`attnmask.native`; other inputs are refused
@@ -50,6 +55,7 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
     "cpu_available",
+    "decoder_step",
     "linear_rows",
     "linear_rows_reference",
     "rms_norm",
@@ -128,6 +134,12 @@ _LIBRARY.define("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) 
 _LIBRARY.define("silu_mul(Tensor gate_up) -> Tensor")
 _LIBRARY.define("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define(
+    "decoder_step(Tensor x, Tensor cos, Tensor signed_sin, Tensor[] norms, float[] eps, Tensor[] products, "
+    "int[] kinds, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int col, Tensor? bias, int heads, int kv_heads, "
+    "float scale) -> Tensor"
+)
+DENSE, Q4_1, Q8_0 = 0, 1, 2  # decoder_step's product kinds: a float32 weight and bias, block layers' buffers
+_LIBRARY.define(
     "rope_attend(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int col, "
     "int keys, Tensor? bias, int heads, int kv_heads, float scale) -> Tensor"
 )
@@ -153,6 +165,12 @@ def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+@torch.library.register_fake("attnmask::decoder_step", lib=_LIBRARY)
+def _(x, cos, signed_sin, norms, eps, products, kinds, k_caches, v_caches, col, bias, heads, kv_heads, scale):
+    head = products[-2 if kinds[-1] != Q4_1 else -3]  # the head's weight or codes: (V, ...)
+    return x.new_empty(x.shape[0], head.shape[0])
+
+
 @torch.library.register_fake("attnmask::rope_attend", lib=_LIBRARY)
 def _(qkv, cos, signed_sin, k_cache, v_cache, col, keys, bias, heads, kv_heads, scale):
     return qkv.new_empty(k_cache.shape[0], heads * k_cache.shape[3])
@@ -163,6 +181,7 @@ add_rms_norm = torch.ops.attnmask.add_rms_norm.default
 silu_mul = torch.ops.attnmask.silu_mul.default
 rope_attend = torch.ops.attnmask.rope_attend.default
 linear_rows = torch.ops.attnmask.linear_rows.default
+decoder_step = torch.ops.attnmask.decoder_step.default
 
 
 # ---------------------------------------------------------------------------------------------

@@ -201,9 +201,56 @@ def _project(proj, h: Tensor) -> Tensor:
     return proj(h)
 
 
-def _fused_step(model, parts, k_bufs, v_bufs, tokens: Tensor, positions: Tensor, col: int, key_ok) -> Tensor:
-    """:func:`_step` (eager, decoder-only) through the operators of :mod:`attnmask.decode.fused`: per
-    layer, the four products and three calls between them. Returns logits ``(B, V)``."""
+def _operands(proj, rows: int) -> tuple[int, list[Tensor]] | None:
+    """What :func:`attnmask.decode.fused.decoder_step` takes for ``proj``: ``(kind, tensors)``, or None
+    where it cannot multiply by it (a hook watches it, a weight it has no product for)."""
+    if proj._forward_hooks or proj._forward_pre_hooks:
+        return None
+    blocks = getattr(proj, "decoder_operands", None)
+    if blocks is not None:
+        return blocks()
+    if type(proj) is nn.Linear and rows <= LINEAR_ROWS_MAX:
+        w, b = proj._parameters["weight"], proj._parameters["bias"]
+        if w.dtype == torch.float32 and w.is_contiguous():
+            return fused.DENSE, [w, w.new_empty(0) if b is None else b]
+    return None
+
+
+def _step_operands(model, parts, rows: int) -> tuple[list[Tensor], list[float], list[Tensor], list[int]] | None:
+    """The norms, their eps, the product tensors and their kinds of a whole step, in
+    :func:`attnmask.decode.fused.decoder_step`'s order; None where one product cannot go through it."""
+    norms = [n for p in parts for n in (p[1], p[2])] + [model._modules["norm"]]
+    products, kinds = [], []
+    for proj in [m for p in parts for m in p[3:]] + [model._modules["lm_head"]]:
+        operands = _operands(proj, rows)
+        if operands is None:
+            return None
+        kinds.append(operands[0])
+        products += operands[1]
+    return [n._parameters["weight"] for n in norms], [n.eps for n in norms], products, kinds
+
+
+def _plan(model, cache: KVCache, k_bufs: list[Tensor], cross) -> tuple | None:
+    """``(parts, operands)`` for :func:`_fused_step` (operands None: not through decoder_step), or None
+    where the fused step does not apply. Read from the modules once per generation and batch size
+    (kept in ``cache.memo``): a generation does not swap the model's modules or hooks between its
+    tokens, and reading them costs ~0.5 ms a SmolLM2 token."""
+    key = ("fused", k_bufs[0].shape[0] if k_bufs else 0)
+    memo = cache.memo.get(key)
+    if memo is None or memo[0] is not model:
+        parts = _layer_parts(model)
+        plan = None
+        if _fusable(model, parts, k_bufs, cross):
+            plan = (parts, _step_operands(model, parts, k_bufs[0].shape[0]))
+        memo = cache.memo[key] = (model, plan)
+    return memo[1]
+
+
+def _fused_step(model, plan, k_bufs, v_bufs, tokens: Tensor, positions: Tensor, col: int, key_ok) -> Tensor:
+    """:func:`_step` (eager, decoder-only) through the operators of :mod:`attnmask.decode.fused`: the
+    whole step in one call (:func:`~attnmask.decode.fused.decoder_step`) where every product can go
+    through it, else the same calls from Python, per layer the four products and three calls between
+    them (the same bits either way). Returns logits ``(B, V)``."""
     B = tokens.shape[0]
     x = model._embed(tokens[:, None], positions[:, None], source=False).reshape(B, -1)  # (B, C)
     if x.dtype != torch.float32:
@@ -213,10 +260,17 @@ def _fused_step(model, parts, k_bufs, v_bufs, tokens: Tensor, positions: Tensor,
     if model.config.positions == "rotary":
         cos, sin = model.rotary.cos_sin(positions[:, None])  # (B, 1, 1, D)
         cos, signed = cos.reshape(B, -1), Rotary.signed_sin(sin).reshape(B, -1)  # (B, D)
+    parts, operands = plan
+    attn0 = parts[0][0]
+    H, Hkv, D = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+    if operands is not None:
+        norm_weights, eps, products, kinds = operands
+        return fused.decoder_step(
+            x, cos, signed, norm_weights, eps, products, kinds, k_bufs, v_bufs, col, bias, H, Hkv, D**-0.5
+        )
     norms = [p[1] for p in parts] + [model._modules["norm"]]  # each layer's first norm, then the final one
     h = fused.rms_norm(x, norms[0]._parameters["weight"], norms[0].eps)
-    for i, (attn, _, mlp_norm, qkv_proj, o_proj, gate_up, down) in enumerate(parts):
-        H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    for i, (_, _, mlp_norm, qkv_proj, o_proj, gate_up, down) in enumerate(parts):
         qkv = _project(qkv_proj, h)  # (B, (H + 2 Hkv) D)
         out = fused.rope_attend(qkv, cos, signed, k_bufs[i], v_bufs[i], col, col + 1, bias, H, Hkv, D**-0.5)
         x, h = fused.add_rms_norm(x, _project(o_proj, out), mlp_norm._parameters["weight"], mlp_norm.eps)
@@ -246,9 +300,9 @@ def decode_one(
     returns the next logits ``(B, V)``. ``key_ok (B, 1, 1, Tmax)``: key padding (None: none);
     ``src_ok (B, 1, 1, S)``: source padding for cross-attention (None: none)."""
     k_bufs, v_bufs, cross = _buffers(model, cache, tokens.shape[0])
-    parts = _layer_parts(model)
-    if _fusable(model, parts, k_bufs, cross):
-        logits = _fused_step(model, parts, k_bufs, v_bufs, tokens, positions, cache.pos, key_ok)
+    plan = _plan(model, cache, k_bufs, cross)
+    if plan is not None:
+        logits = _fused_step(model, plan, k_bufs, v_bufs, tokens, positions, cache.pos, key_ok)
     else:
         col = torch.tensor([cache.pos], device=tokens.device)
         logits = _step(model, k_bufs, v_bufs, cross, tokens, positions, col, cache.pos + 1, key_ok, src_ok)

@@ -115,6 +115,9 @@ class KVCache:
         self.rows: int | None = None  # rows in use, fixed by the first update
         self._cross: list[tuple[Tensor, Tensor] | None] = [None] * len(self.layers)
         self.cross_len = 0
+        # what a decoding step derives from the model once per generation rather than every token
+        # (attnmask.decode.static: the layers' parts, the fused step's operands), keyed by its user
+        self.memo: dict = {}
 
     def _claim(self, rows: int, T: int) -> None:
         if self.rows is None:

@@ -417,5 +417,15 @@ class BlockLinear(nn.Module):
             return block_matmul(b["codes"], b["d"], b["m"], x, self.kind, self.in_features)
         return self(x)
 
+    def decoder_operands(self) -> tuple[int, list[Tensor]] | None:
+        """This layer as :func:`attnmask.decode.fused.decoder_step` multiplies by it: ``(kind, [codes,
+        d(, m)])``, kind 1 for Q4_1 and 2 for Q8_0; None where the kernel is not built (the layer then
+        multiplies by its dequantized weight, which the step leaves to the module)."""
+        b = self._buffers  # not self.codes...: nn.Module's __getattr__ costs ~0.6 us a lookup
+        lib = _state["lib"] if "lib" in _state else _load_kernel()
+        if lib is None or not b["codes"].is_cpu:
+            return None
+        return (1, [b["codes"], b["d"], b["m"]]) if self.kind == "Q4_1" else (2, [b["codes"], b["d"]])
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
