@@ -15,8 +15,9 @@ one ``scaled_dot_product_attention`` per attention, and nothing else:
 
 Eager, a pre-norm RMSNorm / SwiGLU decoder with fused projections in float32 on the CPU (Llama,
 SmolLM2) takes a shorter route, :func:`_fused_step`: the work between the products in the C++
-operators of :mod:`attnmask.decode.fused`, four products and three calls a layer (~2x fewer
-milliseconds of framework a token than the PyTorch operations; see docs/benchmarks.md).
+operators of :mod:`attnmask.decode.fused`, four products and three calls a layer, all made from C++
+in one ``decoder_step`` call a token (framework work 1.3 instead of 4.7 ms a token; see
+docs/benchmarks.md).
 
 Eager calls attend over exactly the ``step + 1`` cached keys. :class:`CompiledStep` (``torch.compile``)
 attends over a *bucket* of keys (the next power of two >= 64, at most the cache's length), masked
@@ -184,26 +185,10 @@ def _fusable(model, parts: list[tuple], k_bufs: list[Tensor], cross) -> bool:
 LINEAR_ROWS_MAX = 16
 
 
-def _project(proj, h: Tensor) -> Tensor:
-    """``proj(h)`` for float32 rows ``h (rows, K)``: a block layer's ``matmul_rows`` (its operator without
-    the module's per-call checks), a float32 ``nn.Linear`` with a row-major weight through
-    :func:`attnmask.decode.fused.linear_rows` (up to ``LINEAR_ROWS_MAX`` rows), anything else (or any
-    module a hook watches) called."""
-    if proj._forward_hooks or proj._forward_pre_hooks:
-        return proj(h)
-    fast = getattr(proj, "matmul_rows", None)
-    if fast is not None:
-        return fast(h)
-    if type(proj) is nn.Linear and h.shape[0] <= LINEAR_ROWS_MAX:
-        w = proj._parameters["weight"]
-        if w.dtype == torch.float32 and w.is_contiguous():
-            return fused.linear_rows(h, w, proj._parameters["bias"])
-    return proj(h)
-
-
 def _operands(proj, rows: int) -> tuple[int, list[Tensor]] | None:
-    """What :func:`attnmask.decode.fused.decoder_step` takes for ``proj``: ``(kind, tensors)``, or None
-    where it cannot multiply by it (a hook watches it, a weight it has no product for)."""
+    """What :func:`attnmask.decode.fused.decoder_step` takes for ``proj``: ``(kind, tensors)`` for a
+    block layer (its ``decoder_operands``) or a float32 ``nn.Linear`` with a row-major weight (up to
+    ``LINEAR_ROWS_MAX`` rows); None where it has no product for it, or a hook watches the module."""
     if proj._forward_hooks or proj._forward_pre_hooks:
         return None
     blocks = getattr(proj, "decoder_operands", None)
@@ -214,6 +199,16 @@ def _operands(proj, rows: int) -> tuple[int, list[Tensor]] | None:
         if w.dtype == torch.float32 and w.is_contiguous():
             return fused.DENSE, [w, w.new_empty(0) if b is None else b]
     return None
+
+
+def _project(proj, h: Tensor) -> Tensor:
+    """``proj(h)`` for float32 rows ``h (rows, K)`` as :func:`attnmask.decode.fused.decoder_step` computes
+    it (``linear_rows``, or the block operator without the module's per-call checks), else the module."""
+    operands = _operands(proj, h.shape[0])
+    if operands is None:
+        return proj(h)
+    kind, (w, b, *_) = operands
+    return fused.linear_rows(h, w, b if b.numel() else None) if kind == fused.DENSE else proj.matmul_rows(h)
 
 
 def _step_operands(model, parts, rows: int) -> tuple[list[Tensor], list[float], list[Tensor], list[int]] | None:

@@ -409,8 +409,9 @@ class BlockLinear(nn.Module):
 
     def matmul_rows(self, x: Tensor) -> Tensor:
         """:meth:`forward` for ``x (rows, K)``, float32, on the CPU, without its per-call checks when the
-        C++ operator is loaded (the operator checks every buffer itself): what a decoding step calls,
-        121 times a SmolLM2 token. Anything else goes through :meth:`forward`."""
+        C++ operator is loaded (the operator checks every buffer itself): what the decoding step calls
+        when it makes its calls from Python (:func:`attnmask.decode.static._project`). Anything else
+        goes through :meth:`forward`."""
         fits = x.dim() == 2 and x.is_cpu and x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad
         if fits and _state.get("operator"):
             b = self._buffers  # not self.codes...: nn.Module's __getattr__ costs ~0.6 us a lookup
