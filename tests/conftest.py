@@ -8,6 +8,8 @@ The tests mirror the package: ``tests/masks`` tests ``attnmask.masks``, ``tests/
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,3 +79,13 @@ def tiny_model(
         if eos_bias is not None:
             model.lm_head.bias[EOS_ID] = eos_bias
     return model
+
+
+def run_python(code: str, timeout: int = 300, **env: str) -> list[str]:
+    """``python -c code`` in a fresh process (what a loaded operator library cannot be unloaded from), with
+    ``env`` added to the environment, from the repository root; its stdout lines. Fails on a non-zero exit."""
+    root = Path(__file__).resolve().parents[1]
+    command, env = [sys.executable, "-c", code], {**os.environ, **env}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.splitlines()

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ import torch
 from attnmask import decode, masks
 from attnmask.decode import fused, static
 from attnmask.model import fuse_projections_
-from tests.conftest import tiny_model
+from tests.conftest import run_python, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -242,17 +239,13 @@ def test_the_other_builds_match_their_definitions_too(capability):
     which ATEN_CPU_CAPABILITY lowers), in a fresh process: the definition tests above, again."""
     if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU does not run AVX2")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     code = (
         "import sys, pytest\n"
         "from attnmask.decode import fused\n"
         "print(fused.status())\n"
         f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', 'matches_its_definition']))\n"
     )
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    lines = proc.stdout.splitlines()
+    lines = run_python(code, timeout=600, ATEN_CPU_CAPABILITY=capability)
     assert lines[0].startswith(f"C++, {'AVX2' if capability == 'avx2' else 'portable C'}, "), lines[0]
     assert " passed" in lines[-1] and "skipped" not in lines[-1], lines[-1]
 
@@ -267,9 +260,6 @@ def test_without_a_cxx_compiler_decoding_says_so_and_goes_on(tmp_path):
         "    print(fused.cpu_available(), fused.cpu_available())\n"
         "print(len(seen), str(seen[0].message))\n"
     )
-    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "ATTNMASK_CACHE": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    available, warning = proc.stdout.splitlines()
+    available, warning = run_python(code, CXX=str(tmp_path / "no-such-c++"), ATTNMASK_CACHE=str(tmp_path))
     assert available == "False False"
     assert warning.startswith("1 attnmask: fused decoding operators unavailable") and "no-such-c++" in warning

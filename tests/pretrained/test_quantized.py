@@ -19,8 +19,6 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -32,6 +30,7 @@ from attnmask.audit import audit
 from attnmask.pretrained import build, load, quantized, registry
 from attnmask.pretrained.gguf_file import read_gguf
 from attnmask.pretrained.quantized import BLOCK_BYTES, BlockLinear, dequantize_blocks, kernel_status
+from tests.conftest import run_python
 from tests.pretrained import test_pretrained
 from tests.pretrained.test_pretrained import _prompts, _smollm2_path, write_tiny_gguf
 
@@ -556,10 +555,7 @@ def test_without_a_cxx_compiler_the_operator_stays_in_python(tmp_path):
         "layer = q.BlockLinear(torch.zeros(2, 20, dtype=torch.uint8), 'Q4_1', 32); "
         "print(layer(torch.ones(1, 32)).tolist())"
     )
-    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "ATTNMASK_CACHE": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    status, result = proc.stdout.splitlines()
+    status, result = run_python(code, CXX=str(tmp_path / "no-such-c++"), ATTNMASK_CACHE=str(tmp_path))
     assert "operator in Python" in status and "no-such-c++" in status, status
     assert result == "[[0.0, 0.0]]"  # zero scales and minimums: zero weights
 
