@@ -53,20 +53,21 @@ float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-// One weight row against one input row, K long: the product of linear_rows. Four vector accumulators
-// (then their sum, then the tail), and the weights asked for AHEAD floats ahead into L2: a matrix-vector
-// product streams its weights from memory once, and the hardware prefetchers alone leave the loop
-// waiting (measured on Zen 5: 38 GB/s with one core against the BLAS's 21-26).
+// A dot product of two float32 rows, K long, in vectors: four accumulators (then their sum, then the
+// tail past the last whole step). STREAM: the first row is a weight row streamed from memory once (the
+// products of linear_rows), asked for AHEAD floats ahead into L2, where the hardware prefetchers alone
+// leave the loop waiting (measured on Zen 5: 38 GB/s with one core against the BLAS's 21-26).
 constexpr int64_t AHEAD = 2048;  // 8 KiB
 
-float weight_dot(const float *w, const float *x, int64_t K) {
+template <bool STREAM>
+float vdot(const float *w, const float *x, int64_t K) {
     int64_t k = 0;
     float s = 0.0f;
 #if defined(__AVX512F__)
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (; k + 64 <= K; k += 64) {
         for (int j = 0; j < 4; j++) {
-            __builtin_prefetch(w + k + AHEAD + 16 * j, 0, 2);  // one 64-byte line
+            if (STREAM) __builtin_prefetch(w + k + AHEAD + 16 * j, 0, 2);  // one 64-byte line
             a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16 * j), _mm512_loadu_ps(x + k + 16 * j), a[j]);
         }
     }
@@ -75,7 +76,7 @@ float weight_dot(const float *w, const float *x, int64_t K) {
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (; k + 32 <= K; k += 32) {
         for (int j = 0; j < 4; j++) {
-            if (j % 2 == 0) __builtin_prefetch(w + k + AHEAD + 8 * j, 0, 2);  // one 64-byte line per two
+            if (STREAM && j % 2 == 0) __builtin_prefetch(w + k + AHEAD + 8 * j, 0, 2);  // a line per two
             a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8 * j), _mm256_loadu_ps(x + k + 8 * j), a[j]);
         }
     }
@@ -87,7 +88,7 @@ float weight_dot(const float *w, const float *x, int64_t K) {
 }
 
 void norm_row(const float *x, const float *w, float *out, int64_t C, double eps) {
-    const float inv = 1.0f / std::sqrt(dot(x, x, C) / static_cast<float>(C) + static_cast<float>(eps));
+    const float inv = 1.0f / std::sqrt(vdot<false>(x, x, C) / static_cast<float>(C) + static_cast<float>(eps));
     for (int64_t c = 0; c < C; c++) out[c] = w[c] * (x[c] * inv);
 }
 
@@ -224,18 +225,18 @@ at::Tensor rope_attend(const at::Tensor &qkv, const at::Tensor &cos, const at::T
             const float *mb = mask ? mask + b * mask_stride : nullptr;
             float top = -std::numeric_limits<float>::infinity();
             for (int64_t t = 0; t < keys; t++) {
-                p[t] = dot(qh, kh + t * D, D) * static_cast<float>(scale) + (mb ? mb[t] : 0.0f);
+                p[t] = vdot<false>(qh, kh + t * D, D) * static_cast<float>(scale) + (mb ? mb[t] : 0.0f);
                 top = std::max(top, p[t]);
             }
-            float *oh = o + i * D;
+            float *__restrict oh = o + i * D;
             for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
             if (top == -std::numeric_limits<float>::infinity()) continue;
             float total = 0.0f;
             for (int64_t t = 0; t < keys; t++) {
-                p[t] = std::exp(p[t] - top);
-                total += p[t];
-                const float *vt = vh + t * D;
-                for (int64_t d = 0; d < D; d++) oh[d] += p[t] * vt[d];
+                const float weight = std::exp(p[t] - top);  // a local: the loop below is then a plain FMA
+                total += weight;
+                const float *__restrict vt = vh + t * D;
+                for (int64_t d = 0; d < D; d++) oh[d] += weight * vt[d];
             }
             const float inv = 1.0f / total;
             for (int64_t d = 0; d < D; d++) oh[d] *= inv;
@@ -267,7 +268,7 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
     at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; n++)
             for (int64_t r = 0; r < M; r++)
-                o[r * N + n] = weight_dot(wp + n * K, xp + r * K, K) + (b ? b[n] : 0.0f);
+                o[r * N + n] = vdot<true>(wp + n * K, xp + r * K, K) + (b ? b[n] : 0.0f);
     });
     return out;
 }
