@@ -220,12 +220,17 @@ def test_one_call_is_the_calls_one_by_one_bit_for_bit(monkeypatch):
 
 
 def test_other_models_keep_the_general_step():
-    """Post-norm, LayerNorm, unfused projections, an encoder-decoder: not the fused step."""
+    """Unfused projections, LayerNorm, an encoder-decoder, bfloat16 weights: not the fused step."""
     cases = [
         tiny_model("decoder", positions="rotary", norm="rmsnorm", activation="swiglu"),  # projections not fused
         fuse_projections_(tiny_model("decoder", positions="rotary", norm="layernorm", activation="swiglu")),
         tiny_model("encoder_decoder", positions="rotary", norm="rmsnorm", activation="swiglu"),
     ]
+    bf16 = _fused_model().to(torch.bfloat16)  # all else fits, but the weights are not float32
+    with torch.inference_mode():
+        state, _, _ = decode.start(bf16, prompts=[[5]])
+        k_bufs, _, cross = static._buffers(bf16, state.cache, 1)
+    assert not static._fusable(bf16, static._layer_parts(bf16), [k.float() for k in k_bufs], cross)
     for model in cases:
         with torch.inference_mode():
             state, _, _ = decode.start(model, **({"src": [[5, 6]]} if model.is_encoder_decoder else {"prompts": [[5]]}))

@@ -173,6 +173,8 @@ def _fusable(model, parts: list[tuple], k_bufs: list[Tensor], cross) -> bool:
         return False
     if not k_bufs or k_bufs[0].dtype != torch.float32 or k_bufs[0].device.type != "cpu":
         return False
+    if not all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters()):
+        return False  # e.g. a bfloat16 model decoding into a float32 cache
     for _, self_norm, mlp_norm, qkv, _, gate_up, _ in parts:
         if qkv is None or gate_up is None or not isinstance(self_norm, RMSNorm) or not isinstance(mlp_norm, RMSNorm):
             return False
@@ -247,9 +249,7 @@ def _fused_step(model, plan, k_bufs, v_bufs, tokens: Tensor, positions: Tensor, 
     through it, else the same calls from Python, per layer the four products and three calls between
     them (the same bits either way). Returns logits ``(B, V)``."""
     B = tokens.shape[0]
-    x = model._embed(tokens[:, None], positions[:, None], source=False).reshape(B, -1)  # (B, C)
-    if x.dtype != torch.float32:
-        raise ValueError(f"the fused step computes in float32; the embeddings are {x.dtype}")
+    x = model._embed(tokens[:, None], positions[:, None], source=False).reshape(B, -1)  # (B, C), float32
     bias = _additive(_allowed(None, col + 1, key_ok, False), x.dtype)  # (B, 1, 1, col + 1) or None
     cos = signed = x.new_empty(0)
     if model.config.positions == "rotary":
