@@ -52,8 +52,11 @@ def test_norms_and_silu_match_their_definitions(shape):
 def test_linear_rows_matches_its_definition(rows, k):
     """Row lengths with and without a tail past the vector loop; with and without a bias."""
     x, w, b = _randn(rows, k, seed=1), _randn(40, k, seed=2), _randn(40, seed=3)
-    _close(fused.linear_rows(x, w, b), fused.linear_rows_reference(x.double(), w.double(), b.double()), "with bias")
-    _close(fused.linear_rows(x, w, None), fused.linear_rows_reference(x.double(), w.double(), None), "no bias")
+    with_bias, without = fused.linear_rows(x, w, b), fused.linear_rows(x, w, None)
+    assert with_bias.shape == without.shape == (rows, 40) and with_bias.dtype == torch.float32
+    _close(with_bias, fused.linear_rows_reference(x.double(), w.double(), b.double()), "with bias")
+    _close(without, fused.linear_rows_reference(x.double(), w.double(), None), "no bias")
+    assert (with_bias - without - b).abs().max() <= 1e-5 * with_bias.abs().max()  # the bias is added once
 
 
 def _attend_inputs(B=3, H=6, Hkv=2, D=16, T=12, col=7, seed=0):
