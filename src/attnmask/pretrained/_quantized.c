@@ -111,8 +111,10 @@ static void q4_1_prepare(const float *x, float *xq, float *xsum, int64_t M, int6
     const int64_t xb = q4_1_xblocks(nbp);
     memset(xq, 0, sizeof(float) * (size_t)(M * xb * (QK + 1)));
     for (int64_t r = 0; r < M; r++) {
-        for (int64_t j = 0; j < K; j++)
-            xq[r * xb * QK + lane_order(j, 64, nbp / 2, 1)] = x[r * K + j] * scale[(j % 64) / 8];
+        for (int64_t j = 0; j < K; j += 8) { /* 8 weights in a row keep their order (K is whole blocks) */
+            float *to = xq + r * xb * QK + lane_order(j, 64, nbp / 2, 1);
+            for (int i = 0; i < 8; i++) to[i] = x[r * K + j + i] * scale[(j % 64) / 8];
+        }
         for (int64_t b = 0; b < K / QK; b++) {
             float s = 0.0f;
             for (int64_t j = b * QK; j < (b + 1) * QK; j++) s += x[r * K + j];
