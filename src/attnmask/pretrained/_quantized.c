@@ -51,15 +51,15 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* Software prefetch: the loops take ~10 cycles per 64 bytes of codes, too few for the hardware
  * prefetchers alone to bring a weight's streams (codes, d, m) from memory in time. Each step of a
- * loop asks for the codes CODES_AHEAD bytes further on, each row for its scales as many rows ahead,
- * into L2 (a hint: it never faults, past an array's end included). Measured on Zen 5, one thread,
+ * loop asks for the codes CODES_AHEAD bytes further on and for the scales as many rows ahead (Q4_1
+ * along each row, Q8_0 once a row), into L2 (a hint: it never faults, past an array's end included). Measured on Zen 5, one thread,
  * SmolLM2's 121 products of a token streamed from memory: 5.0-5.5 ms without, 4.3-4.5 ms with (same bits). */
 #define CODES_AHEAD 8192
 static inline void ahead(const void *p, int64_t bytes) { __builtin_prefetch((const void *)((uintptr_t)p + bytes), 0, 2); }
-/* a Q4_1 row has 16 bytes of codes per 4 of d (and of m): its scales as many rows ahead as the codes,
- * one cache line of each every 64 bytes of scales (from a row's first quad on) (a row of K = 1536
- * has three lines of d; asking for the first only left the other two to the hardware prefetchers:
- * measured on Zen 5, one thread, 576 x 1536 products streamed from memory, 29 -> 42 Gweights/s) */
+/* a Q4_1 row has 16 bytes of codes per 4 of d (and of m): its scales as many rows ahead as the codes.
+ * The loops call this every 64 bytes of scales, from a row's first quad on: a row of K = 1536 has three
+ * lines of d, and asking for the first only left the other two to the hardware prefetchers (measured
+ * on Zen 5, one thread, 576 x 1536 products streamed from memory: 29 -> 42 Gweights/s). */
 static inline void scales_ahead(const float *d, const float *m) {
     ahead(d, CODES_AHEAD / 4);
     ahead(m, CODES_AHEAD / 4);
