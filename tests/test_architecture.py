@@ -13,13 +13,15 @@ import attnmask
 SRC = Path(attnmask.__file__).resolve().parent
 
 # Each package may import only packages on lower layers (and itself). A newcomer reads the tree
-# bottom-up: masks, data (text, tokens, batches), viz, native (building the C/C++ sources) ->
+# bottom-up: masks, data (text, tokens, batches), viz, native (building the C/C++ sources), linear
+# (float32 CPU products) ->
 # attention -> model -> decode -> pretrained -> train -> audit -> cli.
 LAYERS = {
     "masks": 0,
     "data": 0,
     "viz": 0,
     "native": 0,
+    "linear": 0,
     "attention": 1,
     "model": 2,
     "decode": 3,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from torch import Tensor, nn
 
 from attnmask.attention.backends import BACKENDS, attention
+from attnmask.linear import Linear
 
 # ---------------------------------------------------------------------------------------------
 # The module
@@ -47,10 +48,10 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"unknown attention backend {backend!r}; expected one of {sorted(BACKENDS)}")
         self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
         self.dropout, self.backend = dropout, backend
-        self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=bias)
+        self.q_proj = Linear(dim, num_heads * head_dim, bias=bias)
+        self.k_proj = Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, dim, bias=bias)
         # set by attnmask.model.fuse_projections_: one product for q, k and v of self-attention
         self.qkv_proj: nn.Module | None = None
 

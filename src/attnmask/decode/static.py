@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnmask.decode import fused
+from attnmask.linear import Linear
+from attnmask.linear import engine as linear_engine
 from attnmask.model.cache import KVCache
 from attnmask.model.layers import RMSNorm, Rotary
 
@@ -196,7 +198,7 @@ def _operands(proj, rows: int) -> tuple[int, list[Tensor]] | None:
     blocks = getattr(proj, "decoder_operands", None)
     if blocks is not None:
         return blocks()
-    if type(proj) is nn.Linear and rows <= LINEAR_ROWS_MAX:
+    if type(proj) in (nn.Linear, Linear) and rows <= LINEAR_ROWS_MAX:
         w, b = proj._parameters["weight"], proj._parameters["bias"]
         if w.dtype == torch.float32 and w.is_contiguous():
             return fused.DENSE, [w, w.new_empty(0) if b is None else b]
@@ -371,6 +373,7 @@ class CompiledStep:
             # recompilations against its limit, per code object, so steps of other models or
             # backends do not share them
             fn = types.FunctionType(_step.__code__.replace(), _step.__globals__, "_step", _step.__defaults__)
+            linear_engine()  # decided (and timed) before tracing, not inside it
             self._fn = torch.compile(fn, backend=self.backend, mode=mode, dynamic=False, fullgraph=True)
         return self._fn
 

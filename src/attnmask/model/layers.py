@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnmask.linear import Linear
 from attnmask.model.config import ModelConfig
 
 
@@ -41,9 +42,9 @@ class MLP(nn.Module):
         super().__init__()
         self.activation = cfg.activation
         if cfg.activation == "swiglu":
-            self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
-        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+            self.gate_proj = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.up_proj = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.down_proj = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
         self.gate_up_proj: nn.Module | None = None  # set by fuse_projections_: gate and up in one product
 

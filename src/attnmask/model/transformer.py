@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from attnmask import masks
 from attnmask.attention import MultiHeadAttention, prepare_mask
 from attnmask.data.batches import IGNORE_INDEX
+from attnmask.linear import Linear
 from attnmask.model.config import ModelConfig
 from attnmask.model.layers import MLP, Rotary, make_norm, sinusoidal_table
 
@@ -151,7 +152,7 @@ class Transformer(nn.Module):
         else:
             self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=cfg.lm_head_bias)  # W_pred
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=cfg.lm_head_bias)  # W_pred
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.apply(self._init_weights)
@@ -362,17 +363,17 @@ def segment_positions(segments: Tensor) -> Tensor:
 
 
 def _concat_linear(layers: list[nn.Module]) -> nn.Module | None:
-    """One module computing ``cat([layer(x) ...], -1)``: a stacked ``nn.Linear``, or the layers'
+    """One module computing ``cat([layer(x) ...], -1)``: a stacked :class:`attnmask.linear.Linear`, or the layers'
     own ``concat`` (:meth:`attnmask.pretrained.quantized.BlockLinear.concat`); None when they do not stack."""
     kinds = {type(layer) for layer in layers}
     if len(kinds) != 1:
         return None
     kind = kinds.pop()
-    if kind is nn.Linear:
+    if issubclass(kind, nn.Linear):
         if len({(layer.in_features, layer.weight.dtype, layer.bias is None) for layer in layers}) != 1:
             return None
         with torch.no_grad():
-            fused = nn.Linear(layers[0].in_features, sum(layer.out_features for layer in layers), bias=False)
+            fused = Linear(layers[0].in_features, sum(layer.out_features for layer in layers), bias=False)
             fused.weight = nn.Parameter(torch.cat([layer.weight for layer in layers]), requires_grad=False)
             if layers[0].bias is not None:
                 fused.bias = nn.Parameter(torch.cat([layer.bias for layer in layers]), requires_grad=False)
@@ -387,8 +388,9 @@ def _concat_linear(layers: list[nn.Module]) -> nn.Module | None:
 def fuse_projections_(model: nn.Module) -> nn.Module:
     """For inference: every self-attention computes q, k and v in one product, every SwiGLU MLP
     its gate and up projections in one, in place. Each fused product's rows are the stacked rows
-    of the separate ones, so each output is the same number; at one token a step this saves two
-    of every seven matrix calls and their overhead.
+    of the separate ones, so each output is the same sum of the same products (a wider product
+    may add them in another order: equal up to float32 rounding); at one token a step this saves
+    two of every seven matrix calls and their overhead.
 
     The separate projection modules are removed (``state_dict`` keys change: fuse after loading,
     do not train or save a fused model); a fused attention can no longer attend to a context.

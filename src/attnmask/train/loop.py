@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from attnmask import linear
 from attnmask.data.batches import IGNORE_INDEX, PAD_SEGMENT
 from attnmask.decode.static import compile_failure
 from attnmask.model import Transformer, lm_loss
@@ -165,6 +166,7 @@ class Trainer:
         self.logger = TrainLogger(self.dir.path, is_main=ctx.is_main, log=log)
         self.step, self.elapsed = 0, 0.0
         self.signal_name: str | None = None
+        self._resumed_engine: str | None = None
         created = False
         try:
             state = self._check_run_dir()
@@ -253,6 +255,17 @@ class Trainer:
     def _autocast(self):
         self.precision, why = precision.choose(self.cfg.run.precision, self.ctx.device)
         self.logger.line(f"precision: {self.precision} ({why})")
+        if self.ctx.device.type == "cpu":
+            # one library for every rank and for the whole run, resumes included: the same sums
+            # in the same order, so a resumed run reproduces the uninterrupted one
+            if self._resumed_engine is not None:
+                chosen, why = linear.set_engine(self._resumed_engine), "as the run began"
+            else:
+                chosen, why = distributed.all_gather_objects(self.ctx, linear.engine())[0], linear.engine_reason()
+                if chosen != linear.engine():
+                    linear.set_engine(chosen)
+                    why = "rank 0's choice"
+            self.logger.line(f"float32 products: {linear.LIBRARIES[chosen]} ({why})")
         if self.precision != "bf16":
             return contextlib.nullcontext
         device_type = self.ctx.device.type
@@ -271,6 +284,7 @@ class Trainer:
         self.task.load_state_dict(mine["data"])
         checkpoint.set_rng_state(mine["rng"])
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
+        self._resumed_engine = state.get("matmul_engine")  # absent in runs saved before it was kept
         if self.ctx.is_main:
             self.dir.truncate_metrics(self.step)  # the steps after the checkpoint run again
             if not self.dir.weights_readable():  # e.g. cut short by a full disk after trainer_state.pt
@@ -293,6 +307,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "ranks": ranks,
+            "matmul_engine": linear.engine(),
         }
         self.dir.save_checkpoint(state, self.model)
 
