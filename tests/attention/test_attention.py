@@ -16,7 +16,7 @@ from attnmask import attention as A
 from attnmask import masks
 from attnmask.attention import BACKENDS, MultiHeadAttention, attention, backends, prepare_mask
 
-BACKEND_NAMES = ("reference", "sdpa", "sdpa_blocks", "auto")
+BACKEND_NAMES = ("reference", "math", "sdpa", "sdpa_blocks", "auto")
 HALF_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 PROPS = settings(max_examples=40, deadline=None, derandomize=True)
 
@@ -571,3 +571,40 @@ def test_inference_tensors_are_prepared_without_a_version_counter():
         raw = attention(q, k, v, mask.to_bool(2, 3, 3))
     assert_close(again, out)
     assert_close(raw, out)
+
+
+@pytest.mark.parametrize(
+    "dtype, shape, grad, expected",  # shape: (B, H, Tq, Tk)
+    [
+        (torch.bfloat16, (128, 4, 32, 32), True, True),  # bf16 training, short keys
+        (torch.bfloat16, (8, 4, 512, 512), True, False),  # bf16 training, long keys: SDPA
+        (torch.float32, (64, 8, 1, 32), False, True),  # a batch's one-token decoding step
+        (torch.float32, (128, 4, 32, 32), True, False),  # float32 training: SDPA
+        (torch.float32, (1, 9, 1, 200), False, False),  # one row's step: too few problems
+    ],
+)
+def test_auto_takes_the_math_backend_for_many_short_problems_on_the_cpu(dtype, shape, grad, expected, monkeypatch):
+    calls = []
+    original = backends._math
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "_math", counted)
+    B, H, Tq, Tk = shape
+    q = torch.randn(B, H, Tq, 16, dtype=dtype, requires_grad=grad)
+    k, v = (torch.randn(B, H, Tk, 16, dtype=dtype, requires_grad=grad) for _ in range(2))
+    mask = masks.causal() & masks.padding(
+        lengths=torch.randint(1, Tk + 1, (B,), generator=torch.Generator().manual_seed(0))
+    )
+    with torch.set_grad_enabled(grad):
+        out = attention(q, k, v, mask)  # causal aligned bottom-right: the queries are the last keys
+    assert bool(calls) == expected
+    ref = attention(q.double(), k.double(), v.double(), mask, backend="reference")
+    assert_close(
+        out.double(),
+        ref,
+        rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+        atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+    )

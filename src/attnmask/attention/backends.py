@@ -14,6 +14,8 @@ Backends live in a registry (:data:`BACKENDS`); models never name a kernel, so a
 be added with :func:`register_backend` without touching them:
 
 - ``reference``: the seeds' formula written out, with an additive 0/-inf mask; returns weights;
+- ``math``: the same as two batched matrix products in the inputs' dtype around a float32 softmax,
+  the mask applied by ``masked_fill``; returns weights. For many short problems on the CPU;
 - ``sdpa``: PyTorch's fused kernel, ``is_causal=True`` only when exactly right (pure causal,
   ``Tq == Tk``, query row i at position i), the materialized mask otherwise;
 - ``sdpa_blocks``: a causal / contiguous-padding mask run as unmasked SDPA calls over the real
@@ -23,6 +25,7 @@ be added with :func:`register_backend` without touching them:
   built once per prepared mask. Training and inference on CUDA; inference only on the CPU (torch has
   no CPU backward for it); no attention dropout;
 - ``auto``: the fastest correct choice for the device: ``reference`` for weights; on the CPU,
+  ``math`` for many short problems (bfloat16 with short keys, a batch's one-token steps),
   ``sdpa_blocks`` when a cost model says the blocks are cheaper than one dense call (measured in
   docs/benchmarks.md), else ``sdpa``; on an accelerator, ``sdpa`` with ``is_causal`` for pure
   causal, ``flex`` for structured masks, ``sdpa`` with the dense mask for literal tensors,
@@ -90,6 +93,27 @@ def _reference(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = dropped @ v  # (B, H, Tq, D)
     return out, (weights if return_weights else None)
+
+
+def _math(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
+    """Two batched matrix products in q's dtype around a float32 softmax, the mask applied with one
+    ``masked_fill``: what ``auto`` runs for short keys in bfloat16 on the CPU, where PyTorch's fused
+    kernel is slowest (forward + backward 2-9x slower for up to 256 keys, docs/benchmarks.md)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)  # (B, H, Tk, D)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = (q * scale) @ k.transpose(-2, -1)  # (B, H, Tq, Tk)
+    allowed, empty = pm.dense(q.device), pm.empty_rows
+    if allowed is not None:
+        if empty is not None:
+            allowed = allowed | empty  # keep the softmax finite; the rows are zeroed below
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = scores.softmax(dim=-1, dtype=acc)  # (B, H, Tq, Tk)
+    if empty is not None:
+        weights = weights.masked_fill(empty, 0.0)  # zero output and, through masked_fill, zero gradient
+    weights = weights.to(q.dtype)
+    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    return dropped @ v, (weights if return_weights else None)  # (B, H, Tq, D)
 
 
 def _sdpa(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
@@ -305,13 +329,34 @@ def _flex_suits(pm: PreparedMask) -> bool:
     return not any(isinstance(p, (M.TensorMask, M.Predicate)) for p in _walk(pm.mask))
 
 
+# ``auto`` on the CPU takes ``math`` for many short problems, where SDPA's fused kernels lose
+# (Zen 5, torch 2.13, docs/benchmarks.md): bfloat16 with up to 256 keys when training (forward +
+# backward 2-9x faster) or 512 at inference; float32 at inference for up to 64 queries over up to
+# 256 keys in at least 32 (batch row, head) pairs, as a batch's one-token decoding steps (1.2-2x).
+# Never when the float32 scores would pass 64 MiB.
+_MATH_MAX_SCORES = 1 << 24
+
+
+def _math_suits(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    if B * H * Tq * Tk > _MATH_MAX_SCORES:
+        return False
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if q.dtype == torch.bfloat16:
+        return Tk <= (256 if training else 512)
+    return q.dtype == torch.float32 and not training and Tq <= 64 and Tk <= 256 and B * H >= 32
+
+
 def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     """The fastest correct choice, by device.
 
     - weights: the reference kernel;
-    - CPU: a causal / contiguous padding mask runs as unmasked SDPA blocks when the cost model says
-      that is cheaper (measured in docs/benchmarks.md); anything else is SDPA with the mask. Inside
-      ``torch.compile`` the block plan (which reads the mask on the host) is not used;
+    - CPU: ``math`` for many short problems (bfloat16 with short keys, float32 one-token steps of a
+      batch: see ``_math_suits``); else a causal / contiguous padding mask runs as unmasked SDPA
+      blocks when the cost model says that is cheaper (measured in docs/benchmarks.md); anything
+      else is SDPA with the mask. Inside ``torch.compile`` the block plan (which reads the mask on
+      the host) is not used;
     - GPU: never a Python loop of kernel launches: SDPA ``is_causal`` for pure causal, compiled
       FlexAttention for structured masks (SDPA with the mask when attention dropout is on, which
       FlexAttention lacks), SDPA with the dense mask for literal tensors and predicates.
@@ -321,12 +366,15 @@ def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     if q.device.type != "cpu":
         if not pm.is_causal and dropout_p == 0 and _flex_suits(pm) and flex_available():
             return _flex(q, k, v, pm, scale=scale, dropout_p=0.0, return_weights=False)
+    elif _math_suits(q, k, v):
+        return _math(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=False)
     elif not pm.is_causal and _use_blocks(q, k, pm):
         return _blocks(q, k, v, pm.blocks, scale=scale, dropout_p=dropout_p), None
     return _sdpa(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=False)
 
 
 register_backend("reference", _reference)
+register_backend("math", _math)
 register_backend("sdpa", _sdpa)
 register_backend("sdpa_blocks", _sdpa_blocks)
 register_backend("flex", _flex)
