@@ -32,7 +32,7 @@ import torch
 from attnmask.data import make_translation_batch, read_parallel, translation_lengths
 from attnmask.data.batching import TokenBucketBatcher
 from attnmask.data.tokenizer import Tokenizer
-from attnmask.model import lm_loss
+from attnmask.model import head_loss
 from attnmask.pretrained.hf import transformer_from_hf_model
 
 DATA = Path(os.environ.get("ATTNMASK_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -71,7 +71,10 @@ def marian_step(model, b) -> torch.Tensor:
 
 
 def ours_step(model, b) -> torch.Tensor:
-    return lm_loss(model(b.tgt_in, b.src).logits, b.labels)[0]
+    """The loss as ``attnmask train`` computes it: hidden states, then W_pred and the cross-entropy
+    in chunks (:func:`attnmask.model.head_loss`), averaged over the real tokens."""
+    hidden = model(b.tgt_in, b.src, return_hidden=True).hidden
+    return head_loss(hidden, model.lm_head, b.labels) / max(b.num_tokens, 1)
 
 
 def timed_round(model, step_fn, optimizer, batches, bf16: bool = False, device_type: str = "cpu") -> tuple[float, int]:

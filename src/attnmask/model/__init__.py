@@ -3,6 +3,7 @@
 - :mod:`.config`: :class:`ModelConfig`, one spelling per field;
 - :mod:`.layers`: norms, the MLP, sinusoidal and rotary positions;
 - :mod:`.transformer`: the Transformer layer and model, the loss, fused projections;
+- :mod:`.loss`: the training loss through ``W_pred`` in chunks, without the whole logits;
 - :mod:`.cache`: the KV cache that decoding fills one token at a time.
 """
 
@@ -28,6 +29,7 @@ from attnmask.model.layers import (  # noqa: F401
     scale_rope_frequencies,
     sinusoidal_table,
 )
+from attnmask.model.loss import head_loss  # noqa: F401
 from attnmask.model.transformer import (  # noqa: F401
     ModelOutput,
     Transformer,

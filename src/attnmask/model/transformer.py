@@ -30,6 +30,7 @@ from attnmask.data.batches import IGNORE_INDEX
 from attnmask.linear import Linear
 from attnmask.model.config import ModelConfig
 from attnmask.model.layers import MLP, Rotary, make_norm, sinusoidal_table
+from attnmask.model.loss import head_loss
 
 
 class TransformerLayer(nn.Module):
@@ -89,9 +90,10 @@ class TransformerLayer(nn.Module):
 
 @dataclass
 class ModelOutput:
-    logits: Tensor  # (B, T, V), or (B, 1, V) with last_only
+    logits: Tensor | None  # (B, T, V), or (B, 1, V) with last_only; None with return_hidden
     loss: Tensor | None = None  # mean cross-entropy over real tokens
     num_tokens: int = 0  # real (non-ignored) label tokens
+    hidden: Tensor | None = None  # (B, T, C) before W_pred, with return_hidden
 
 
 def lm_loss(
@@ -310,9 +312,14 @@ class Transformer(nn.Module):
         label_smoothing: float = 0.0,
         segments: Tensor | None = None,
         src_segments: Tensor | None = None,
+        return_hidden: bool = False,
     ) -> ModelOutput:
         """Teacher forcing: all positions in parallel. ``input_ids (B, T)`` is the decoder input
         (``<sos>`` + target), ``labels (B, T)`` the target + ``<eos>`` with -100 at pads.
+
+        ``return_hidden``: stop before ``W_pred`` and return the hidden states (``hidden``, no
+        logits); a loss from ``labels`` then goes through :func:`attnmask.model.loss.head_loss`,
+        which never holds the ``(B, T, V)`` logits (training does this).
 
         Packed rows: ``segments (B, T)`` (and ``src_segments (B, S)`` for an encoder-decoder model)
         number the sentences of each row, in order, each sentence one contiguous run; target sentence
@@ -336,12 +343,20 @@ class Transformer(nn.Module):
                 memory = self.encode(src_ids, src_doc, positions=segment_positions(src_segments))
                 memory_mask = masks.document(src_segments, query_segment_ids=segments)
         if segments is None:
-            logits = self.decode(input_ids, memory, memory_mask=memory_mask)
+            out = self.decode(input_ids, memory, memory_mask=memory_mask, return_hidden=return_hidden)
         else:
             mask = masks.causal() & masks.document(segments)
-            logits = self.decode(
-                input_ids, memory, memory_mask=memory_mask, mask=mask, positions=segment_positions(segments)
-            )
+            out = self.decode(
+                input_ids, memory, memory_mask=memory_mask, mask=mask, positions=segment_positions(segments),
+                return_hidden=return_hidden,
+            )  # fmt: skip
+        if return_hidden:
+            if labels is None:
+                return ModelOutput(logits=None, hidden=out)
+            n = int((labels != IGNORE_INDEX).sum())
+            total = head_loss(out, self.lm_head, labels, label_smoothing=label_smoothing)
+            return ModelOutput(logits=None, loss=total / max(n, 1), num_tokens=n, hidden=out)
+        logits = out
         if labels is None:
             return ModelOutput(logits=logits)
         loss, n = lm_loss(logits, labels, label_smoothing=label_smoothing)

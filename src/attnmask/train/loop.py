@@ -48,7 +48,8 @@ from torch import nn
 from attnmask import linear
 from attnmask.data.batches import IGNORE_INDEX, PAD_SEGMENT
 from attnmask.decode.static import compile_failure
-from attnmask.model import Transformer, lm_loss
+from attnmask.model import Transformer
+from attnmask.model.loss import head_loss
 from attnmask.train import checkpoint, distributed, precision
 from attnmask.train.config import RESUME_OVERRIDES, OptimConfig, TrainConfig, resume_changes
 from attnmask.train.logger import TrainLogger
@@ -327,8 +328,9 @@ class Trainer:
             if cfg.run.compile:
                 b = round_lengths(b, COMPILE_ROUND_TO, self.model.config.pad_id)
             with contextlib.nullcontext() if sync else self.ddp.no_sync(), self.autocast():
-                logits = self._logits(b)  # (B, T, V)
-            part, _ = lm_loss(logits, b.labels, label_smoothing=cfg.label_smoothing, reduction="sum")
+                hidden = self._hidden(b)  # (B, T, C)
+                # W_pred and the summed cross-entropy in chunks, never the (B, T, V) logits
+                part = head_loss(hidden, self.model.lm_head, b.labels, label_smoothing=cfg.label_smoothing)
             # DDP averages gradients over ranks: scaling by world_size / global tokens turns that
             # average into the mean over every real token of the global batch.
             (part * (ctx.world_size / max(global_tokens, 1))).backward()
@@ -346,16 +348,16 @@ class Trainer:
             "padding_fraction": sum(b.padding_fraction for b in micro) / len(micro),
         }
 
-    def _logits(self, b: Batch) -> torch.Tensor:
-        kwargs = {"segments": b.segments, "src_segments": b.src_segments}
+    def _hidden(self, b: Batch) -> torch.Tensor:
+        kwargs = {"segments": b.segments, "src_segments": b.src_segments, "return_hidden": True}
         if self.forward is not self.ddp:
             try:
-                return self.forward(b.inputs, b.src, **kwargs).logits
+                return self.forward(b.inputs, b.src, **kwargs).hidden
             except Exception as err:  # no C++ compiler, no triton, an unsupported op: train eagerly
                 why = compile_failure(err)
                 self.logger.line(f"attnmask: torch.compile unavailable, training without it ({why})")
                 self.forward = self.ddp
-        return self.ddp(b.inputs, b.src, **kwargs).logits
+        return self.ddp(b.inputs, b.src, **kwargs).hidden
 
     def _settle(self, pending: list[dict], result: TrainResult) -> None:
         """Turn the records of unsettled steps into numbers: one device read and (with several
