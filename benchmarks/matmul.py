@@ -73,31 +73,31 @@ def main() -> None:
     print("|---|---|---|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
     for rows, k, n, what in SHAPES:
-        x = torch.randn(rows, k, generator=g)
-        w = torch.randn(n, k, generator=g) / k**0.5
-        ref = x.double() @ w.double().t()
-        for name, fn in (("BLAS", lambda: F.linear(x, w)), ("oneDNN", lambda: L._onednn(x, w, None))):
-            err = (fn().double() - ref).abs().max().item()
-            assert err < 1e-3, f"{name} {rows}x{k}->{n}: max error {err}"
-        flops = 2 * rows * k * n
-        blas = best_of(lambda: F.linear(x, w), args.repeats, args.inner)
-        onednn = best_of(lambda: L._onednn(x, w, None), args.repeats, args.inner)
-        print(f"| {rows} x {k} -> {n} | {what} | forward | {flops / blas / 1e9:.0f} | {flops / onednn / 1e9:.0f} "
-              f"| {blas / onednn:.2f}x |")  # fmt: skip
-        if rows >= 1024:  # training shapes: forward + both backward products
-            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-            dy = torch.randn(rows, n, generator=g)
+        for row in time_shape(rows, k, n, what, g, args.repeats, args.inner):
+            print(row)
 
-            def blas_step():
-                F.linear(xg, wg).backward(dy)
 
-            def onednn_step():
-                L._OneDNNLinear.apply(xg, wg, None).backward(dy)
-
-            blas = best_of(blas_step, args.repeats, max(1, args.inner // 3))
-            onednn = best_of(onednn_step, args.repeats, max(1, args.inner // 3))
-            print(f"| {rows} x {k} -> {n} | {what} | forward + backward | {3 * flops / blas / 1e9:.0f} | "
-                  f"{3 * flops / onednn / 1e9:.0f} | {blas / onednn:.2f}x |")  # fmt: skip
+def time_shape(rows: int, k: int, n: int, what: str, g: torch.Generator, repeats: int, inner: int) -> list[str]:
+    """Table rows for one product: forward, and for training shapes forward + both backward products."""
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    ref = x.double() @ w.double().t()
+    contenders = {"BLAS": lambda: F.linear(x, w), "oneDNN": lambda: L._onednn(x, w, None)}
+    for name, fn in contenders.items():
+        err = (fn().double() - ref).abs().max().item()
+        assert err < 1e-3, f"{name} {rows}x{k}->{n}: max error {err}"
+    flops = 2 * rows * k * n
+    blas, onednn = (best_of(fn, repeats, inner) for fn in contenders.values())
+    out = [f"| {rows} x {k} -> {n} | {what} | forward | {flops / blas / 1e9:.0f} | {flops / onednn / 1e9:.0f} "
+           f"| {blas / onednn:.2f}x |"]  # fmt: skip
+    if rows >= 1024:  # training shapes: forward + both backward products
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        dy = torch.randn(rows, n, generator=g)
+        steps = [lambda: F.linear(xg, wg).backward(dy), lambda: L._OneDNNLinear.apply(xg, wg, None).backward(dy)]
+        blas, onednn = (best_of(fn, repeats, max(1, inner // 3)) for fn in steps)
+        out.append(f"| {rows} x {k} -> {n} | {what} | forward + backward | {3 * flops / blas / 1e9:.0f} | "
+                   f"{3 * flops / onednn / 1e9:.0f} | {blas / onednn:.2f}x |")  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

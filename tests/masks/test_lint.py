@@ -335,7 +335,8 @@ def test_mixed_qkv_dtypes():
 
 def test_unknown_backend():
     with pytest.raises(
-        ValueError, match=r"unknown attention backend 'flash9'; expected one of \['auto', 'flex', 'math', 'reference', 'sdpa'"
+        ValueError,
+        match=r"unknown attention backend 'flash9'; expected one of \['auto', 'flex', 'math', 'reference', 'sdpa'",
     ):
         attention(*qkv(), backend="flash9")
     with pytest.raises(ValueError, match=r"unknown attention backend 'flash9'"):
