@@ -32,6 +32,9 @@ numbers than two threads waiting on each other. Speed-up = t(a) / t(x).
     python benchmarks/attention.py                 # full table (about 10 minutes on 2 cores)
     python benchmarks/attention.py --quick         # smoke run
     python benchmarks/attention.py --threads 1 --repeats 5 --baseline HEAD --write-docs docs/benchmarks.md
+    python benchmarks/attention.py --T 16,32,64,128,256 --tokens 4096   # a training batch of short rows
+
+``--tokens N`` sets B = N // T (many short rows, as a training batch has) instead of B=4.
 
 CUDA (``--device cuda``): bfloat16, forward and forward+backward, T in {512, ..., 8192}, D in {64, 128}
 (H=16 at D=64, H=8 at D=128), B = 32768 // T (32k tokens a batch), 0/25/50% right key padding:
@@ -445,6 +448,9 @@ def main(argv=None) -> int:
     p.add_argument("--T", default=None, help="comma-separated sequence lengths (default 64..2048; GPU 512..8192)")
     p.add_argument("--D", default=None, help="GPU: comma-separated head dims (default 64,128)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument(
+        "--tokens", type=int, default=None, help="CPU: B = TOKENS // T (a training batch), instead of B=4 up to T=512"
+    )
     p.add_argument("--baseline", metavar="REV", help="CPU: also time `auto` of attnmask at git revision REV")
     p.add_argument("--write-docs", metavar="FILE", help="write the table into FILE's attention section")
     p.add_argument("--gpu-suite", action="store_true", help="GPU suite on the CPU (forward only: a smoke test)")
@@ -453,6 +459,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.device != "cpu" or args.gpu_suite:
         return main_gpu(args, argv)
+    if args.tokens and args.write_docs:
+        raise SystemExit("--write-docs describes the default batch sizes (B=4); run --tokens without it")
     Ts = (
         [int(t) for t in args.T.split(",")]
         if args.T
@@ -462,7 +470,8 @@ def main(argv=None) -> int:
     repeats = args.repeats or (2 if args.quick else 3)
     dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",")]
     baseline = load_baseline(args.baseline) if args.baseline else None
-    cases = [Case(dt, bw, T, batch_for(T), pad) for dt in dtypes for bw in (False, True) for T in Ts for pad in pads]
+    rows_for = (lambda T: max(1, args.tokens // T)) if args.tokens else batch_for
+    cases = [Case(dt, bw, T, rows_for(T), pad) for dt in dtypes for bw in (False, True) for T in Ts for pad in pads]
     print(machine())
     print(f"B x H x T x D = B x {H} x T x {D}; causal + right key padding; min of {repeats} runs; × = t(a) / t(x)")
     rows = []
