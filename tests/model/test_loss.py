@@ -85,3 +85,19 @@ def test_shapes_are_checked():
     hidden, head, labels = problem()
     with pytest.raises(ValueError, match=r"hidden \(3, 7, 16\) and labels \(3, 6\) disagree"):
         head_loss(hidden, head, labels[:, :6])
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_ignored_rows_kept_in_place_as_on_a_gpu_or_when_compiled(smoothing, monkeypatch):
+    # where reading labels back would sync (GPU, torch.compile) the ignored rows stay, masked
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(loss_module, "CHUNK_SCORES", 50 * 5)
+    hidden, head, labels = problem()
+    expected = F.cross_entropy(
+        head(hidden).reshape(-1, 50), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum",
+        label_smoothing=smoothing,
+    )  # fmt: skip
+    got = head_loss(hidden, head, labels, label_smoothing=smoothing)
+    assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads(got, hidden, head), grads(expected, hidden, head)):
+        assert_close(a, b, rtol=1e-10, atol=1e-12)

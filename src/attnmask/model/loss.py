@@ -25,8 +25,9 @@ CHUNK_SCORES = 1 << 22  # logits per chunk (rows x V): 16 MiB in float32, within
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, smoothing: float,
-                dtype: torch.dtype, rows: int) -> Tensor:  # fmt: skip
-        # h (N, C), labels (N,); products in ``dtype`` (bf16 under autocast), the softmax in float32
+                dtype: torch.dtype, rows: int, all_real: bool) -> Tensor:  # fmt: skip
+        # h (N, C), labels (N,); products in ``dtype`` (bf16 under autocast), the softmax in float32;
+        # all_real: no label is IGNORE_INDEX (the caller dropped those rows)
         acc = torch.promote_types(dtype, torch.float32)
         N, C = h.shape
         V = weight.shape[0]
@@ -39,19 +40,24 @@ class _HeadLoss(torch.autograd.Function):
         for i in range(0, N, rows):
             hc, y = h[i : i + rows].to(dtype), labels[i : i + rows]  # (R, C), (R,)
             z = linear(hc, w, b).to(acc)  # (R, V) logits
-            lse = z.logsumexp(dim=-1, keepdim=True)  # (R, 1)
+            z.sub_(z.amax(dim=-1, keepdim=True))  # shifted by each row's max, in place: the same softmax
             real = (y != IGNORE_INDEX).unsqueeze(1)  # (R, 1)
             target = y.clamp(min=0).unsqueeze(1)  # (R, 1): any class for ignored rows, zeroed below
-            # loss = (1 - e) (lse - z_y) + e (lse - mean z); d loss / d z = softmax - (1 - e) onehot - e / V
-            row_loss = lse - (1 - smoothing) * z.gather(1, target)
+            # loss = (1 - e) (lse - z_y) + e (lse - mean z), unchanged by the shift;
+            # d loss / d z = softmax - (1 - e) onehot - e / V
+            row_loss = -(1 - smoothing) * z.gather(1, target)
             if smoothing:
-                row_loss = row_loss - smoothing * z.mean(dim=-1, keepdim=True)
-            total += row_loss.masked_fill(~real, 0).sum()
-            g = z.sub_(lse).exp_()  # softmax, in z's memory
+                row_loss -= smoothing * z.mean(dim=-1, keepdim=True)
+            g = z.exp_()  # in z's memory
+            sums = g.sum(dim=-1, keepdim=True)  # (R, 1)
+            row_loss += sums.log()
+            total += (row_loss if all_real else row_loss.masked_fill(~real, 0)).sum()
+            g.mul_(sums.reciprocal_())  # softmax
             if smoothing:
                 g.sub_(smoothing / V)
-            g.scatter_add_(1, target, torch.full_like(lse, smoothing - 1))
-            g.masked_fill_(~real, 0)
+            g.scatter_add_(1, target, torch.full_like(sums, smoothing - 1))
+            if not all_real:
+                g.masked_fill_(~real, 0)
             gc = g.to(dtype)
             grad_h[i : i + rows] = linear(gc, w.t())  # (R, V) x (V, C)
             grad_wt += linear(hc.t().contiguous(), gc.t())  # (C, R) x (R, V)
@@ -74,6 +80,7 @@ class _HeadLoss(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -90,11 +97,12 @@ def head_loss(hidden: Tensor, head: torch.nn.Linear, labels: Tensor, *, label_sm
             f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree; expected (B, T, C) and (B, T)"
         )
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    if h.device.type == "cpu" and not torch.compiler.is_compiling():
+    all_real = h.device.type == "cpu" and not torch.compiler.is_compiling()
+    if all_real:
         keep = y != IGNORE_INDEX  # on the CPU reading which rows are real costs nothing: skip the others
         h, y = h[keep], y[keep]
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
     rows = max(16, CHUNK_SCORES // max(head.weight.shape[0], 1))
     with torch.autocast(device, enabled=False):
-        return _HeadLoss.apply(h, head.weight, head.bias, y, float(label_smoothing), dtype, rows)
+        return _HeadLoss.apply(h, head.weight, head.bias, y, float(label_smoothing), dtype, rows, all_real)
