@@ -98,7 +98,7 @@ def _reference(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
 def _math(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     """Two batched matrix products in q's dtype around a float32 softmax, the mask applied with one
     ``masked_fill``: what ``auto`` runs for short keys in bfloat16 on the CPU, where PyTorch's fused
-    kernel is slowest (forward + backward 2-9x slower for up to 128 keys, docs/benchmarks.md)."""
+    kernel is slowest (forward + backward up to 13x slower for up to 128 keys, docs/benchmarks.md)."""
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)  # (B, H, Tk, D)
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -330,8 +330,8 @@ def _flex_suits(pm: PreparedMask) -> bool:
 
 
 # ``auto`` on the CPU takes ``math`` for many short problems, where SDPA's fused kernels lose
-# (Zen 5, torch 2.13, docs/benchmarks.md): bfloat16 with up to 128 keys when training (forward +
-# backward 2-9x faster; about even at 256) or 512 at inference; float32 at inference for up to 64 queries
+# (Zen 5, torch 2.13, docs/benchmarks.md): bfloat16 with up to 128 keys (forward + backward 1.6-13x
+# faster, forward 1.2-2.9x; at 256 keys SDPA is faster); float32 at inference for up to 64 queries
 # over up to 256 keys in at least 32 (batch row, head) pairs, as a batch's one-token decoding steps
 # (1.2-2x). Never when the float32 scores would pass 64 MiB.
 _MATH_MAX_SCORES = 1 << 24
@@ -342,9 +342,9 @@ def _math_suits(q: Tensor, k: Tensor, v: Tensor) -> bool:
     Tk = k.shape[2]
     if B * H * Tq * Tk > _MATH_MAX_SCORES:
         return False
-    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if q.dtype == torch.bfloat16:
-        return Tk <= (128 if training else 512)
+        return Tk <= 128
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return q.dtype == torch.float32 and not training and Tq <= 64 and Tk <= 256 and B * H >= 32
 
 
