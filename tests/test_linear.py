@@ -109,7 +109,9 @@ def test_auto_times_both_and_says_so(engine_restored):
 
 
 @needs_onednn
-def test_a_compiled_training_step_matches_eager(engine_restored):
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_training_step_matches_eager(backend, engine_restored):
+    # inductor lowers mkldnn's own op only for frozen weights: the product goes through attnmask's operator
     L.set_engine("onednn")
     torch.manual_seed(0)
     layer = L.Linear(128, 256)
@@ -122,6 +124,11 @@ def test_a_compiled_training_step_matches_eager(engine_restored):
         return loss.detach(), layer.weight.grad.clone()
 
     eager = step(layer)
-    compiled = step(torch.compile(layer, backend="aot_eager", fullgraph=True))
+    fn = torch.compile(layer, backend=backend, fullgraph=True)
+    compiled = step(fn)
     torch.testing.assert_close(compiled[0], eager[0])
     torch.testing.assert_close(compiled[1], eager[1])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(fn)
+    # the forward and d weight (x needs no gradient), under compile through attnmask's operator
+    assert sum(e.count for e in prof.key_averages() if e.key == "attnmask::onednn_linear") == 2
