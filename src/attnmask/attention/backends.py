@@ -25,7 +25,7 @@ be added with :func:`register_backend` without touching them:
   built once per prepared mask. Training and inference on CUDA; inference only on the CPU (torch has
   no CPU backward for it); no attention dropout;
 - ``auto``: the fastest correct choice for the device: ``reference`` for weights; on the CPU,
-  ``math`` for many short problems (bfloat16 with short keys, a batch's one-token steps),
+  ``math`` for many short problems (bfloat16 with short keys, float32 inference on short rows),
   ``sdpa_blocks`` when a cost model says the blocks are cheaper than one dense call (measured in
   docs/benchmarks.md), else ``sdpa``; on an accelerator, ``sdpa`` with ``is_causal`` for pure
   causal, ``flex`` for structured masks, ``sdpa`` with the dense mask for literal tensors,
@@ -332,8 +332,10 @@ def _flex_suits(pm: PreparedMask) -> bool:
 # ``auto`` on the CPU takes ``math`` for many short problems, where SDPA's fused kernels lose
 # (Zen 5, torch 2.13, docs/benchmarks.md): bfloat16 with up to 128 keys (forward + backward 1.6-13x
 # faster, forward 1.2-2.9x; at 256 keys SDPA is faster); float32 at inference for up to 64 queries
-# over up to 256 keys in at least 32 (batch row, head) pairs, as a batch's one-token decoding steps
-# (1.2-2x). Never when the float32 scores would pass 64 MiB.
+# over up to 256 keys in at least 32 (batch row, head) pairs, as a batch of short sentences through
+# the encoder or one-token steps through ``Transformer.decode`` (1.2-2x; ``decode_one`` has its own
+# attention and keeps SDPA, where batched products measured slower). Never when the float32 scores
+# would pass 64 MiB.
 _MATH_MAX_SCORES = 1 << 24
 
 
@@ -352,8 +354,8 @@ def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     """The fastest correct choice, by device.
 
     - weights: the reference kernel;
-    - CPU: ``math`` for many short problems (bfloat16 with short keys, float32 one-token steps of a
-      batch: see ``_math_suits``); else a causal / contiguous padding mask runs as unmasked SDPA
+    - CPU: ``math`` for many short problems (bfloat16 with short keys, float32 inference over a
+      batch of short rows: see ``_math_suits``); else a causal / contiguous padding mask runs as unmasked SDPA
       blocks when the cost model says that is cheaper (measured in docs/benchmarks.md); anything
       else is SDPA with the mask. Inside ``torch.compile`` the block plan (which reads the mask on
       the host) is not used;
