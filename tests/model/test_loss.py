@@ -32,17 +32,17 @@ def grads(loss, hidden, head):
     return torch.autograd.grad(loss, params)
 
 
-def assert_equals_cross_entropy(hidden, head, labels, smoothing):
-    """head_loss against F.cross_entropy of the float64 logits: the value, and the gradients of a
-    scaled loss (as the loop scales it by world size / tokens)."""
+def deviation_from_cross_entropy(hidden, head, labels, smoothing) -> float:
+    """head_loss against F.cross_entropy of the float64 logits: the largest difference, relative to
+    the reference's largest magnitude, over the value and the gradients of a scaled loss (the loop
+    scales it by world size / tokens)."""
     expected = F.cross_entropy(
         head(hidden).reshape(-1, head.out_features), labels.reshape(-1), ignore_index=IGNORE_INDEX,
         reduction="sum", label_smoothing=smoothing,
     )  # fmt: skip
     got = head_loss(hidden, head, labels, label_smoothing=smoothing)
-    assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    for a, b in zip(grads(got * 0.37, hidden, head), grads(expected * 0.37, hidden, head)):
-        assert_close(a, b, rtol=1e-10, atol=1e-12)
+    pairs = [(got, expected), *zip(grads(got * 0.37, hidden, head), grads(expected * 0.37, hidden, head))]
+    return max(float((a - b).abs().max() / b.abs().max()) for a, b in ((a.detach(), b.detach()) for a, b in pairs))
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -50,7 +50,7 @@ def assert_equals_cross_entropy(hidden, head, labels, smoothing):
 @pytest.mark.parametrize("chunk_scores", [1 << 22, 50 * 4])  # one chunk; chunks of 4 rows and a remainder
 def test_equals_cross_entropy_of_the_logits_in_float64(smoothing, bias, chunk_scores, monkeypatch):
     monkeypatch.setattr(loss_module, "CHUNK_SCORES", chunk_scores)
-    assert_equals_cross_entropy(*problem(bias=bias), smoothing)
+    assert deviation_from_cross_entropy(*problem(bias=bias), smoothing) < 1e-12
 
 
 def test_ignored_rows_get_no_gradient():
@@ -97,4 +97,4 @@ def test_ignored_rows_kept_in_place_as_on_a_gpu_or_when_compiled(smoothing, monk
     # where reading labels back would sync (GPU, torch.compile) the ignored rows stay, masked
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     monkeypatch.setattr(loss_module, "CHUNK_SCORES", 50 * 5)
-    assert_equals_cross_entropy(*problem(), smoothing)
+    assert deviation_from_cross_entropy(*problem(), smoothing) < 1e-12
