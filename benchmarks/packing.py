@@ -29,14 +29,15 @@ from attnmask.data import (
     make_translation_batch,
     translation_lengths,
 )
-from attnmask.model import ModelConfig, Transformer, lm_loss
+from attnmask.model import ModelConfig, Transformer, head_loss
 from train_throughput import cpu_name, multi30k_ids
 
 
 def step(model, b, packed: bool, device, bf16: bool) -> None:
     kwargs = {"segments": b.segments, "src_segments": b.src_segments} if packed else {}
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        loss = lm_loss(model(b.tgt_in, b.src, **kwargs).logits, b.labels)[0]
+        hidden = model(b.tgt_in, b.src, return_hidden=True, **kwargs).hidden
+        loss = head_loss(hidden, model.lm_head, b.labels) / max(b.num_tokens, 1)  # as `attnmask train` does
     loss.backward()
 
 
