@@ -15,6 +15,10 @@ the step times its ``on_step`` hook sees after two warm-up steps.
     python benchmarks/train_throughput.py [--rounds 3] [--steps 10] [--threads 2] [--precision bf16]
                                           [--device cpu|cuda]
 
+Both models run in one process under the same allocator policy (:mod:`attnmask.allocator`: freed
+memory kept for reuse, as ``attnmask train`` does; ``ATTNMASK_MALLOC=default`` leaves glibc's own),
+named in the header.
+
 On CUDA every round ends with a synchronisation, so the times are the GPU's, and the header names
 the GPU instead of the CPU.
 """
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from attnmask import allocator
 from attnmask.data import make_translation_batch, read_parallel, translation_lengths
 from attnmask.data.batching import TokenBucketBatcher
 from attnmask.data.tokenizer import Tokenizer
@@ -142,6 +147,7 @@ def main() -> None:
     ap.add_argument("--no-loop", action="store_true", help="skip the `attnmask train` loop row")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    memory = allocator.keep_freed_memory()  # the whole process: both models, and the loop's row
     tok, src, tgt = multi30k_ids(args.vocab_size)
     sampler = TokenBucketBatcher(translation_lengths(src, tgt), args.batch_tokens, seed=0)
     plan = sampler.batches_for_epoch(0)[: args.steps + 2]
@@ -183,6 +189,7 @@ def main() -> None:
         print(f"GPU: {torch.cuda.get_device_name(device)}")
     else:
         print(f"CPU: {cpu_name()}; bf16 matrix units: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+    print(f"memory: {memory}")
     print(f"batches: Multi30k de->en, {args.batch_tokens} padded tokens, {tokens_per_step:.0f} target tokens/step "
           f"on average; {args.steps} steps x {args.rounds} alternating rounds; initial losses "
           f"{l_ours:.4f} (attnmask) / {l_hf:.4f} (Marian)\n")  # fmt: skip

@@ -22,6 +22,7 @@ LAYERS = {
     "viz": 0,
     "native": 0,
     "linear": 0,
+    "allocator": 0,
     "attention": 1,
     "model": 2,
     "decode": 3,

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attnmask import linear
+from attnmask import allocator, linear
 from attnmask.data.batches import IGNORE_INDEX, PAD_SEGMENT
 from attnmask.decode.static import compile_failure
 from attnmask.model import Transformer
@@ -267,6 +267,7 @@ class Trainer:
                     linear.set_engine(chosen)
                     why = "rank 0's choice"
             self.logger.line(f"float32 products: {linear.LIBRARIES[chosen]} ({why})")
+            self.logger.line(f"memory: {allocator.keep_freed_memory()}")
         if self.precision != "bf16":
             return contextlib.nullcontext
         device_type = self.ctx.device.type
