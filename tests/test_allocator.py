@@ -56,3 +56,14 @@ def test_a_bad_setting_names_the_choices(monkeypatch):
     monkeypatch.setenv("ATTNMASK_MALLOC", "fast")
     with pytest.raises(ValueError, match="ATTNMASK_MALLOC='fast': expected one of keep, default"):
         allocator.keep_freed_memory()
+
+
+def test_the_cli_reports_a_bad_setting_in_one_line(monkeypatch, capsys):
+    from attnmask.cli import main
+
+    monkeypatch.setattr(allocator, "_applied", None)
+    monkeypatch.setenv("ATTNMASK_MALLOC", "fast")
+    monkeypatch.delenv("ATTNMASK_DEBUG", raising=False)
+    assert main(["mask", "a b c"]) == 2
+    err = capsys.readouterr().err
+    assert err == "attnmask mask: error: ATTNMASK_MALLOC='fast': expected one of keep, default\n"

@@ -13,6 +13,8 @@ import os
 import sys
 import warnings
 
+from attnmask import allocator
+
 # Subcommand modules, in --help order.
 SUBCOMMANDS = ("demo", "train", "translate", "generate", "eval", "mask", "attention", "audit", "conform")
 
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warning  # restored on exit
+            allocator.keep_freed_memory()  # a compute job: freed memory is kept for reuse (ATTNMASK_MALLOC)
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("attnmask: interrupted", file=sys.stderr)
