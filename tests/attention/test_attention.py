@@ -579,7 +579,9 @@ def test_inference_tensors_are_prepared_without_a_version_counter():
         (torch.bfloat16, (128, 4, 32, 32), True, True),  # bf16 training, short keys
         (torch.bfloat16, (8, 4, 256, 256), True, False),  # bf16 training, long keys: SDPA
         (torch.float32, (64, 8, 1, 32), False, True),  # a batch's one-token decoding step
-        (torch.float32, (128, 4, 32, 32), True, False),  # float32 training: SDPA
+        (torch.float32, (128, 4, 32, 32), True, True),  # float32 training, short keys
+        (torch.float32, (32, 8, 96, 96), True, False),  # float32 training, longer keys: SDPA
+        (torch.float32, (4, 4, 32, 32), True, False),  # float32 training, few problems: SDPA
         (torch.float32, (1, 9, 1, 200), False, False),  # one row's step: too few problems
     ],
 )

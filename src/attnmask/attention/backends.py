@@ -334,8 +334,10 @@ def _flex_suits(pm: PreparedMask) -> bool:
 # faster, forward 1.2-2.9x; at 256 keys SDPA is faster); float32 at inference for up to 64 queries
 # over up to 256 keys in at least 32 (batch row, head) pairs, as a batch of short sentences through
 # the encoder or one-token steps through ``Transformer.decode`` (1.2-2x; ``decode_one`` has its own
-# attention and keeps SDPA, where batched products measured slower). Never when the float32 scores
-# would pass 64 MiB.
+# attention and keeps SDPA, where batched products measured slower); float32 training over up to 64
+# keys in at least 32 pairs (forward + backward 1.2-3x faster with 4 or 8 heads, 1.0-1.3x with
+# attention dropout; at 96-128 keys and 8 heads SDPA catches up). Never when the float32 scores would
+# pass 64 MiB.
 _MATH_MAX_SCORES = 1 << 24
 
 
@@ -346,16 +348,18 @@ def _math_suits(q: Tensor, k: Tensor, v: Tensor) -> bool:
         return False
     if q.dtype == torch.bfloat16:
         return Tk <= 128
+    if q.dtype != torch.float32 or B * H < 32:
+        return False
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return q.dtype == torch.float32 and not training and Tq <= 64 and Tk <= 256 and B * H >= 32
+    return Tk <= 64 if training else Tq <= 64 and Tk <= 256
 
 
 def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     """The fastest correct choice, by device.
 
     - weights: the reference kernel;
-    - CPU: ``math`` for many short problems (bfloat16 with short keys, float32 inference over a
-      batch of short rows: see ``_math_suits``); else a causal / contiguous padding mask runs as unmasked SDPA
+    - CPU: ``math`` for many short problems (bfloat16 with short keys, float32 over a batch of
+      short rows: see ``_math_suits``); else a causal / contiguous padding mask runs as unmasked SDPA
       blocks when the cost model says that is cheaper (measured in docs/benchmarks.md); anything
       else is SDPA with the mask. Inside ``torch.compile`` the block plan (which reads the mask on
       the host) is not used;
