@@ -3,7 +3,8 @@
 Both models are built from one ``MarianConfig`` (random init, nothing downloaded); attnmask's copy
 is made with :func:`attnmask.pretrained.hf.transformer_from_hf_model`, so they hold the same weights and compute the
 same function (checked: equal losses on the first batch). Each then trains with its own AdamW on
-the same Multi30k de->en batches (joint BPE, token-bucketed as ``attnmask train`` does), in
+the same Multi30k de->en batches (joint BPE, token-bucketed as ``attnmask train`` does; fused AdamW,
+as ``attnmask train`` runs it and Hugging Face's Trainer defaults to), in
 alternating rounds so machine noise hits both alike. Throughput counts non-pad target tokens
 (the loss's tokens) per second of forward + backward + optimizer step, in fp32 or under bf16
 autocast (``--precision``; Hugging Face gets the same autocast).
@@ -168,7 +169,8 @@ def main() -> None:
     assert abs(l_hf - l_ours) < 1e-4 * abs(l_hf), f"not the same function: Marian loss {l_hf}, attnmask {l_ours}"
 
     runs = {"attnmask": (ours, ours_step), "HF Marian": (hf, marian_step)}
-    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, (m, _) in runs.items()}
+    # fused AdamW for both: what `attnmask train` runs, and Hugging Face Trainer's default (adamw_torch_fused)
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for name, (m, _) in runs.items()}
     bf16 = args.precision == "bf16"
     for name, (m, fn) in runs.items():
         timed_round(m, fn, opts[name], warm, bf16, device.type)
