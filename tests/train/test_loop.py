@@ -212,6 +212,12 @@ def test_bf16_autocast_trains(tmp_path):
 # --- optimisation details ----------------------------------------------------------------------
 
 
+def test_the_optimizer_is_fused_adamw_on_the_cpu(tmp_path):
+    train(tiny(tmp_path / "run", max_steps=2, save_every=2), log=quiet)
+    groups = checkpoint.load_torch(tmp_path / "run" / "trainer_state.pt")["optimizer"]["param_groups"]
+    assert groups and all(g["fused"] is True for g in groups)
+
+
 def test_no_weight_decay_on_norms_biases_and_embeddings():
     from attnmask.model import ModelConfig, Transformer
 
