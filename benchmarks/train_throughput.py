@@ -36,7 +36,7 @@ import torch
 
 from attnmask import allocator
 from attnmask.data import make_translation_batch, read_parallel, translation_lengths
-from attnmask.data.batching import TokenBucketBatcher
+from attnmask.data.samplers import TokenBucketBatcher
 from attnmask.data.tokenizer import Tokenizer
 from attnmask.model import head_loss
 from attnmask.pretrained.hf import transformer_from_hf_model

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from attnmask.data.batches import IGNORE_INDEX
+from attnmask.data.collate import IGNORE_INDEX
 from attnmask.model import ModelConfig, Transformer, head_loss, lm_loss
 from attnmask.model import loss as loss_module
 

@@ -2,11 +2,11 @@
 
 - :mod:`.files`: UTF-8 / gzip corpora read with errors that name the file and line;
 - :mod:`.tokenizer`: BPE or character tokenizers (Hugging Face ``tokenizers``);
-- :mod:`.batches`: padded and packed teacher-forcing batches (labels = target shifted by one, pads ignored);
-- :mod:`.batching`: which examples form a batch (token budgets, length buckets, LM streams);
+- :mod:`.collate`: padded and packed teacher-forcing batches (labels = target shifted by one, pads ignored);
+- :mod:`.samplers`: which examples form a batch (token budgets, length buckets, LM streams);
 - :mod:`.synthetic`: generated tasks that need no download (dates to ISO 8601)."""
 
-from attnmask.data.batches import (  # noqa: F401
+from attnmask.data.collate import (  # noqa: F401
     IGNORE_INDEX,
     PAD_SEGMENT,
     LMBatch,
@@ -17,7 +17,7 @@ from attnmask.data.batches import (  # noqa: F401
     make_translation_batch,
     translation_lengths,
 )
-from attnmask.data.batching import (  # noqa: F401
+from attnmask.data.samplers import (  # noqa: F401
     Lengths,
     LMStream,
     PackingBatcher,

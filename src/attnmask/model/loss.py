@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnmask.data.batches import IGNORE_INDEX
+from attnmask.data.collate import IGNORE_INDEX
 from attnmask.linear import linear
 
 __all__ = ["head_loss"]

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from attnmask import masks
 from attnmask.attention import MultiHeadAttention, prepare_mask
-from attnmask.data.batches import IGNORE_INDEX
+from attnmask.data.collate import IGNORE_INDEX
 from attnmask.linear import Linear
 from attnmask.model.config import ModelConfig
 from attnmask.model.layers import MLP, Rotary, make_norm, sinusoidal_table

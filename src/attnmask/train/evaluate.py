@@ -14,7 +14,7 @@ from collections.abc import Callable
 import sacrebleu
 import torch
 
-from attnmask.data.batching import iter_eval_blocks
+from attnmask.data.samplers import iter_eval_blocks
 from attnmask.data.tokenizer import Tokenizer
 from attnmask.decode import default_max_new_tokens, eval_mode, greedy, source_ids
 from attnmask.model import Transformer, lm_loss

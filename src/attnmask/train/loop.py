@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from attnmask import allocator, linear
-from attnmask.data.batches import IGNORE_INDEX, PAD_SEGMENT
+from attnmask.data.collate import IGNORE_INDEX, PAD_SEGMENT
 from attnmask.decode.static import compile_failure
 from attnmask.model import Transformer
 from attnmask.model.loss import head_loss

@@ -6,11 +6,11 @@ implementations, chosen by ``TrainConfig.data.task``:
 - :class:`TranslationTask`: aligned ``(source, target)`` pairs from two files (or from a
   built-in task of :mod:`attnmask.data.synthetic`), tokenized once, served as teacher-forcing batches
   (:func:`attnmask.data.make_translation_batch`) under a token budget with length bucketing
-  (:class:`attnmask.data.batching.TokenBucketBatcher`), or packed several pairs to a row with no
-  padding computed (:class:`attnmask.data.batching.PackingBatcher`, ``--batching pack``);
+  (:class:`attnmask.data.samplers.TokenBucketBatcher`), or packed several pairs to a row with no
+  padding computed (:class:`attnmask.data.samplers.PackingBatcher`, ``--batching pack``);
   evaluated by validation loss and BLEU / chrF / exact match of greedy translations.
 - :class:`LMTask`: one token stream, served as random fixed-length blocks
-  (:class:`attnmask.data.batching.LMStream`), evaluated on consecutive blocks of the validation stream.
+  (:class:`attnmask.data.samplers.LMStream`), evaluated on consecutive blocks of the validation stream.
 
 Tokenizers are trained on the training split only (a resumed run loads the saved ones instead).
 """
@@ -36,7 +36,7 @@ from attnmask.data import (
     synthetic,
     translation_lengths,
 )
-from attnmask.data.batching import LMStream, PackingBatcher, TokenBucketBatcher
+from attnmask.data.samplers import LMStream, PackingBatcher, TokenBucketBatcher
 from attnmask.data.tokenizer import Tokenizer
 from attnmask.model import ModelConfig, Transformer
 from attnmask.train import distributed, evaluate
@@ -155,7 +155,7 @@ class TranslationTask:
         self._device = device
         lengths = self.train_lengths()
         shard = {"shuffle": True, "seed": self.seed, "rank": rank, "world_size": world_size}
-        if packs_on(self.data.batching, device):
+        if packs_on(self.data.samplers, device):
             # a row holds at least the longest pair; pack_length is the usual row
             row = min(max(self.data.pack_length, *(max(p) for p in lengths)), self.data.batch_tokens)
             self._sampler = PackingBatcher(lengths, self.data.batch_tokens, row_tokens=row, **shard)

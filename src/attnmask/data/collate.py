@@ -8,7 +8,7 @@ Conventions:
 - Lengths tensors count real (non-pad) positions of each row; masks are built from them elsewhere
   (:mod:`attnmask.masks`), never from comparing ids with ``pad_id``.
 
-Samplers that decide *which* examples form a batch live in :mod:`attnmask.data.batching`.
+Samplers that decide *which* examples form a batch live in :mod:`attnmask.data.samplers`.
 """
 
 from __future__ import annotations

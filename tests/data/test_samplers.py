@@ -1,4 +1,4 @@
-"""Tests for attnmask.data.batching: token-budget batches, rank shards, resumable samplers."""
+"""Tests for attnmask.data.samplers: token-budget batches, rank shards, resumable samplers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from attnmask.data import DataError
-from attnmask.data.batching import LMStream, TokenBucketBatcher, iter_eval_blocks, padding_fraction
+from attnmask.data.samplers import LMStream, TokenBucketBatcher, iter_eval_blocks, padding_fraction
 
 
 def random_lengths(n: int, seed: int = 0, low: int = 1, high: int = 60) -> list[int]:

@@ -264,7 +264,7 @@ class PackingBatcher(TokenBucketBatcher):
     """Batches of packed rows: several examples per row, so almost no position is padding.
 
     A batch is a list of rows, each row a list of example indices laid out back to back (see
-    :func:`attnmask.data.batches.make_packed_translation_batch`). Each epoch's chunks are sorted by
+    :func:`attnmask.data.collate.make_packed_translation_batch`). Each epoch's chunks are sorted by
     length as in :class:`TokenBucketBatcher`; rows are filled first-fit decreasing (each example, longest
     first, into the first row with room for it), so that the sources and the targets of a row each
     stay within ``row_tokens``; ``max_tokens // row_tokens`` rows make a batch. Shuffling, sharding over
