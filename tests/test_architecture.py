@@ -23,6 +23,7 @@ LAYERS = {
     "native": 0,
     "linear": 0,
     "allocator": 0,
+    "errors": 0,
     "attention": 1,
     "model": 2,
     "decode": 3,

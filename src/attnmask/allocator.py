@@ -23,6 +23,8 @@ import ctypes
 import os
 import platform
 
+from attnmask.errors import UserError
+
 __all__ = ["MMAP_THRESHOLD", "POLICIES", "TRIM_THRESHOLD", "keep_freed_memory"]
 
 POLICIES = ("keep", "default")
@@ -36,7 +38,7 @@ _applied: str | None = None  # the sentence for the log, once applied
 def _policy() -> str:
     name = os.environ.get("ATTNMASK_MALLOC", "keep").strip().lower() or "keep"
     if name not in POLICIES:
-        raise ValueError(f"ATTNMASK_MALLOC={name!r}: expected one of {', '.join(POLICIES)}")
+        raise UserError(f"ATTNMASK_MALLOC={name!r}: expected one of {', '.join(POLICIES)}")
     return name
 
 

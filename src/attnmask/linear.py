@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnmask.errors import UserError
+
 __all__ = ["ENGINES", "LIBRARIES", "Linear", "engine", "engine_reason", "linear", "set_engine"]
 
 ENGINES = ("auto", "onednn", "blas")
@@ -83,7 +85,7 @@ def set_engine(name: str) -> str:
     Returns the one taken (``auto`` and ``onednn`` give ``blas`` where PyTorch has no oneDNN)."""
     global _engine, _reason
     if name not in ENGINES:
-        raise ValueError(f"unknown matmul engine {name!r}: expected one of {', '.join(ENGINES)}")
+        raise UserError(f"unknown matmul engine {name!r}: expected one of {', '.join(ENGINES)}")
     if name != "blas" and not _onednn_available():
         _engine, _reason = "blas", "this PyTorch has no oneDNN"
     elif name == "auto":
@@ -101,7 +103,7 @@ def engine() -> str:
     if _engine is None:
         name = os.environ.get("ATTNMASK_MATMUL", "auto").strip().lower() or "auto"
         if name not in ENGINES:
-            raise ValueError(f"ATTNMASK_MATMUL={name!r}: expected one of {', '.join(ENGINES)}")
+            raise UserError(f"ATTNMASK_MATMUL={name!r}: expected one of {', '.join(ENGINES)}")
         set_engine(name)
     return _engine
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from attnmask.errors import UserError
+
 CELL = {"values": ("0", "-∞"), "symbols": ("■", "·")}
 
 # Size caps. A picture's size follows its token count only up to a point: past it, cells are
@@ -53,9 +55,9 @@ def _rjust(text: str, width: int) -> str:
 
 def _check_grid(allowed: Tensor, q_labels: Sequence[str], k_labels: Sequence[str]) -> None:
     if allowed.dim() != 2:
-        raise ValueError(f"a mask grid needs a 2-D (Tq, Tk) mask, got shape {tuple(allowed.shape)}")
+        raise UserError(f"a mask grid needs a 2-D (Tq, Tk) mask, got shape {tuple(allowed.shape)}")
     if (len(q_labels), len(k_labels)) != tuple(allowed.shape):
-        raise ValueError(
+        raise UserError(
             f"{len(q_labels)} query and {len(k_labels)} key labels for a mask of shape {tuple(allowed.shape)}"
         )
 
@@ -70,12 +72,12 @@ def mask_grid(
 ) -> str:
     """Render a bool ``(Tq, Tk)`` mask (True = may attend) as a token-labelled text grid."""
     if style not in CELL:
-        raise ValueError(f"style must be one of {sorted(CELL)}, got {style!r}")
+        raise UserError(f"style must be one of {sorted(CELL)}, got {style!r}")
     k_labels = list(q_labels if k_labels is None else k_labels)
     q_labels = list(q_labels)
     _check_grid(allowed, q_labels, k_labels)
     if max(allowed.shape) > MAX_TEXT_GRID_TOKENS:
-        raise ValueError(
+        raise UserError(
             f"a text grid of {tuple(allowed.shape)} tokens is too wide to read; expected at most "
             f"{MAX_TEXT_GRID_TOKENS} tokens per side (draw a picture instead)"
         )
@@ -130,7 +132,7 @@ def _panel_inches(tokens: int, per_token: float, margin: float, rows: int, cols:
     fit = (MAX_FIGURE_PX / DPI - 1.5) / max(rows, cols)
     if fit < _MIN_PANEL_IN:
         most = int((MAX_FIGURE_PX / DPI - 1.5) // _MIN_PANEL_IN)
-        raise ValueError(
+        raise UserError(
             f"{rows} x {cols} panels do not fit a readable picture of at most {MAX_FIGURE_PX} px a side; "
             f"expected at most {most} panels per row and column (draw fewer heads or layers)"
         )
@@ -156,7 +158,7 @@ def save_mask_png(
     from matplotlib.figure import Figure
 
     if not grids:
-        raise ValueError("no masks to draw; expected one or more (name, (Tq, Tk) mask) pairs")
+        raise UserError("no masks to draw; expected one or more (name, (Tq, Tk) mask) pairs")
     k_labels = list(q_labels if k_labels is None else k_labels)
     q_labels = list(q_labels)
     for _, g in grids:
@@ -205,10 +207,10 @@ def save_dependency_png(
 
     T = intended.shape[0]
     if intended.shape != (T, T):
-        raise ValueError(f"intended mask has shape {tuple(intended.shape)}, expected square (T, T)")
+        raise UserError(f"intended mask has shape {tuple(intended.shape)}, expected square (T, T)")
     for name, m in measured:
         if tuple(m.shape) != (T, T):
-            raise ValueError(f"measured matrix {name!r} has shape {tuple(m.shape)}, expected ({T}, {T})")
+            raise UserError(f"measured matrix {name!r} has shape {tuple(m.shape)}, expected ({T}, {T})")
     labels = [str(i) for i in range(T)]
     n = 1 + len(measured)
     size = max(3.0, _panel_inches(T, 0.35, 2.0, 1, n + 1))
@@ -251,7 +253,7 @@ def save_dependency_png(
 def _save(fig, path: str | Path) -> Path:
     width, height = (float(x) * DPI for x in fig.get_size_inches())
     if max(width, height) > MAX_FIGURE_PX:  # the layouts above keep within; this guards any other
-        raise ValueError(f"picture would be {width:.0f} x {height:.0f} px; expected at most {MAX_FIGURE_PX} px a side")
+        raise UserError(f"picture would be {width:.0f} x {height:.0f} px; expected at most {MAX_FIGURE_PX} px a side")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -322,11 +324,11 @@ def save_attention_png(
     from matplotlib.figure import Figure
 
     if not weights:
-        raise ValueError("no attention weights to draw; expected one (H, Tq, Tk) tensor per layer")
+        raise UserError("no attention weights to draw; expected one (H, Tq, Tk) tensor per layer")
     q_labels, k_labels = list(q_labels), list(k_labels)
     for layer, w in enumerate(weights):
         if w.dim() != 3 or tuple(w.shape[1:]) != (len(q_labels), len(k_labels)):
-            raise ValueError(
+            raise UserError(
                 f"layer {layer} weights have shape {tuple(w.shape)}, expected (H, Tq={len(q_labels)}, "
                 f"Tk={len(k_labels)}) matching the labels"
             )

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from attnmask import masks as M
 from attnmask.attention.plan import PreparedMask, SdpaCall, prepare_mask
+from attnmask.errors import UserError, UserTypeError
 
 # ---------------------------------------------------------------------------------------------
 # Backends
@@ -119,7 +120,7 @@ def _math(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
 def _sdpa(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     """PyTorch's fused kernel; ``is_causal`` only when exactly right (pure causal, Tq == Tk)."""
     if return_weights:
-        raise ValueError("backend 'sdpa' cannot return attention weights; use backend='reference' (or 'auto')")
+        raise UserError("backend 'sdpa' cannot return attention weights; use backend='reference' (or 'auto')")
     groups = q.shape[1] // k.shape[1]
     empty = pm.empty_rows
     attn_mask = pm.sdpa_mask(q.dtype)  # empty rows opened: SDPA would give NaN for them
@@ -243,7 +244,7 @@ def _blocks_cheaper(q: Tensor, k: Tensor, pm: PreparedMask) -> bool:
 def _sdpa_blocks(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     """:func:`_blocks` whenever the mask has a block plan (causal / contiguous padding), else ``sdpa``."""
     if return_weights:
-        raise ValueError("backend 'sdpa_blocks' cannot return attention weights; use backend='reference' (or 'auto')")
+        raise UserError("backend 'sdpa_blocks' cannot return attention weights; use backend='reference' (or 'auto')")
     if pm.is_causal or not pm.blocks:
         return _sdpa(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=False)
     return _blocks(q, k, v, pm.blocks, scale=scale, dropout_p=dropout_p), None
@@ -296,17 +297,17 @@ def _flex(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     forward for every layer). Fully masked rows give zero output and zero gradient by FlexAttention's
     own definition. Training on CUDA; on the CPU inference only (torch has no CPU backward for it)."""
     if return_weights:
-        raise ValueError("backend 'flex' cannot return attention weights; use backend='reference' (or 'auto')")
+        raise UserError("backend 'flex' cannot return attention weights; use backend='reference' (or 'auto')")
     if dropout_p > 0:
-        raise ValueError(
+        raise UserError(
             "backend 'flex' has no attention dropout (FlexAttention does not implement it); use backend='auto' "
             "(SDPA when dropout is on) or 'sdpa'"
         )
     if not flex_available():
-        raise ValueError(f"backend 'flex' needs FlexAttention (torch >= 2.5); this is torch {torch.__version__}")
+        raise UserError(f"backend 'flex' needs FlexAttention (torch >= 2.5); this is torch {torch.__version__}")
     if q.device.type == "cpu":
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise ValueError(
+            raise UserError(
                 f"backend 'flex' on the CPU is inference-only: FlexAttention in torch {torch.__version__} has no CPU "
                 "backward. Run it under torch.no_grad() (or inference_mode), or train with backend='auto' "
                 "(SDPA and the block plan on the CPU)"
@@ -422,14 +423,14 @@ def attention(
     """
     _check_qkv(q, k, v)
     if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; expected one of {sorted(BACKENDS)}")
+        raise UserError(f"unknown attention backend {backend!r}; expected one of {sorted(BACKENDS)}")
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        raise UserError(f"dropout_p must be in [0, 1), got {dropout_p}")
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     pm = prepare_mask(mask, B, H, Tq, Tk, q_offset=q_offset, device=q.device, dtype=q.dtype)
     if (pm.q_len, pm.kv_len) != (Tq, Tk):
-        raise ValueError(f"prepared mask is for (Tq={pm.q_len}, Tk={pm.kv_len}), attention has ({Tq}, {Tk})")
+        raise UserError(f"prepared mask is for (Tq={pm.q_len}, Tk={pm.kv_len}), attention has ({Tq}, {Tk})")
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     out, weights = BACKENDS[backend](q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=return_weights)
     return (out, weights) if return_weights else out
@@ -438,22 +439,22 @@ def attention(
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+            raise UserTypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if t.dim() != 4:
             want = "(B, H, Tq, D)" if name == "q" else "(B, Hkv, Tk, D)"
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected 4-D {want}")
+            raise UserError(f"{name} has shape {tuple(t.shape)}, expected 4-D {want}")
         if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} has dtype {t.dtype}, expected a floating dtype")
+            raise UserTypeError(f"{name} has dtype {t.dtype}, expected a floating dtype")
     if k.shape != v.shape:
-        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; expected equal (B, Hkv, Tk, D)")
+        raise UserError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; expected equal (B, Hkv, Tk, D)")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(
+        raise UserError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim; expected "
             "q (B, H, Tq, D) and k (B, Hkv, Tk, D)"
         )
     if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"query heads H={q.shape[1]} must be a multiple of key/value heads Hkv={k.shape[1]}")
+        raise UserError(f"query heads H={q.shape[1]} must be a multiple of key/value heads Hkv={k.shape[1]}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        raise UserTypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+        raise UserError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")

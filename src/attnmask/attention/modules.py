@@ -7,6 +7,7 @@ from collections.abc import Callable
 from torch import Tensor, nn
 
 from attnmask.attention.backends import BACKENDS, attention
+from attnmask.errors import UserError
 from attnmask.linear import Linear
 
 # ---------------------------------------------------------------------------------------------
@@ -37,15 +38,15 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, val in (("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(val, int) or val < 1:
-                raise ValueError(f"MultiHeadAttention {name} must be an int >= 1, got {val!r}")
+                raise UserError(f"MultiHeadAttention {name} must be an int >= 1, got {val!r}")
         if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+            raise UserError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         if head_dim is None:
             if dim % num_heads:
-                raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}; pass head_dim explicitly")
+                raise UserError(f"dim={dim} is not divisible by num_heads={num_heads}; pass head_dim explicitly")
             head_dim = dim // num_heads
         if backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; expected one of {sorted(BACKENDS)}")
+            raise UserError(f"unknown attention backend {backend!r}; expected one of {sorted(BACKENDS)}")
         self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
         self.dropout, self.backend = dropout, backend
         self.q_proj = Linear(dim, num_heads * head_dim, bias=bias)
@@ -58,7 +59,7 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values ``(B, Hkv, Tk, D)`` of ``context`` (B, Tk, C) — cacheable for cross-attention."""
         if self.k_proj is None:
-            raise ValueError(_FUSED_SELF_ONLY)
+            raise UserError(_FUSED_SELF_ONLY)
         B, Tk, _ = context.shape
         k = self.k_proj(context).view(B, Tk, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, Tk, D)
         v = self.v_proj(context).view(B, Tk, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, Tk, D)
@@ -85,14 +86,14 @@ class MultiHeadAttention(nn.Module):
         Returns ``(B, Tq, C)`` (and the weights with ``return_weights``).
         """
         if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x has shape {tuple(x.shape)}, expected (B, Tq, C={self.dim})")
+            raise UserError(f"x has shape {tuple(x.shape)}, expected (B, Tq, C={self.dim})")
         B, Tq, _ = x.shape
         if context is not None and (context.dim() != 3 or context.shape[0] != B or context.shape[-1] != self.dim):
-            raise ValueError(f"context has shape {tuple(context.shape)}, expected (B={B}, Tk, C={self.dim})")
+            raise UserError(f"context has shape {tuple(context.shape)}, expected (B={B}, Tk, C={self.dim})")
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             if context is not None or static_kv is not None:
-                raise ValueError(_FUSED_SELF_ONLY)
+                raise UserError(_FUSED_SELF_ONLY)
             q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = q.view(B, Tq, H, D).transpose(1, 2)  # (B, H, Tq, D)
             k, v = (t.view(B, Tq, Hkv, D).transpose(1, 2) for t in (k, v))  # (B, Hkv, Tq, D)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from attnmask import masks as M
+from attnmask.errors import UserError, UserTypeError
 from attnmask.masks.lint import _lint_bool_tensor, _lint_inverted
 
 
@@ -98,7 +99,7 @@ class PreparedMask:
         state: _State | None = None,
     ):
         if is_causal and (allowed is not None or build is not None):
-            raise ValueError("PreparedMask: is_causal=True takes no allowed tensor (the causal mask is implied)")
+            raise UserError("PreparedMask: is_causal=True takes no allowed tensor (the causal mask is implied)")
         self.is_causal, self.q_len, self.kv_len = is_causal, q_len, kv_len
         self.mask, self.batch_size, self.q_offset = mask, batch_size, q_offset
         self.device = None if device is None else torch.device(device)
@@ -275,7 +276,7 @@ def prepare_mask(
     if isinstance(mask, Tensor):
         allowed = _lint_tensor(mask, batch_size, num_heads, q_len, kv_len, device, dtype)
         return PreparedMask(allowed, q_len=q_len, kv_len=kv_len, batch_size=batch_size, device=device)
-    raise TypeError(
+    raise UserTypeError(
         f"mask must be None, an attnmask Mask, or a tensor (bool True = may attend, or additive float), "
         f"got {type(mask).__name__}"
     )
@@ -349,18 +350,18 @@ def _row_blocks(q0: int, q1: int, k0: int, k1: int, start: int | None) -> list[t
 def _lint_tensor(t: Tensor, B: int, H: int, Tq: int, Tk: int, device, dtype) -> Tensor:
     expected = f"(B={B}, H={H} or 1, Tq={Tq}, Tk={Tk})"
     if device is not None and t.device != torch.device(device):
-        raise ValueError(f"mask is on {t.device} but the queries are on {torch.device(device)}; move it with .to()")
+        raise UserError(f"mask is on {t.device} but the queries are on {torch.device(device)}; move it with .to()")
     if t.dim() == 3:
-        raise ValueError(
+        raise UserError(
             f"mask has 3-D shape {tuple(t.shape)}: ambiguous. Expected 4-D {expected} or 2-D (Tq, Tk); "
             f"for a per-batch (B, Tq, Tk) mask use mask.unsqueeze(1)"
         )
     if t.dim() not in (2, 4):
-        raise ValueError(f"mask has shape {tuple(t.shape)}, expected 4-D {expected} or 2-D (Tq, Tk)")
+        raise UserError(f"mask has shape {tuple(t.shape)}, expected 4-D {expected} or 2-D (Tq, Tk)")
     shape4 = t.shape if t.dim() == 4 else (1, 1, *t.shape)
     for got, want, name in zip(shape4, (B, H, Tq, Tk), ("B", "H", "Tq", "Tk")):
         if got not in (1, want):
-            raise ValueError(f"mask has shape {tuple(t.shape)}, expected broadcastable to {expected} ({name} differs)")
+            raise UserError(f"mask has shape {tuple(t.shape)}, expected broadcastable to {expected} ({name} differs)")
     if torch.compiler.is_compiling():  # shapes only: the values were linted where the tensor was made
         if t.dtype == torch.bool:
             return t.reshape(shape4)

@@ -45,6 +45,7 @@ from torch import Tensor
 from attnmask import masks
 from attnmask.audit.report import AuditReport, CheckResult, Leak
 from attnmask.audit.subjects import Subject, as_subject, from_callable, from_hf, from_run, from_transformer
+from attnmask.errors import UserError, UserTypeError
 
 __all__ = [
     "audit",
@@ -185,18 +186,18 @@ class _Auditor:
             ("chunk_size", chunk_size, 1, None),
         ):
             if not isinstance(val, int) or val < low:
-                raise ValueError(f"audit {name} must be an int >= {low}, got {val!r}")
+                raise UserError(f"audit {name} must be an int >= {low}, got {val!r}")
             if high is not None and val > high:
-                raise ValueError(
+                raise UserError(
                     f"audit {name}={val} is more than {high}: the audit runs n_sequences x length x "
                     f"n_replacements forward passes; expected {low}..{high}"
                 )
         for name, n in (("length", length), ("src_length", src_length if subject.encoder_decoder else 0)):
             if subject.max_len is not None and n > subject.max_len:
-                raise ValueError(f"audit {name}={n} exceeds the model's longest sequence {subject.max_len}")
+                raise UserError(f"audit {name}={n} exceeds the model's longest sequence {subject.max_len}")
         bad = [p for p in pad_amounts if not isinstance(p, int) or p < 1]
         if bad:
-            raise ValueError(f"pad_amounts must be ints >= 1, got {list(pad_amounts)}")
+            raise UserError(f"pad_amounts must be ints >= 1, got {list(pad_amounts)}")
         self.s = subject
         self.T, self.S = length, src_length
         self.seed, self.N, self.K = seed, n_sequences, n_replacements
@@ -314,7 +315,7 @@ class _Auditor:
         if only is not None:
             unknown = [c for c in only if c not in CHECKS]
             if unknown:
-                raise ValueError(f"unknown audit checks {unknown}; expected some of {list(CHECKS)}")
+                raise UserError(f"unknown audit checks {unknown}; expected some of {list(CHECKS)}")
         wanted = [c for c in CHECKS if only is None or c in only]
         if not self.s.encoder_decoder and "source padding" in wanted:
             wanted.remove("source padding")
@@ -595,7 +596,7 @@ def _intended_matrix(intended, T: int) -> Tensor:
     if isinstance(intended, Tensor) and intended.dtype == torch.bool and intended.shape == (T, T):
         return intended.cpu()
     got = f"{intended.dtype} {tuple(intended.shape)}" if isinstance(intended, Tensor) else type(intended).__name__
-    raise TypeError(f"intended must be an attnmask Mask or a bool ({T}, {T}) tensor (True = may depend), got {got}")
+    raise UserTypeError(f"intended must be an attnmask Mask or a bool ({T}, {T}) tensor (True = may depend), got {got}")
 
 
 def _allowed_ids(vocab_size: int, special_ids: Sequence[int]) -> Tensor:
@@ -603,7 +604,7 @@ def _allowed_ids(vocab_size: int, special_ids: Sequence[int]) -> Tensor:
     keep[[i for i in special_ids if 0 <= i < vocab_size]] = False
     allowed = keep.nonzero().flatten()  # (V',)
     if len(allowed) < 2:
-        raise ValueError(f"a vocabulary of {vocab_size} ids less specials {list(special_ids)} leaves fewer than 2 ids")
+        raise UserError(f"a vocabulary of {vocab_size} ids less specials {list(special_ids)} leaves fewer than 2 ids")
     return allowed
 
 
@@ -612,5 +613,5 @@ def _as_logits(out, shape: torch.Size) -> Tensor:
     logits = getattr(out, "logits", out)
     if not isinstance(logits, Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(shape):
         got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-        raise ValueError(f"the model returned {got}, expected logits (B={shape[0]}, T={shape[1]}, V)")
+        raise UserError(f"the model returned {got}, expected logits (B={shape[0]}, T={shape[1]}, V)")
     return logits

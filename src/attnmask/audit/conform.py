@@ -50,6 +50,7 @@ from attnmask.audit.conform_models import implementations as discover
 from attnmask.audit.conform_models import set_implementation
 from attnmask.audit.conform_report import ConformReport, ConformResult
 from attnmask.audit.conform_scenarios import AGREEMENT_TOLERANCE, SCENARIOS, Suite
+from attnmask.errors import UserError, UserTypeError
 
 __all__ = ["conform", "SCENARIOS", "AGREEMENT_TOLERANCE"]
 
@@ -86,17 +87,17 @@ def conform(
     import transformers
 
     if not isinstance(model, transformers.PreTrainedModel):
-        raise TypeError(f"conform needs a transformers PreTrainedModel, got {type(model).__name__}")
+        raise UserTypeError(f"conform needs a transformers PreTrainedModel, got {type(model).__name__}")
     wanted = list(SCENARIOS) if scenarios is None else list(scenarios)
     unknown = [s for s in wanted if s not in SCENARIOS]
     if unknown:
-        raise ValueError(f"unknown scenarios {unknown}; expected some of {list(SCENARIOS)}")
+        raise UserError(f"unknown scenarios {unknown}; expected some of {list(SCENARIOS)}")
     if not isinstance(length, int) or length < 8:
-        raise ValueError(f"conform length must be an int >= 8, got {length!r}")
+        raise UserError(f"conform length must be an int >= 8, got {length!r}")
     model.eval()
     usable, unavailable = discover(model, implementations)
     if not usable:
-        raise ValueError(f"no attention implementation of {type(model).__name__} can run here: {unavailable}")
+        raise UserError(f"no attention implementation of {type(model).__name__} can run here: {unavailable}")
     suite = Suite(model, length=length, seed=seed)
     original = model.config._attn_implementation
     results: list[ConformResult] = []

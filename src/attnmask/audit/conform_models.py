@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from attnmask.errors import UserError
+
 __all__ = ["TINY_CONFIGS", "load_model", "implementations", "set_implementation", "reference_model", "reach"]
 
 # implementations the AttentionInterface lists that need something a forward pass cannot give them
@@ -31,7 +33,7 @@ def _transformers():
     try:
         import transformers
     except ImportError as e:
-        raise ValueError("conformance needs the transformers package: pip install 'attnmask[hf]'") from e
+        raise UserError("conformance needs the transformers package: pip install 'attnmask[hf]'") from e
     return transformers
 
 
@@ -133,14 +135,14 @@ def load_model(spec: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.fl
         return _from_gguf(tf, spec, dtype)
     path = Path(spec)
     if not path.is_dir() and ("/" in spec or "\\" in spec or path.exists()):
-        raise ValueError(f"{spec}: no such checkpoint directory (expected config.json and weights in it)")
+        raise UserError(f"{spec}: no such checkpoint directory (expected config.json and weights in it)")
     if not path.is_dir():
-        raise ValueError(
+        raise UserError(
             f"model {spec!r} is not a tiny config ({', '.join(TINY_CONFIGS)}), a registered GGUF model "
             f"({', '.join(MODELS)}), a .gguf file or an existing checkpoint directory"
         )
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} holds no config.json: expected a Hugging Face checkpoint directory")
+        raise UserError(f"{path} holds no config.json: expected a Hugging Face checkpoint directory")
     cfg = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
     auto = tf.AutoModelForSeq2SeqLM if getattr(cfg, "is_encoder_decoder", False) else tf.AutoModelForCausalLM
     model = auto.from_pretrained(str(path), local_files_only=True, dtype=dtype)
@@ -156,7 +158,7 @@ def _from_gguf(tf, spec: str, dtype: torch.dtype):
     ours, _, _ = load(spec, fuse=False, column_major=False)
     c = ours.config
     if c.positions != "rotary" or c.norm != "rmsnorm" or c.rope_scaling:
-        raise ValueError(f"{path}: only plain Llama GGUF files map onto transformers' LlamaForCausalLM")
+        raise UserError(f"{path}: only plain Llama GGUF files map onto transformers' LlamaForCausalLM")
     cfg = tf.LlamaConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.dim,
@@ -182,7 +184,7 @@ def _from_gguf(tf, spec: str, dtype: torch.dtype):
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)  # its buffers were made on the meta device
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
-        raise ValueError(f"{path}: weights left unset in the Hugging Face model: {left[:3]}")
+        raise UserError(f"{path}: weights left unset in the Hugging Face model: {left[:3]}")
     return model.to(dtype).eval(), f"{path.name} (GGUF, dequantized by attnmask) as LlamaForCausalLM"
 
 
@@ -195,11 +197,11 @@ def set_implementation(model, name: str) -> None:
         model.set_attn_implementation(name)
     except (ImportError, ValueError, KeyError, RuntimeError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(
+        raise UserError(
             f"attention implementation {name!r} is not available for {type(model).__name__}: {first}"
         ) from e
     if model.config._attn_implementation != name:
-        raise ValueError(
+        raise UserError(
             f"attention implementation {name!r} is not available for {type(model).__name__}: it stays "
             f"{model.config._attn_implementation!r} (its attention does not dispatch through AttentionInterface)"
         )
@@ -220,11 +222,9 @@ def implementations(model, requested=None) -> tuple[list[str], dict[str, str]]:
         if requested is not None:
             for name in requested:
                 if name not in known:
-                    raise ValueError(
-                        f"unknown attention implementation {name!r}; transformers knows {', '.join(known)}"
-                    )
+                    raise UserError(f"unknown attention implementation {name!r}; transformers knows {', '.join(known)}")
                 if name in _NOT_A_FORWARD:
-                    raise ValueError(f"attention implementation {name!r} {_NOT_A_FORWARD[name]}")
+                    raise UserError(f"attention implementation {name!r} {_NOT_A_FORWARD[name]}")
                 set_implementation(model, name)
                 usable.append(name)
             return list(dict.fromkeys(usable)), unavailable

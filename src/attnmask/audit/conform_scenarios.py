@@ -19,6 +19,7 @@ from attnmask.audit.checks import Tolerance, audit
 from attnmask.audit.conform_models import layer_windows, reach, reference_model
 from attnmask.audit.conform_report import ConformResult
 from attnmask.audit.subjects import from_callable, from_hf, positions_from_mask
+from attnmask.errors import UserError
 
 __all__ = ["Suite", "SCENARIOS", "AGREEMENT_TOLERANCE", "N_PADS", "N_NEW_TOKENS"]
 
@@ -82,7 +83,7 @@ class Suite:
         longest = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         T = length if self.reach is None else max(length, self.reach + 4)
         if longest is not None and longest < T:
-            raise ValueError(f"conform length {T} exceeds the model's {longest} positions")
+            raise UserError(f"conform length {T} exceeds the model's {longest} positions")
         self.T, self.seed = T, seed
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from attnmask import masks
+from attnmask.errors import UserError, UserTypeError
 from attnmask.model import ModelConfig, Transformer
 
 __all__ = ["FAULTS", "inject", "tiny_model"]
@@ -88,11 +89,11 @@ ENCODER_DECODER_ONLY = ("source_padding",)
 def inject(model: Transformer, fault: str) -> Transformer:
     """A copy of ``model`` (same weights) with ``fault`` (a key of :data:`FAULTS`)."""
     if fault not in FAULTS:
-        raise ValueError(f"unknown fault {fault!r}; expected one of {sorted(FAULTS)}")
+        raise UserError(f"unknown fault {fault!r}; expected one of {sorted(FAULTS)}")
     if not isinstance(model, Transformer):
-        raise TypeError(f"inject needs an attnmask Transformer, got {type(model).__name__}")
+        raise UserTypeError(f"inject needs an attnmask Transformer, got {type(model).__name__}")
     if fault in ENCODER_DECODER_ONLY and not model.is_encoder_decoder:
-        raise ValueError(f"fault {fault!r} breaks the source side; expected an encoder-decoder model")
+        raise UserError(f"fault {fault!r} breaks the source side; expected an encoder-decoder model")
     broken = copy.deepcopy(model)
     broken.__class__ = FAULTS[fault]
     return broken

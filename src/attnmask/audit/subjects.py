@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from attnmask import masks
+from attnmask.errors import UserError, UserTypeError
 
 __all__ = ["Subject", "as_subject", "from_callable", "from_transformer", "from_hf", "from_run", "positions_from_mask"]
 
@@ -58,13 +59,13 @@ class Subject:
 
     def __post_init__(self):
         if not callable(self.forward):
-            raise TypeError(f"Subject.forward must be callable, got {type(self.forward).__name__}")
+            raise UserTypeError(f"Subject.forward must be callable, got {type(self.forward).__name__}")
         if not isinstance(self.vocab_size, int) or self.vocab_size < 2:
-            raise ValueError(f"Subject.vocab_size must be an int >= 2, got {self.vocab_size!r}")
+            raise UserError(f"Subject.vocab_size must be an int >= 2, got {self.vocab_size!r}")
         for name in ("pad_sides", "src_pad_sides"):
             bad = [s for s in getattr(self, name) if s not in SIDES]
             if bad:
-                raise ValueError(f"Subject.{name} holds {bad}; expected a subset of {SIDES}")
+                raise UserError(f"Subject.{name} holds {bad}; expected a subset of {SIDES}")
 
     @property
     def source_vocab_size(self) -> int:
@@ -81,7 +82,7 @@ def _keep(ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     if attention_mask is None:
         return torch.ones(ids.shape, dtype=torch.bool, device=ids.device)  # (B, T)
     if attention_mask.shape != ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {tuple(ids.shape)}")
+        raise UserError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {tuple(ids.shape)}")
     return attention_mask.bool()
 
 
@@ -229,7 +230,7 @@ def from_hf(model, *, name: str | None = None) -> Subject:
     ``position_ids`` from the mask, cache parity through ``past_key_values``, and the gradient
     check through ``inputs_embeds``."""
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
-        raise TypeError(f"from_hf needs a transformers PreTrainedModel, got {type(model).__name__}")
+        raise UserTypeError(f"from_hf needs a transformers PreTrainedModel, got {type(model).__name__}")
     model.eval()
     cfg = model.config
     vocab = cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size
@@ -334,9 +335,9 @@ def as_subject(model, **kwargs) -> Subject:
         return from_hf(model, **kwargs)
     if callable(model):
         if "vocab_size" not in kwargs:
-            raise ValueError("auditing a plain callable needs vocab_size= (its logits' last dimension)")
+            raise UserError("auditing a plain callable needs vocab_size= (its logits' last dimension)")
         return from_callable(model, **kwargs)
-    raise TypeError(
+    raise UserTypeError(
         f"cannot audit a {type(model).__name__}; expected an attnmask Transformer, a run directory, "
         "a Hugging Face model, a callable (ids, attention_mask) -> logits, or an audit Subject"
     )

@@ -17,6 +17,7 @@ from torch import Tensor
 from attnmask.cli.common import check_args
 from attnmask.data.tokenizer import SOS_ID
 from attnmask.decode import default_max_new_tokens, greedy, source_ids
+from attnmask.errors import UserError
 
 DEFAULT_OUT = "attention"
 
@@ -69,14 +70,14 @@ def run(args) -> int:
     args.out_given = args.out is not None
     args.out = args.out if args.out_given else DEFAULT_OUT
     if args.max_heads is not None and args.max_heads < 1:
-        raise ValueError(f"--max-heads must be >= 1, got {args.max_heads}")
+        raise UserError(f"--max-heads must be >= 1, got {args.max_heads}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     loaded = load_run(args.run)
     model, tok = loaded.model, loaded.tokenizer
     enc_dec = model.is_encoder_decoder
     if not args.sentence.strip():
-        raise ValueError("the sentence is empty; expected some text")
+        raise UserError("the sentence is empty; expected some text")
     if enc_dec:
         src_ids = source_ids(loaded.src_tokenizer, [args.sentence])[0]  # as in training
         # the decoder input <sos> + out is re-run below, so out stays within max_seq_len - 1
@@ -90,9 +91,7 @@ def run(args) -> int:
     else:
         src_ids = tok.encode(args.sentence)
         if len(src_ids) >= model.config.max_seq_len:
-            raise ValueError(
-                f"the prompt has {len(src_ids)} tokens; the model takes at most {model.config.max_seq_len}"
-            )
+            raise UserError(f"the prompt has {len(src_ids)} tokens; the model takes at most {model.config.max_seq_len}")
         limit = min(args.max_new_tokens or 20, model.config.max_seq_len - len(src_ids))  # prompt + out re-run below
         out = greedy(model, prompts=[src_ids], max_new_tokens=limit)[0]
         dec_ids = src_ids + out

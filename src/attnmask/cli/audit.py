@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from attnmask.cli.common import check_args
+from attnmask.errors import UserError
 
 HF_PRESETS = ("gpt2", "llama")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -74,7 +75,7 @@ def _pad_amounts(spec: str) -> list[int]:
     except ValueError:
         amounts = []
     if not amounts or any(a < 1 for a in amounts):
-        raise ValueError(f"--pad {spec!r}: expected comma-separated ints >= 1, e.g. 1,3")
+        raise UserError(f"--pad {spec!r}: expected comma-separated ints >= 1, e.g. 1,3")
     return amounts
 
 
@@ -83,7 +84,7 @@ def hf_model(spec: str, *, seed: int = 0):
     try:
         import transformers
     except ImportError as e:
-        raise ValueError("--hf-config needs the transformers package: pip install 'attnmask[hf]'") from e
+        raise UserError("--hf-config needs the transformers package: pip install 'attnmask[hf]'") from e
     torch.manual_seed(seed)
     if spec == "gpt2":
         cfg = transformers.GPT2Config(
@@ -105,7 +106,7 @@ def hf_model(spec: str, *, seed: int = 0):
     else:
         path = Path(spec)
         if not path.exists():
-            raise ValueError(f"--hf-config {spec!r}: expected {' or '.join(HF_PRESETS)}, or a local config.json / dir")
+            raise UserError(f"--hf-config {spec!r}: expected {' or '.join(HF_PRESETS)}, or a local config.json / dir")
         cfg = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
@@ -115,7 +116,7 @@ def build_subject(args):
     from attnmask.audit.faults import inject, tiny_model
 
     if args.inject and args.hf_config:
-        raise ValueError("--inject breaks attnmask models only; use it with --run or --tiny")
+        raise UserError("--inject breaks attnmask models only; use it with --run or --tiny")
     if args.hf_config:
         model = hf_model(args.hf_config, seed=args.seed)
         if args.dtype:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from attnmask.errors import UserError
+
 DEVICE_HELP = "auto, cpu, cuda or cuda:N"
 
 
@@ -28,15 +30,15 @@ def check_device(spec: str) -> str:
     try:
         device = torch.device(spec)
     except (RuntimeError, TypeError) as err:
-        raise ValueError(f"--device {spec!r} is not a device name; expected {DEVICE_HELP}") from err
+        raise UserError(f"--device {spec!r} is not a device name; expected {DEVICE_HELP}") from err
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {spec!r}: attnmask runs on {DEVICE_HELP}, not {device.type!r}")
+        raise UserError(f"--device {spec!r}: attnmask runs on {DEVICE_HELP}, not {device.type!r}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {spec!r} asks for CUDA, but this torch has no usable CUDA device")
+            raise UserError(f"--device {spec!r} asks for CUDA, but this torch has no usable CUDA device")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ValueError(f"--device {spec!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+            raise UserError(f"--device {spec!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
     return str(device)
 
 
@@ -54,8 +56,8 @@ def check_run_dir(path: str | Path) -> Path:
         return path
     if path.exists():
         kind = "it is a file" if path.is_file() else "it is not a directory"
-        raise ValueError(f"--run {path}: not a run directory ({kind}); expected the --out of `attnmask train`")
-    raise ValueError(f"--run {path}: not a run directory (no such directory); expected the --out of `attnmask train`")
+        raise UserError(f"--run {path}: not a run directory ({kind}); expected the --out of `attnmask train`")
+    raise UserError(f"--run {path}: not a run directory (no such directory); expected the --out of `attnmask train`")
 
 
 def check_args(args) -> None:

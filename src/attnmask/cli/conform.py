@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from attnmask.errors import UserError
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -65,11 +67,11 @@ def _names(spec: str | None, flag: str, known) -> list[str] | None:
         return None
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
-        raise ValueError(f"{flag} {spec!r}: expected comma-separated names")
+        raise UserError(f"{flag} {spec!r}: expected comma-separated names")
     if known is not None:
         bad = [n for n in names if n not in known]
         if bad:
-            raise ValueError(f"{flag}: unknown {bad}; expected some of {', '.join(known)}")
+            raise UserError(f"{flag}: unknown {bad}; expected some of {', '.join(known)}")
     return names
 
 
@@ -78,17 +80,17 @@ def run(args) -> int:
     from attnmask.audit.conform_models import load_model
 
     if args.length < 8:
-        raise ValueError(f"--length {args.length}: expected an int >= 8")
+        raise UserError(f"--length {args.length}: expected an int >= 8")
     wanted = _names(args.scenarios, "--scenarios", SCENARIOS) or list(SCENARIOS)
     skip = _names(args.skip, "--skip", SCENARIOS) or []
     wanted = [s for s in wanted if s not in skip]
     if not wanted:
-        raise ValueError("no scenario left to run after --skip")
+        raise UserError("no scenario left to run after --skip")
     impls = _names(args.impl, "--impl", None)
     try:
         from transformers.utils import logging as hf_logging
     except ImportError as e:
-        raise ValueError("attnmask conform needs the transformers package: pip install 'attnmask[hf]'") from e
+        raise UserError("attnmask conform needs the transformers package: pip install 'attnmask[hf]'") from e
     hf_logging.set_verbosity_error()  # transformers' own notices would bury the verdict
     # and so would torch.compile's recompile warnings (FlexAttention compiles per mask and shape)
     torch._logging.set_logs(dynamo=logging.ERROR, inductor=logging.ERROR)

@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+from attnmask.errors import UserError
 from attnmask.train import rundir
 
 DEFAULT_OUT = "runs/demo"
@@ -78,7 +79,7 @@ def _clear_previous_demo(out: Path) -> None:
     config = json.loads((out / rundir.CONFIG).read_text(encoding="utf-8"))
     train = config.get("train", {})
     if train.get("data", train).get("builtin_task") != "dates":  # nested sections; flat in older runs
-        raise ValueError(f"{out} holds another run (not a demo); choose another --out")
+        raise UserError(f"{out} holds another run (not a demo); choose another --out")
     print(f"replacing the previous demo run in {out}")
     for name in (rundir.CONFIG, rundir.TOKENIZER, rundir.SRC_TOKENIZER, rundir.WEIGHTS, rundir.TRAINER_STATE,
                  rundir.METRICS, rundir.LOSS_PLOT):  # fmt: skip

@@ -12,6 +12,7 @@ from attnmask.cli.common import check_args
 from attnmask.cli.generate import add_compile_flag
 from attnmask.cli.translate import check_options, load_translation_run, translate_lines
 from attnmask.data import read_lines
+from attnmask.errors import UserError
 
 
 def add_parser(sub) -> None:
@@ -42,7 +43,7 @@ def run(args) -> int:
     src = read_lines(args.src)
     ref = read_lines(args.ref)
     if len(src.lines) != len(ref.lines):
-        raise ValueError(
+        raise UserError(
             f"{args.src} has {len(src.lines)} non-empty lines but {args.ref} has {len(ref.lines)}; "
             "expected aligned files (line i of --ref translates line i of --src)"
         )

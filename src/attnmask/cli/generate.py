@@ -7,6 +7,7 @@ import sys
 
 from attnmask.cli.common import check_args
 from attnmask.decode import DEFAULT_NEW_TOKENS, DEFAULT_TEMPERATURE, Sampling, generate
+from attnmask.errors import UserError
 
 
 def add_parser(sub) -> None:
@@ -77,31 +78,31 @@ def _load_pretrained(name: str, quantized: bool = False):
 def run(args) -> int:
     check_args(args)  # --device and --run, before anything loads
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.text is not None and args.prompt is not None:
-        raise ValueError("give the prompt once: either as PROMPT or as --prompt TEXT, not both")
+        raise UserError("give the prompt once: either as PROMPT or as --prompt TEXT, not both")
     prompt = args.prompt if args.prompt is not None else args.text
     settings = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # ValueError: one line
     echo = True  # plain continuation: print the prompt, then what follows it
     if not prompt:
-        raise ValueError("empty prompt: expected some text to continue (--prompt TEXT)")
+        raise UserError("empty prompt: expected some text to continue (--prompt TEXT)")
     if args.run is not None:
         if args.quantized:
-            raise ValueError("--quantized applies to --model (a GGUF file's weights), not to --run")
+            raise UserError("--quantized applies to --model (a GGUF file's weights), not to --run")
         from attnmask.train.rundir import load_run
 
         loaded = load_run(args.run, device=args.device)
         if loaded.task != "lm":
-            raise ValueError(f"{args.run} is a {loaded.task!r} run; generate needs a language model (task 'lm')")
+            raise UserError(f"{args.run} is a {loaded.task!r} run; generate needs a language model (task 'lm')")
         model, tokenizer = loaded.model, loaded.tokenizer
     else:
         if args.quantized and args.device != "cpu":
-            raise ValueError(f"--quantized runs on the CPU; got --device {args.device}")
+            raise UserError(f"--quantized runs on the CPU; got --device {args.device}")
         model, tokenizer, chat_template = _load_pretrained(args.model, args.quantized)
         model.to(args.device)
         if args.chat:
             if chat_template is None:
-                raise ValueError(f"--chat: model {args.model!r} has no chat template")
+                raise UserError(f"--chat: model {args.model!r} has no chat template")
             prompt = chat_template(prompt)
             echo = False  # a chat reply: the templated prompt is not part of it
     pieces = generate(

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from attnmask import masks
+from attnmask.errors import UserError
 from attnmask.viz import MAX_TEXT_GRID_TOKENS, mask_grid, save_mask_png
 
 KINDS = ("causal", "padding", "window", "prefix", "document", "bidirectional")
@@ -49,7 +50,7 @@ def _parse_kinds(spec: str) -> list[str]:
     kinds = [k.strip() for k in spec.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
     if not kinds or bad:
-        raise ValueError(
+        raise UserError(
             f"unknown mask kind {bad[0] if bad else spec!r}; expected a comma-separated list of {', '.join(KINDS)}"
         )
     return kinds
@@ -75,18 +76,18 @@ def _check(kinds: list[str], toks: list[list[str]], args) -> None:
     """Options that would silently draw something else than asked."""
     T = max(len(r) for r in toks)
     if T > MAX_TOKENS:
-        raise ValueError(f"a sentence has {T} tokens; expected at most {MAX_TOKENS}")
+        raise UserError(f"a sentence has {T} tokens; expected at most {MAX_TOKENS}")
     if T > MAX_TEXT_GRID_TOKENS and not args.png:
-        raise ValueError(
+        raise UserError(
             f"a sentence has {T} tokens, too many for a text grid (at most {MAX_TEXT_GRID_TOKENS}); "
             "add --png FILE for a picture"
         )
     if "window" in kinds and args.window < 1:
-        raise ValueError(f"--window must be >= 1, got {args.window}")
+        raise UserError(f"--window must be >= 1, got {args.window}")
     if "prefix" in kinds and not 0 <= args.prefix <= T:
-        raise ValueError(f"--prefix {args.prefix} does not fit a sentence of {T} tokens; expected 0 <= prefix <= {T}")
+        raise UserError(f"--prefix {args.prefix} does not fit a sentence of {T} tokens; expected 0 <= prefix <= {T}")
     if "document" in kinds and not any(args.sep in row for row in toks):
-        raise ValueError(
+        raise UserError(
             f"--kind document: no sentence holds the separator {args.sep!r}; expected documents separated by it "
             "(e.g. 'a b <SEP> c d'; set it with --sep)"
         )
@@ -102,7 +103,7 @@ def run(args) -> int:
     sentences = args.sentences or [DEFAULT_SENTENCE]
     toks = [s.split() for s in sentences]
     if any(not row for row in toks):
-        raise ValueError("a sentence is empty; expected at least one whitespace-separated token")
+        raise UserError("a sentence is empty; expected at least one whitespace-separated token")
     _check(kinds, toks, args)
     T = max(len(r) for r in toks)
     toks = [([args.pad] * (T - len(r)) + r) if args.left_pad else (r + [args.pad] * (T - len(r))) for r in toks]

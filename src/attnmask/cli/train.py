@@ -18,6 +18,7 @@ import signal
 import sys
 from dataclasses import MISSING, fields
 
+from attnmask.errors import UserError
 from attnmask.model import ACTIVATIONS, NORM_POSITIONS, NORMS, POSITIONS
 
 # (flag, TrainConfig field, type / action, help); the default is appended from TrainConfig.
@@ -164,13 +165,13 @@ def config_from_args(args: argparse.Namespace):
     given = given_settings(args)
     if given.pop("resume", False):
         if "out" not in given:
-            raise ValueError("--resume needs --out DIR, the run to continue")
+            raise UserError("--resume needs --out DIR, the run to continue")
         out = given.pop("out")
         saved = TrainConfig.from_dict(read_config(out)["train"]).flat()
         changed = sorted(k for k, v in given.items() if k not in RESUME_OVERRIDES and saved.get(k) != v)
         if changed:
             flags = ", ".join(f"--{_flag(k)} (saved {saved.get(k)!r}, given {given[k]!r})" for k in changed)
-            raise ValueError(f"{flags} cannot change on --resume (the run keeps its saved settings); drop them")
+            raise UserError(f"{flags} cannot change on --resume (the run keeps its saved settings); drop them")
         return resume_config(out, **given)
     return TrainConfig.of(**given)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from attnmask.cli.common import check_args
 from attnmask.cli.generate import add_compile_flag, compiled_step
 from attnmask.decode import translate
+from attnmask.errors import UserError
 
 
 def add_parser(sub) -> None:
@@ -35,7 +36,7 @@ def add_parser(sub) -> None:
 def read_sentences(sentences: list[str], input_path: str | None) -> list[str]:
     """Sentences from the arguments, else ``input_path``, else stdin; ValueError when there are none."""
     if sentences and input_path:
-        raise ValueError("give sentences as arguments or --input FILE, not both")
+        raise UserError("give sentences as arguments or --input FILE, not both")
     if sentences:
         lines = list(sentences)
     elif input_path:
@@ -44,16 +45,16 @@ def read_sentences(sentences: list[str], input_path: str | None) -> list[str]:
         lines = sys.stdin.read().splitlines()
     if not any(line.strip() for line in lines):
         where = f"{input_path} has no text" if input_path else "no sentences given"
-        raise ValueError(f"empty input: {where}; expected SENTENCE arguments, --input FILE or lines on stdin")
+        raise UserError(f"empty input: {where}; expected SENTENCE arguments, --input FILE or lines on stdin")
     return lines
 
 
 def check_options(args) -> None:
     for name in ("beam", "batch_size"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_len is not None and args.max_len < 1:
-        raise ValueError(f"--max-len must be >= 1, got {args.max_len}")
+        raise UserError(f"--max-len must be >= 1, got {args.max_len}")
 
 
 def load_translation_run(path: str, device: str):
@@ -61,7 +62,7 @@ def load_translation_run(path: str, device: str):
 
     run = load_run(path, device=device)
     if run.task != "translation":
-        raise ValueError(f"{path} is a {run.task!r} run; translation needs a run trained with task 'translation'")
+        raise UserError(f"{path} is a {run.task!r} run; translation needs a run trained with task 'translation'")
     return run
 
 

@@ -17,14 +17,6 @@ from attnmask.data.collate import (  # noqa: F401
     make_translation_batch,
     translation_lengths,
 )
-from attnmask.data.samplers import (  # noqa: F401
-    Lengths,
-    LMStream,
-    PackingBatcher,
-    TokenBucketBatcher,
-    iter_eval_blocks,
-    padding_fraction,
-)
 from attnmask.data.files import (  # noqa: F401
     DataError,
     LinesResult,
@@ -32,6 +24,14 @@ from attnmask.data.files import (  # noqa: F401
     read_lines,
     read_parallel,
     read_text,
+)
+from attnmask.data.samplers import (  # noqa: F401
+    Lengths,
+    LMStream,
+    PackingBatcher,
+    TokenBucketBatcher,
+    iter_eval_blocks,
+    padding_fraction,
 )
 from attnmask.data.synthetic import (  # noqa: F401
     DATE_TEMPLATES,

@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from attnmask.errors import UserError
+
 IGNORE_INDEX = -100  # label of a position the loss skips (what F.cross_entropy ignores by default)
 
 
@@ -115,9 +117,9 @@ def make_translation_batch(
         ValueError: ``src_ids`` and ``tgt_ids`` differ in length, or the batch is empty.
     """
     if len(src_ids) != len(tgt_ids):
-        raise ValueError(f"got {len(src_ids)} source and {len(tgt_ids)} target sequences; expected equal numbers")
+        raise UserError(f"got {len(src_ids)} source and {len(tgt_ids)} target sequences; expected equal numbers")
     if not src_ids:
-        raise ValueError("cannot build an empty batch; expected at least one sequence pair")
+        raise UserError("cannot build an empty batch; expected at least one sequence pair")
     src, src_lengths = _pad_rows([list(s) + [eos_id] for s in src_ids], pad_id)  # (B, S), (B,)
     tgt_in, tgt_lengths = _pad_rows([[sos_id] + list(t) for t in tgt_ids], pad_id)  # (B, T), (B,)
     labels, _ = _pad_rows([list(t) + [eos_id] for t in tgt_ids], IGNORE_INDEX)  # (B, T)
@@ -178,15 +180,15 @@ def make_packed_translation_batch(
         ValueError: a row is empty, the batch is empty, or an index is out of range.
     """
     if not rows:
-        raise ValueError("cannot build an empty batch; expected at least one row of pairs")
+        raise UserError("cannot build an empty batch; expected at least one row of pairs")
     srcs, seg_s, tins, seg_t, labs = [], [], [], [], []
     for b, row in enumerate(rows):
         if not row:
-            raise ValueError(f"row {b} of the packed batch is empty; expected at least one pair per row")
+            raise UserError(f"row {b} of the packed batch is empty; expected at least one pair per row")
         s_row, ss, t_row, ts, l_row = [], [], [], [], []
         for k, i in enumerate(row):
             if not 0 <= i < len(src_ids):
-                raise ValueError(f"pair index {i} out of range for {len(src_ids)} pairs")
+                raise UserError(f"pair index {i} out of range for {len(src_ids)} pairs")
             src = list(src_ids[i]) + [eos_id]
             tgt = list(tgt_ids[i])
             s_row += src
@@ -222,10 +224,10 @@ def make_lm_batch(seqs: Sequence[Sequence[int]], *, pad_id: int) -> LMBatch:
         ValueError: the batch is empty, or a sequence has fewer than 2 tokens.
     """
     if not seqs:
-        raise ValueError("cannot build an empty batch; expected at least one sequence")
+        raise UserError("cannot build an empty batch; expected at least one sequence")
     for i, seq in enumerate(seqs):
         if len(seq) < 2:
-            raise ValueError(f"sequence {i} has {len(seq)} tokens; expected at least 2 (one input, one label)")
+            raise UserError(f"sequence {i} has {len(seq)} tokens; expected at least 2 (one input, one label)")
     input_ids, lengths = _pad_rows([list(s[:-1]) for s in seqs], pad_id)  # (B, T), (B,)
     labels, _ = _pad_rows([list(s[1:]) for s in seqs], IGNORE_INDEX)  # (B, T)
     return LMBatch(input_ids=input_ids, lengths=lengths, labels=labels)

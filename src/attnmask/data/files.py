@@ -11,8 +11,10 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnmask.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError):
     """Input data is unusable; the message names the file (and line) and what was expected."""
 
 

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from attnmask.data.files import DataError
+from attnmask.errors import UserError
 
 Lengths = Sequence[int] | Sequence[tuple[int, int]]
 
@@ -104,15 +105,15 @@ class TokenBucketBatcher:
         remainder: Literal["drop", "repeat"] = "drop",
     ) -> None:
         if max_tokens < 1:
-            raise ValueError(f"max_tokens={max_tokens}; expected a positive token budget")
+            raise UserError(f"max_tokens={max_tokens}; expected a positive token budget")
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank}, world_size={world_size}; expected 0 <= rank < world_size")
+            raise UserError(f"rank={rank}, world_size={world_size}; expected 0 <= rank < world_size")
         if chunk_size < 1:
-            raise ValueError(f"chunk_size={chunk_size}; expected a positive number of examples")
+            raise UserError(f"chunk_size={chunk_size}; expected a positive number of examples")
         if max_sentences is not None and max_sentences < 1:
-            raise ValueError(f"max_sentences={max_sentences}; expected None or a positive int")
+            raise UserError(f"max_sentences={max_sentences}; expected None or a positive int")
         if remainder not in ("drop", "repeat"):
-            raise ValueError(f"remainder={remainder!r}; expected 'drop' or 'repeat'")
+            raise UserError(f"remainder={remainder!r}; expected 'drop' or 'repeat'")
         self._pairs = _normalise_lengths(lengths)
         if not self._pairs:
             raise DataError("no examples to batch; expected at least one length")
@@ -220,7 +221,7 @@ class TokenBucketBatcher:
         epoch it was interrupted in and still continue with the next unseen batch.
         """
         if epoch < 0:
-            raise ValueError(f"epoch={epoch}; expected a non-negative int")
+            raise UserError(f"epoch={epoch}; expected a non-negative int")
         if epoch != self.epoch:
             self.epoch, self.position = epoch, 0
 
@@ -251,7 +252,7 @@ class TokenBucketBatcher:
         }
         if differing:
             details = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differing.items())
-            raise ValueError(f"batcher state does not match this batcher ({details}); expected equal")
+            raise UserError(f"batcher state does not match this batcher ({details}); expected equal")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     def padding_fraction(self, epoch: int | None = None) -> float:
@@ -277,7 +278,7 @@ class PackingBatcher(TokenBucketBatcher):
 
     def __init__(self, lengths: Lengths, max_tokens: int, *, row_tokens: int = 128, **kwargs) -> None:
         if not 1 <= row_tokens <= max_tokens:
-            raise ValueError(f"row_tokens={row_tokens}; expected 1 <= row_tokens <= max_tokens={max_tokens}")
+            raise UserError(f"row_tokens={row_tokens}; expected 1 <= row_tokens <= max_tokens={max_tokens}")
         self.row_tokens = row_tokens
         super().__init__(lengths, max_tokens, **kwargs)
         for i, cost in enumerate(self._cost):
@@ -333,7 +334,7 @@ class PackingBatcher(TokenBucketBatcher):
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("row_tokens") != self.row_tokens:
-            raise ValueError(
+            raise UserError(
                 f"batcher state does not match this batcher (row_tokens: saved {state.get('row_tokens')!r}, "
                 f"now {self.row_tokens!r}); expected equal"
             )
@@ -368,11 +369,11 @@ class LMStream:
     def __init__(self, token_ids: torch.Tensor, block_size: int, batch_size: int, seed: int = 0) -> None:
         token_ids = torch.as_tensor(token_ids, dtype=torch.long)
         if token_ids.dim() != 1:
-            raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}; expected a 1-D stream")
+            raise UserError(f"token_ids has shape {tuple(token_ids.shape)}; expected a 1-D stream")
         if block_size < 1 or batch_size < 1:
-            raise ValueError(f"block_size={block_size}, batch_size={batch_size}; expected positive ints")
+            raise UserError(f"block_size={block_size}, batch_size={batch_size}; expected positive ints")
         if token_ids.numel() <= block_size:
-            raise ValueError(
+            raise UserError(
                 f"token stream has {token_ids.numel()} tokens; expected more than "
                 f"block_size={block_size} (a block needs block_size + 1 tokens)"
             )
@@ -416,7 +417,7 @@ class LMStream:
         for key in ("block_size", "batch_size", "num_tokens"):
             saved, now = state.get(key), self.state_dict()[key]
             if saved != now:
-                raise ValueError(f"LMStream state has {key}={saved!r}, this stream has {now!r}; expected equal")
+                raise UserError(f"LMStream state has {key}={saved!r}, this stream has {now!r}; expected equal")
         self._gen.set_state(state["rng_state"])
         self.steps = int(state["steps"])
 
@@ -435,7 +436,7 @@ def iter_eval_blocks(
     """
     token_ids = torch.as_tensor(token_ids, dtype=torch.long)
     if token_ids.dim() != 1 or token_ids.numel() <= block_size:
-        raise ValueError(
+        raise UserError(
             f"token stream has shape {tuple(token_ids.shape)}; expected 1-D and longer than block_size={block_size}"
         )
     num_blocks = (token_ids.numel() - 1) // block_size

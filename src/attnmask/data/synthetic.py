@@ -28,6 +28,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from attnmask.errors import UserError
+
 SPLITS = ("train", "valid", "test")
 # Percent of the hash space per split: 80 / 10 / 10.
 _SPLIT_BUCKETS = {"train": range(0, 80), "valid": range(80, 90), "test": range(90, 100)}
@@ -136,7 +138,7 @@ def ordinal_suffix(day: int) -> str:
 def ordinal_words(day: int) -> str:
     """``22`` → ``"twenty-second"``, for ``1 <= day <= 39``."""
     if not 1 <= day <= 39:
-        raise ValueError(f"day={day}; expected 1 <= day <= 39")
+        raise UserError(f"day={day}; expected 1 <= day <= 39")
     if day <= 20:
         return _ORDINAL_WORDS[day - 1]
     tens, ones = divmod(day, 10)
@@ -173,7 +175,7 @@ def format_date(date: datetime.date, template: str, case: str = "as is") -> str:
             outside :data:`TWO_DIGIT_YEAR_WINDOW` (it would be ambiguous).
     """
     if "{Y2}" in template and not TWO_DIGIT_YEAR_WINDOW[0] <= date.year <= TWO_DIGIT_YEAR_WINDOW[1]:
-        raise ValueError(
+        raise UserError(
             f"cannot write {date.isoformat()} with a two-digit year; expected a year in "
             f"{TWO_DIGIT_YEAR_WINDOW[0]}-{TWO_DIGIT_YEAR_WINDOW[1]}"
         )
@@ -184,7 +186,7 @@ def format_date(date: datetime.date, template: str, case: str = "as is") -> str:
         return text.lower()
     if case == "upper":
         return text.upper()
-    raise ValueError(f"case={case!r}; expected one of {[c for c, _ in _CASES]}")
+    raise UserError(f"case={case!r}; expected one of {[c for c, _ in _CASES]}")
 
 
 def split_of(source: str) -> str:
@@ -220,11 +222,11 @@ def make_date_pairs(
             outside 1..9999.
     """
     if n < 0:
-        raise ValueError(f"n={n}; expected a non-negative number of pairs")
+        raise UserError(f"n={n}; expected a non-negative number of pairs")
     if split not in SPLITS:
-        raise ValueError(f"split={split!r}; expected one of {SPLITS}")
+        raise UserError(f"split={split!r}; expected one of {SPLITS}")
     if not 1 <= min_year <= max_year <= 9999:
-        raise ValueError(f"min_year={min_year}, max_year={max_year}; expected 1 <= min_year <= max_year <= 9999")
+        raise UserError(f"min_year={min_year}, max_year={max_year}; expected 1 <= min_year <= max_year <= 9999")
     # A string seed is hashed with SHA-512 by random.Random, so it is stable across processes.
     rng = random.Random(f"attnmask.data.synthetic.dates:{seed}:{split}")
     first = datetime.date(min_year, 1, 1).toordinal()
@@ -281,4 +283,4 @@ def get_task(name: str) -> Task:
     try:
         return task_registry[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}; expected one of {sorted(task_registry)}") from None
+        raise UserError(f"unknown task {name!r}; expected one of {sorted(task_registry)}") from None

@@ -25,6 +25,8 @@ import torch
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from attnmask.errors import UserError, UserTypeError
+
 PAD, SOS, EOS, UNK = "<pad>", "<sos>", "<eos>", "<unk>"
 PAD_ID, SOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_TOKENS = (PAD, SOS, EOS, UNK)  # position in this tuple == id
@@ -75,7 +77,7 @@ class TokenizerBase:
         """:meth:`decode` for each row of a list of id lists or of a 2-D tensor."""
         if isinstance(batch, torch.Tensor):
             if batch.dim() != 2:
-                raise ValueError(f"expected a 2-D tensor of ids (B, T), got shape {tuple(batch.shape)}")
+                raise UserError(f"expected a 2-D tensor of ids (B, T), got shape {tuple(batch.shape)}")
             batch = batch.tolist()
         return [self.decode(row, skip_special=skip_special) for row in batch]
 
@@ -87,7 +89,7 @@ class TokenizerBase:
         """
         token = self._hf.id_to_token(token_id)
         if token is None:
-            raise ValueError(f"token id {token_id} is out of range, expected 0 <= id < {self.vocab_size}")
+            raise UserError(f"token id {token_id} is out of range, expected 0 <= id < {self.vocab_size}")
         return token
 
     def token_to_id(self, token: str) -> int | None:
@@ -98,13 +100,13 @@ class TokenizerBase:
         """``ids`` as a list of ints; ValueError for a tensor that is not 1-D or an id out of range."""
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1:
-                raise ValueError(f"expected a 1-D tensor of ids, got shape {tuple(ids.shape)}")
+                raise UserError(f"expected a 1-D tensor of ids, got shape {tuple(ids.shape)}")
             ids = ids.tolist()
         ids = [int(i) for i in ids]
         vocab_size = self.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are out of range, expected 0 <= id < {vocab_size}")
+            raise UserError(f"token ids {bad[:5]} are out of range, expected 0 <= id < {vocab_size}")
         return ids
 
 
@@ -122,11 +124,11 @@ class Tokenizer(TokenizerBase):
             ValueError: a special token is missing or has another id than the fixed one.
         """
         if not isinstance(hf_tokenizer, HFTokenizer):
-            raise TypeError(f"expected a tokenizers.Tokenizer, got {type(hf_tokenizer).__name__}")
+            raise UserTypeError(f"expected a tokenizers.Tokenizer, got {type(hf_tokenizer).__name__}")
         for expected_id, token in enumerate(SPECIAL_TOKENS):
             actual_id = hf_tokenizer.token_to_id(token)
             if actual_id != expected_id:
-                raise ValueError(
+                raise UserError(
                     f"special token {token!r} has id {actual_id}, expected {expected_id} "
                     f"(attnmask needs {dict(zip(SPECIAL_TOKENS, range(4)))})"
                 )
@@ -149,7 +151,7 @@ class Tokenizer(TokenizerBase):
             TypeError: an element of ``texts`` is not a ``str``.
         """
         if vocab_size < MIN_BPE_VOCAB_SIZE:
-            raise ValueError(
+            raise UserError(
                 f"vocab_size={vocab_size} is too small for a byte-level BPE: expected at least "
                 f"{MIN_BPE_VOCAB_SIZE} ({len(SPECIAL_TOKENS)} specials + {_BYTE_ALPHABET_SIZE} bytes)"
             )
@@ -166,7 +168,7 @@ class Tokenizer(TokenizerBase):
         counter = _NonEmptyCounter(texts)
         hf.train_from_iterator(counter, trainer=trainer)
         if counter.non_empty == 0:
-            raise ValueError("cannot train a BPE tokenizer: expected at least one non-empty text")
+            raise UserError("cannot train a BPE tokenizer: expected at least one non-empty text")
         return cls(hf)
 
     @classmethod
@@ -185,7 +187,7 @@ class Tokenizer(TokenizerBase):
             _check_str(text)
             chars.update(text)
         if not chars:
-            raise ValueError("cannot build a character tokenizer: expected at least one non-empty text")
+            raise UserError("cannot build a character tokenizer: expected at least one non-empty text")
         vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
         for char in sorted(chars):
             vocab.setdefault(char, len(vocab))
@@ -205,7 +207,7 @@ class Tokenizer(TokenizerBase):
             ValueError: the fixed special tokens (``<pad>``=0 ... ``<unk>``=3) are missing.
         """
         if not isinstance(hf_tokenizer, HFTokenizer):
-            raise TypeError(f"expected a tokenizers.Tokenizer, got {type(hf_tokenizer).__name__}")
+            raise UserTypeError(f"expected a tokenizers.Tokenizer, got {type(hf_tokenizer).__name__}")
         return cls(HFTokenizer.from_str(hf_tokenizer.to_str()))
 
     @classmethod
@@ -220,15 +222,15 @@ class Tokenizer(TokenizerBase):
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
-            raise ValueError(f"{path} is not a tokenizer.json file: not UTF-8 text ({err})") from err
+            raise UserError(f"{path} is not a tokenizer.json file: not UTF-8 text ({err})") from err
         try:
             hf = HFTokenizer.from_str(text)
         except Exception as err:  # tokenizers raises a bare Exception for malformed JSON
-            raise ValueError(f"{path} is not a tokenizer.json file: {err}") from err
+            raise UserError(f"{path} is not a tokenizer.json file: {err}") from err
         try:
             return cls(hf)
         except ValueError as err:
-            raise ValueError(f"{path}: {err}") from err
+            raise UserError(f"{path}: {err}") from err
 
     # --- properties ---------------------------------------------------------------------------
 
@@ -350,7 +352,7 @@ def _warn_unknown(texts: Sequence[str], encodings) -> None:
 
 def _check_str(text: object) -> None:
     if not isinstance(text, str):
-        raise TypeError(f"expected text as str, got {type(text).__name__}: {text!r:.60}")
+        raise UserTypeError(f"expected text as str, got {type(text).__name__}: {text!r:.60}")
 
 
 def _resolve(path: str | Path) -> Path:

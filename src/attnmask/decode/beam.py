@@ -24,6 +24,7 @@ import torch
 
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
 from attnmask.decode.steps import Ids, StopIds, decode_step, eval_mode, is_stop, start, stop_set
+from attnmask.errors import UserError
 
 __all__ = ["Hypothesis", "beam_search", "best_tokens"]
 
@@ -68,9 +69,9 @@ def beam_search(
     Raises ValueError for ``beam_size < 1`` or ``n_best`` outside ``[1, beam_size]``.
     """
     if not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
+        raise UserError(f"beam_size must be an int >= 1, got {beam_size!r}")
     if not isinstance(n_best, int) or not 1 <= n_best <= beam_size:
-        raise ValueError(f"n_best must be an int in [1, beam_size={beam_size}], got {n_best!r}")
+        raise UserError(f"n_best must be an int in [1, beam_size={beam_size}], got {n_best!r}")
     K = beam_size
     stops = stop_set(eos_id)
     with eval_mode(model):

@@ -18,17 +18,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnmask.errors import UserError, UserTypeError
+
 DEFAULT_TEMPERATURE = 1.0  # the one default of the API and the CLI
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise ValueError for settings :func:`sample` cannot honour."""
     if not temperature >= 0.0:  # also rejects NaN
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+        raise UserError(f"top_k must be an int >= 1 or None, got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+        raise UserError(f"top_p must be in (0, 1] or None, got {top_p}")
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,12 @@ class Sampling:
         """
         unknown = set(keywords) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise TypeError(f"unexpected sampling keyword(s) {sorted(unknown)}")
+            raise UserTypeError(f"unexpected sampling keyword(s) {sorted(unknown)}")
         if sampling is not None:
             if keywords:
-                raise TypeError(f"give sampling=Sampling(...) or the keywords {sorted(keywords)}, not both")
+                raise UserTypeError(f"give sampling=Sampling(...) or the keywords {sorted(keywords)}, not both")
             if not isinstance(sampling, Sampling):
-                raise TypeError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+                raise UserTypeError(f"sampling must be a Sampling, got {type(sampling).__name__}")
             return sampling
         base = default if default is not None else cls()
         return dataclasses.replace(base, **keywords) if keywords else base

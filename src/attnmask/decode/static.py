@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnmask.decode import fused
+from attnmask.errors import UserError
 from attnmask.linear import Linear
 from attnmask.linear import engine as linear_engine
 from attnmask.model.cache import KVCache
@@ -278,9 +279,9 @@ def _fused_step(model, plan, k_bufs, v_bufs, tokens: Tensor, positions: Tensor, 
 
 def _buffers(model, cache: KVCache, rows: int):
     if cache.rows != rows:
-        raise ValueError(f"decode_one: {rows} tokens for a cache holding {cache.rows} rows")
+        raise UserError(f"decode_one: {rows} tokens for a cache holding {cache.rows} rows")
     if cache.pos + 1 > cache.max_len:
-        raise ValueError(f"KV cache overflow: {cache.pos} cached + 1 new token > capacity {cache.max_len} (max_len)")
+        raise UserError(f"KV cache overflow: {cache.pos} cached + 1 new token > capacity {cache.max_len} (max_len)")
     k_bufs = [layer.k[:rows] for layer in cache.layers]  # views: writes land in the cache
     v_bufs = [layer.v[:rows] for layer in cache.layers]
     cross = None

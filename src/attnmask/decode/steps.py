@@ -43,6 +43,7 @@ from attnmask.attention import PreparedMask, prepare_mask
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
 from attnmask.decode.sampling import GREEDY, Sampling, sample
 from attnmask.decode.static import CompiledStep, bucket, decode_one, zero_unwritten
+from attnmask.errors import UserError
 from attnmask.model.cache import KVCache
 
 Ids = Sequence[Sequence[int]] | Tensor  # token ids: lists of rows, or a (B, T) tensor
@@ -59,16 +60,16 @@ def pad_batch(seqs: Ids, pad_id: int | None, *, side: str, device=None) -> tuple
     """
     if isinstance(seqs, Tensor):
         if seqs.dim() != 2 or seqs.shape[0] == 0 or seqs.shape[1] == 0:
-            raise ValueError(f"expected token ids of shape (B, T) with B, T >= 1, got {tuple(seqs.shape)}")
+            raise UserError(f"expected token ids of shape (B, T) with B, T >= 1, got {tuple(seqs.shape)}")
         ids = seqs.to(device=device, dtype=torch.long)
         keep = ids != pad_id if pad_id is not None else torch.ones_like(ids, dtype=torch.bool)  # (B, T)
     else:
         seqs = [list(s) for s in seqs]
         if not seqs:
-            raise ValueError("empty batch: expected at least one sequence of token ids")
+            raise UserError("empty batch: expected at least one sequence of token ids")
         for i, s in enumerate(seqs):
             if not s:
-                raise ValueError(f"sequence {i} is empty; expected at least one token id")
+                raise UserError(f"sequence {i} is empty; expected at least one token id")
         T = max(len(s) for s in seqs)
         # pad_id None (pretrained LMs: every id is real): any filler will do, keep masks it
         ids = torch.full((len(seqs), T), 0 if pad_id is None else pad_id, dtype=torch.long)  # (B, T)
@@ -79,7 +80,7 @@ def pad_batch(seqs: Ids, pad_id: int | None, *, side: str, device=None) -> tuple
             keep[b, cols] = True
         ids, keep = ids.to(device), keep.to(device)
     if not bool(keep.any(dim=1).all()):
-        raise ValueError("a sequence holds only padding; expected at least one real token per row")
+        raise UserError("a sequence holds only padding; expected at least one real token per row")
     return ids, (None if bool(keep.all()) else keep)
 
 
@@ -188,7 +189,7 @@ def is_stop(tokens: Tensor, stops: frozenset[int]) -> Tensor:
 
 def _check_length(n: int, what: str, model_max: int) -> None:
     if n > model_max:
-        raise ValueError(f"{what} has {n} tokens, longer than the model's maximum of {model_max} (max_seq_len)")
+        raise UserError(f"{what} has {n} tokens, longer than the model's maximum of {model_max} (max_seq_len)")
 
 
 def _row_limits(max_new_tokens, B: int, room: Tensor) -> Tensor:
@@ -198,7 +199,7 @@ def _row_limits(max_new_tokens, B: int, room: Tensor) -> Tensor:
     else:
         limits = torch.as_tensor(max_new_tokens, dtype=torch.long).expand(B).clone()  # (B,)
         if bool((limits < 1).any()):
-            raise ValueError(f"max_new_tokens must be >= 1, got {limits.tolist()}")
+            raise UserError(f"max_new_tokens must be >= 1, got {limits.tolist()}")
     return torch.minimum(limits, room)
 
 
@@ -241,7 +242,7 @@ def start(
     memory = src_keep = None
     if model.is_encoder_decoder:
         if src is None or prompts is not None:
-            raise ValueError("an encoder-decoder model decodes from src=..., not prompts=")
+            raise UserError("an encoder-decoder model decodes from src=..., not prompts=")
         src_ids, src_keep = pad_batch(src, cfg.pad_id, side="right", device=device)  # (B, S)
         _check_length(src_ids.shape[1], "the source", model_max)
         memory = model.encode(src_ids, None if src_keep is None else masks.padding(keep=src_keep))  # (B, S, C)
@@ -251,10 +252,10 @@ def start(
         room = torch.full((B,), model_max, dtype=torch.long, device=device)  # fed positions 0 .. limit-1
     else:
         if prompts is None or src is not None:
-            raise ValueError("a decoder-only model decodes from prompts=..., not src=")
+            raise UserError("a decoder-only model decodes from prompts=..., not src=")
         ids, keep = pad_batch(prompts, cfg.pad_id, side="left", device=device)  # (B, P)
         if keep is not None and not bool(keep[:, -1].all()):
-            raise ValueError("prompts must be left-padded: the last column must be a real token in every row")
+            raise UserError("prompts must be left-padded: the last column must be a real token in every row")
         B = ids.shape[0]
         lengths = keep.sum(1) if keep is not None else torch.full((B,), ids.shape[1], device=device)  # (B,)
         _check_length(int(lengths.max()), "the prompt", model_max)
@@ -389,7 +390,7 @@ def _steps(
 def _compiled_step(model, compile) -> CompiledStep | None:
     if isinstance(compile, CompiledStep):
         if compile.model is not model:
-            raise ValueError("compile=CompiledStep(...) was built for another model")
+            raise UserError("compile=CompiledStep(...) was built for another model")
         return compile
     return CompiledStep(model) if compile else None
 

@@ -19,6 +19,7 @@ from attnmask.decode.steps import (
     source_ids,
     stop_set,
 )
+from attnmask.errors import UserError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,7 +51,7 @@ def translate(
     from attnmask.decode.beam import beam_search, best_tokens  # beam builds on this module
 
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        raise UserError(f"batch_size must be an int >= 1, got {batch_size!r}")
     sentences = list(sentences)
     ids = source_ids(src_tokenizer, sentences)
     model_max = model.config.max_seq_len
@@ -134,16 +135,16 @@ def generate(
     single = isinstance(prompts, str)
     texts = [prompts] if single else list(prompts)
     if not texts:
-        raise ValueError("no prompts given; expected at least one")
+        raise UserError("no prompts given; expected at least one")
     ids = [tokenizer.encode(t) for t in texts]
     for i, p in enumerate(ids):
         if not p:
-            raise ValueError(f"prompt {i + 1} is empty; expected some text to continue")
+            raise UserError(f"prompt {i + 1} is empty; expected some text to continue")
         _check_length(len(p), f"prompt {i + 1}", model.config.max_seq_len)
     settings = Sampling.of(sampling, **sampling_keywords)
     if seed is not None:
         if settings.generator is not None:
-            raise ValueError("give seed= or Sampling(generator=...), not both")
+            raise UserError("give seed= or Sampling(generator=...), not both")
         generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
         settings = dataclasses.replace(settings, generator=generator)
     eos = eos_id

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnmask.errors import UserError, UserTypeError
 from attnmask.masks.lint import _lint_bool_tensor, lint_polarity
 
 ALIGNMENTS = ("bottom_right", "top_left")
@@ -116,16 +117,16 @@ class Mask:
         """
         for name, val in (("batch_size", batch_size), ("q_len", q_len), ("kv_len", kv_len)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {val!r}")
+                raise UserError(f"{name} must be a non-negative int, got {val!r}")
         if not isinstance(q_offset, int) or isinstance(q_offset, bool) or q_offset < 0:
-            raise ValueError(f"q_offset must be a non-negative int, got {q_offset!r}")
+            raise UserError(f"q_offset must be a non-negative int, got {q_offset!r}")
         for p in _walk(self):
             p._check(batch_size, q_len, kv_len)
             # A literal (Tq, Tk) tensor is moved by nobody behind the user's back: a silent copy per
             # layer is a performance trap, and across devices usually a mistake. Small index tensors
             # (lengths, keep, segment ids) are moved, as Hugging Face does.
             if isinstance(p, TensorMask) and device is not None and p.tensor.device != torch.device(device):
-                raise ValueError(
+                raise UserError(
                     f"mask tensor is on {p.tensor.device} but is needed on {torch.device(device)} (the queries' "
                     "device); move it with .to() before wrapping it"
                 )
@@ -163,7 +164,7 @@ class Mask:
         models expect); never a magic ``-1e9``, which overflows float16.
         """
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"to_additive needs a floating dtype (e.g. torch.float32), got {dtype}")
+            raise UserTypeError(f"to_additive needs a floating dtype (e.g. torch.float32), got {dtype}")
         allowed = self.to_bool(batch_size, q_len, kv_len, q_offset, device=device)
         blocked = torch.finfo(dtype).min if finite else float("-inf")
         out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -195,7 +196,7 @@ class Mask:
         (what :meth:`block_mask` does).
         """
         if (q_len is None) != (kv_len is None):
-            raise ValueError("mask_mod needs both q_len and kv_len, or neither (then Tq == Tk is assumed)")
+            raise UserError("mask_mod needs both q_len and kv_len, or neither (then Tq == Tk is assumed)")
         q_start = query_start(self, q_len or 0, kv_len or 0, q_offset)
         ctx = _Ctx(None, q_len, kv_len, q_start, None if device is None else torch.device(device), dense=False)
         root = self
@@ -259,7 +260,7 @@ def _as_mask(m) -> Mask:
         return m
     if isinstance(m, Tensor):
         return from_tensor(m)
-    raise TypeError(f"cannot combine a mask with {type(m).__name__}; expected an attnmask Mask or bool tensor")
+    raise UserTypeError(f"cannot combine a mask with {type(m).__name__}; expected an attnmask Mask or bool tensor")
 
 
 def query_start(mask: Mask, q_len: int, kv_len: int, q_offset: int = 0) -> int:
@@ -270,7 +271,7 @@ def query_start(mask: Mask, q_len: int, kv_len: int, q_offset: int = 0) -> int:
     """
     aligns = {p.align for p in _walk(mask) if p.align is not None}
     if len(aligns) > 1:
-        raise ValueError(
+        raise UserError(
             "mask combines bottom_right and top_left causal alignments; pick one "
             "(bottom_right: queries are the last Tq keys; top_left: query i is position q_offset + i)"
         )
@@ -278,7 +279,7 @@ def query_start(mask: Mask, q_len: int, kv_len: int, q_offset: int = 0) -> int:
     if align == "top_left":
         return q_offset
     if q_offset:
-        raise ValueError(
+        raise UserError(
             f"q_offset={q_offset} with a bottom_right aligned mask: bottom_right already places the "
             f"Tq={q_len} queries at the last Tq of the Tk={kv_len} keys, expected q_offset=0; for queries "
             "at absolute positions q_offset.. (e.g. a preallocated cache) build the mask with align='top_left'"
@@ -306,16 +307,16 @@ def _materialize(mask: Mask, batch_size: int, q_len: int, kv_len: int, q_offset:
     out = mask._eval(ctx, b, h, q, kv)
     if not isinstance(out, Tensor) or out.dtype != torch.bool:
         got = out.dtype if isinstance(out, Tensor) else type(out).__name__
-        raise TypeError(f"mask predicate must return a bool tensor, got {got}")
+        raise UserTypeError(f"mask predicate must return a bool tensor, got {got}")
     if out.dim() > 4:
-        raise ValueError(
+        raise UserError(
             f"mask predicate returned shape {tuple(out.shape)}, expected broadcastable to "
             f"(B={batch_size}, 1, Tq={q_len}, Tk={kv_len})"
         )
     try:
         return out.to(device).expand(batch_size, 1, q_len, kv_len)  # (B, 1, Tq, Tk)
     except RuntimeError as e:
-        raise ValueError(
+        raise UserError(
             f"mask predicate returned shape {tuple(out.shape)}, expected broadcastable to "
             f"(B={batch_size}, 1, Tq={q_len}, Tk={kv_len})"
         ) from e
@@ -389,7 +390,7 @@ class TensorMask(Mask):
         t = self.tensor
         shape4 = t.shape if t.dim() == 4 else (1, 1, *t.shape)
         if any(got not in (1, want) for got, want in zip(shape4, (batch_size, 1, q_len, kv_len))):
-            raise ValueError(
+            raise UserError(
                 f"mask has shape {tuple(t.shape)}, expected broadcastable to "
                 f"(B={batch_size}, 1, Tq={q_len}, Tk={kv_len})"
             )

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from attnmask.errors import UserError, UserTypeError
 from attnmask.masks.core import ALIGNMENTS, Mask, _batch_index, _Ctx
 
 
@@ -18,7 +19,7 @@ from attnmask.masks.core import ALIGNMENTS, Mask, _batch_index, _Ctx
 # ---------------------------------------------------------------------------------------------
 def _check_align(align: str) -> str:
     if align not in ALIGNMENTS:
-        raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+        raise UserError(f"align must be one of {ALIGNMENTS}, got {align!r}")
     return align
 
 
@@ -43,7 +44,7 @@ class SlidingWindow(Mask):
 
     def __init__(self, size: int, align: str = "bottom_right"):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"sliding window size must be an int >= 1, got {size!r}")
+            raise UserError(f"sliding window size must be an int >= 1, got {size!r}")
         self.size = size
         self.align = _check_align(align)
 
@@ -68,12 +69,12 @@ def _lengths_tensor(lengths, name: str, *, allow_int: bool = False) -> Tensor:
         lengths = [lengths]  # one length for every batch row
     t = torch.as_tensor(lengths)
     if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
-        raise TypeError(f"{name} must be integers, got dtype {t.dtype}")
+        raise UserTypeError(f"{name} must be integers, got dtype {t.dtype}")
     if t.dim() != 1:
         hint = " (a plain int is not allowed: pass one length per batch row, e.g. [3] * B)" if t.dim() == 0 else ""
-        raise ValueError(f"{name} must have shape (B,), got {tuple(t.shape)}{hint}")
+        raise UserError(f"{name} must have shape (B,), got {tuple(t.shape)}{hint}")
     if _checking() and t.numel() and bool((t < 0).any()):
-        raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
+        raise UserError(f"{name} must be >= 0, got {t.tolist()}")
     return t.long()
 
 
@@ -92,23 +93,23 @@ class _Padding(Mask):
     def __init__(self, *, lengths=None, keep=None, side: str = "right"):
         if (lengths is None) == (keep is None):
             got = "both lengths= and keep=" if lengths is not None else "neither"
-            raise ValueError(
+            raise UserError(
                 f"padding needs exactly one of lengths=(B,) ints, keep=(B, T) bool, or token_ids=; got {got}"
             )
         if side not in ("right", "left"):
-            raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
+            raise UserError(f"padding side must be 'right' or 'left', got {side!r}")
         self.side = side
         self.lengths = _lengths_tensor(lengths, "lengths") if lengths is not None else None
         self._max_length = _max_or_none(self.lengths)  # checked against the padded length in _check
         if keep is not None:
             keep = torch.as_tensor(keep)
             if keep.dtype != torch.bool:
-                raise TypeError(
+                raise UserTypeError(
                     f"keep must be a bool tensor (True = real token), got dtype {keep.dtype}; "
                     "for Hugging Face 0/1 attention masks use masks.from_hf"
                 )
             if keep.dim() != 2:
-                raise ValueError(f"keep must have shape (B, T), got {tuple(keep.shape)}")
+                raise UserError(f"keep must have shape (B, T), got {tuple(keep.shape)}")
         self.keep = keep
 
     @property
@@ -124,14 +125,14 @@ class _Padding(Mask):
     def _check(self, batch_size, q_len, kv_len):
         n = self._axis_len(q_len, kv_len)
         if self.batch_size not in (1, batch_size):
-            raise ValueError(f"{self.axis_name} padding has batch size {self.batch_size}, expected {batch_size}")
+            raise UserError(f"{self.axis_name} padding has batch size {self.batch_size}, expected {batch_size}")
         if self.lengths is not None:
             if self._max_length is not None and self._max_length > n:
-                raise ValueError(
+                raise UserError(
                     f"{self.axis_name} padding lengths {self.lengths.tolist()} exceed the sequence length {n}"
                 )
         elif self.keep.shape[1] != n:
-            raise ValueError(
+            raise UserError(
                 f"{self.axis_name} padding keep has shape {tuple(self.keep.shape)}, expected (B={batch_size}, T={n})"
             )
 
@@ -176,7 +177,7 @@ class _Padding(Mask):
         if self.side == "right":
             return local < length
         if n is None:
-            raise ValueError(
+            raise UserError(
                 f"left {self.axis_name} padding by lengths needs the padded length: call mask_mod(q_len, kv_len)"
             )
         return local >= n - length
@@ -223,9 +224,9 @@ class PrefixLM(Mask):
 
     def _check(self, batch_size, q_len, kv_len):
         if len(self.prefix_lengths) not in (1, batch_size):
-            raise ValueError(f"prefix_lengths has {len(self.prefix_lengths)} rows, expected {batch_size}")
+            raise UserError(f"prefix_lengths has {len(self.prefix_lengths)} rows, expected {batch_size}")
         if self._max_length is not None and self._max_length > kv_len:
-            raise ValueError(
+            raise UserError(
                 f"prefix_lengths {self.prefix_lengths.tolist()} exceed the sequence length {kv_len} (the keys)"
             )
 
@@ -257,7 +258,7 @@ class Document(Mask):
     def _ids(ids, name: str) -> Tensor:
         seg = torch.as_tensor(ids)
         if seg.dim() != 2 or seg.dtype.is_floating_point or seg.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer tensor (B, T), got {seg.dtype} {tuple(seg.shape)}")
+            raise UserError(f"{name} must be an integer tensor (B, T), got {seg.dtype} {tuple(seg.shape)}")
         return seg
 
     def _device(self):
@@ -266,13 +267,13 @@ class Document(Mask):
     def _check(self, batch_size, q_len, kv_len):
         B, T = self.segment_ids.shape
         if B not in (1, batch_size) or kv_len != T:
-            raise ValueError(
+            raise UserError(
                 f"segment_ids has shape {(B, T)}, expected (B={batch_size}, Tk={kv_len}) covering every key"
             )
         if self.query_segment_ids is not None:
             Bq, Tq = self.query_segment_ids.shape
             if Bq not in (1, batch_size) or q_len != Tq:
-                raise ValueError(
+                raise UserError(
                     f"query_segment_ids has shape {(Bq, Tq)}, expected (B={batch_size}, Tq={q_len}) "
                     "covering every query"
                 )
@@ -297,7 +298,7 @@ class Document(Mask):
         # A query's segment is the segment of the key at its position, so every query must sit on a key.
         first, last = ctx.q_start, ctx.q_start + (ctx.q_len or 0) - 1
         if ctx.q_len and (first < 0 or last >= ctx.kv_len):
-            raise ValueError(
+            raise UserError(
                 f"document mask: queries sit at positions {first}..{last} but segment_ids cover keys "
                 f"0..{ctx.kv_len - 1}; expected every query position to be a key position (Tq <= Tk, and "
                 "with align='top_left' q_offset + Tq <= Tk), or query_segment_ids"
@@ -318,7 +319,9 @@ class Predicate(Mask):
 
     def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], align: str | None = None):
         if not callable(fn):
-            raise TypeError(f"from_predicate needs a callable (b, h, q_idx, kv_idx) -> bool, got {type(fn).__name__}")
+            raise UserTypeError(
+                f"from_predicate needs a callable (b, h, q_idx, kv_idx) -> bool, got {type(fn).__name__}"
+            )
         self.fn = fn
         self.align = None if align is None else _check_align(align)
 
@@ -326,7 +329,7 @@ class Predicate(Mask):
         out = self.fn(b, h, q, kv)
         if not isinstance(out, Tensor) or out.dtype != torch.bool:
             got = out.dtype if isinstance(out, Tensor) else type(out).__name__
-            raise TypeError(f"mask predicate must return a bool tensor, got {got}")
+            raise UserTypeError(f"mask predicate must return a bool tensor, got {got}")
         return out
 
     def __repr__(self):
@@ -351,12 +354,12 @@ def padding(*, lengths=None, keep=None, token_ids=None, pad_id: int | None = Non
     if token_ids is not None:
         if lengths is not None or keep is not None:
             extra = " and ".join(n for n, v in (("lengths=", lengths), ("keep=", keep)) if v is not None)
-            raise ValueError(f"padding needs exactly one of lengths=, keep=, token_ids=; got token_ids= and {extra}")
+            raise UserError(f"padding needs exactly one of lengths=, keep=, token_ids=; got token_ids= and {extra}")
         if pad_id is None:
-            raise ValueError("padding(token_ids=...) needs pad_id=<the id of <PAD>>")
+            raise UserError("padding(token_ids=...) needs pad_id=<the id of <PAD>>")
         ids = torch.as_tensor(token_ids)
         if ids.dim() != 2:
-            raise ValueError(f"token_ids must have shape (B, T), got {tuple(ids.shape)}")
+            raise UserError(f"token_ids must have shape (B, T), got {tuple(ids.shape)}")
         keep = ids != pad_id
     return KeyPadding(lengths=lengths, keep=keep, side=side)
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnmask.errors import UserError
+
 
 class LayerCache:
     """One layer's self-attention keys and values; a view into its :class:`KVCache`."""
@@ -49,7 +51,7 @@ class LayerCache:
         was cached so far."""
         parent = self.parent
         if like.shape[1] != parent.n_kv_heads or like.shape[3] != parent.head_dim:
-            raise ValueError(
+            raise UserError(
                 f"keys of shape {tuple(like.shape)} do not fit a KV cache of Hkv={parent.n_kv_heads}, "
                 f"D={parent.head_dim}; expected (B, {parent.n_kv_heads}, T, {parent.head_dim})"
             )
@@ -85,7 +87,7 @@ class KVCache:
         dtype: torch.dtype | None = None,
     ):
         if batch_size < 1 or max_len < 1:
-            raise ValueError(f"KV cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
+            raise UserError(f"KV cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
         self.capacity, self.max_len = batch_size, max_len
         self.n_kv_heads, self.head_dim, self.dtype = n_kv_heads, head_dim, dtype
         self.layers = [LayerCache(self) for _ in range(n_layers)]
@@ -122,17 +124,17 @@ class KVCache:
     def _claim(self, rows: int, T: int) -> None:
         if self.rows is None:
             if rows > self.capacity:
-                raise ValueError(
+                raise UserError(
                     f"KV cache overflow: batch of {rows} rows > capacity {self.capacity} (batch_size); "
                     "allocate a bigger cache or decode in smaller batches"
                 )
             self.rows = rows
         elif rows != self.rows:
-            raise ValueError(
+            raise UserError(
                 f"KV cache holds a batch of {self.rows} rows, got keys for {rows}; call reset() before a new batch"
             )
         if self.pos + T > self.max_len:
-            raise ValueError(
+            raise UserError(
                 f"KV cache overflow: {self.pos} cached + {T} new tokens > capacity {self.max_len} (max_len)"
             )
 
@@ -148,7 +150,7 @@ class KVCache:
         kv = self._cross[i]
         if kv is None:
             if memory is None:
-                raise ValueError("the cache holds no encoder keys/values yet: pass memory on the first step")
+                raise UserError("the cache holds no encoder keys/values yet: pass memory on the first step")
             kv = self._cross[i] = attn.project_kv(memory)
             self.cross_len = memory.shape[1]
         return kv
@@ -162,15 +164,15 @@ class KVCache:
         source (beams of one sentence) and ``B' == B``.
         """
         if self.rows is None:
-            raise ValueError("reorder() on an empty KV cache; run a forward pass first")
+            raise UserError("reorder() on an empty KV cache; run a forward pass first")
         index = torch.as_tensor(index, device=self.layers[0].k.device if self.layers[0].k is not None else None)
         if index.dim() != 1 or (index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.rows)):
-            raise ValueError(f"reorder index must be 1-D with values in [0, {self.rows}), got {index.tolist()}")
+            raise UserError(f"reorder index must be 1-D with values in [0, {self.rows}), got {index.tolist()}")
         n, pos = index.numel(), self.pos
         if n > self.capacity:
-            raise ValueError(f"KV cache overflow: reorder to {n} rows > capacity {self.capacity}")
+            raise UserError(f"KV cache overflow: reorder to {n} rows > capacity {self.capacity}")
         if not cross and n != self.rows:
-            raise ValueError(f"reorder(cross=False) must keep the batch size {self.rows}, got {n} rows")
+            raise UserError(f"reorder(cross=False) must keep the batch size {self.rows}, got {n} rows")
         for layer in self.layers:
             if layer.k is None:
                 continue

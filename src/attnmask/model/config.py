@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from attnmask.errors import UserError
+
 ARCHS = ("encoder_decoder", "decoder")
 POSITIONS = ("sinusoidal", "learned", "rotary")
 NORMS = ("layernorm", "rmsnorm")
@@ -56,7 +58,7 @@ class ModelConfig:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
             if self.n_heads > 0 and self.dim % self.n_heads != 0:
-                raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads} (or set head_dim)")
+                raise UserError(f"dim={self.dim} must be divisible by n_heads={self.n_heads} (or set head_dim)")
             self.head_dim = self.dim // max(self.n_heads, 1)
         if self.ffn_dim is None:
             self.ffn_dim = 4 * self.dim
@@ -70,23 +72,23 @@ class ModelConfig:
             ("activation", self.activation, ACTIVATIONS),
         ):
             if val not in allowed:
-                raise ValueError(f"ModelConfig.{name}={val!r}, expected one of {allowed}")
+                raise UserError(f"ModelConfig.{name}={val!r}, expected one of {allowed}")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("n_kv_heads", "head_dim", "ffn_dim"):
             if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.arch == "encoder_decoder" and self.n_encoder_layers < 1:
-            raise ValueError(
+            raise UserError(
                 f"ModelConfig.n_encoder_layers must be >= 1 for an encoder-decoder, got {self.n_encoder_layers}"
             )
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+            raise UserError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.positions == "rotary" and self.head_dim % 2:
-            raise ValueError(f"rotary positions need an even head dim, got {self.head_dim}")
+            raise UserError(f"rotary positions need an even head dim, got {self.head_dim}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+            raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)
 
@@ -98,7 +100,7 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; expected some of {sorted(known)}")
+            raise UserError(f"unknown ModelConfig fields {sorted(unknown)}; expected some of {sorted(known)}")
         return cls(**d)
 
 
@@ -111,7 +113,7 @@ ROPE_SCALING_KEYS = {
 def check_rope_scaling(scaling: dict) -> None:
     kind = scaling.get("rope_type")
     if kind not in ROPE_SCALING_KEYS:
-        raise ValueError(f"rope_scaling rope_type={kind!r}, expected one of {sorted(ROPE_SCALING_KEYS)}")
+        raise UserError(f"rope_scaling rope_type={kind!r}, expected one of {sorted(ROPE_SCALING_KEYS)}")
     missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in scaling]
     if missing:
-        raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}; got {scaling}")
+        raise UserError(f"rope_scaling of type {kind!r} lacks {missing}; got {scaling}")

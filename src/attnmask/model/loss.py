@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from attnmask.data.collate import IGNORE_INDEX
+from attnmask.errors import UserError
 from attnmask.linear import linear
 
 __all__ = ["head_loss"]
@@ -93,7 +94,7 @@ def head_loss(hidden: Tensor, head: torch.nn.Linear, labels: Tensor, *, label_sm
     the products run in the autocast dtype and the softmax in float32, as ``lm_loss`` would see them.
     """
     if hidden.shape[:-1] != labels.shape:
-        raise ValueError(
+        raise UserError(
             f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree; expected (B, T, C) and (B, T)"
         )
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from attnmask import masks
 from attnmask.attention import MultiHeadAttention, prepare_mask
 from attnmask.data.collate import IGNORE_INDEX
+from attnmask.errors import UserError
 from attnmask.linear import Linear
 from attnmask.model.config import ModelConfig
 from attnmask.model.layers import MLP, Rotary, make_norm, sinusoidal_table
@@ -105,7 +106,7 @@ def lm_loss(
     sum, for averaging across batches or processes. Returns ``(loss, num_real_tokens)``.
     """
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(
+        raise UserError(
             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree; expected (B, T, V) and (B, T)"
         )
     n = int((labels != IGNORE_INDEX).sum())
@@ -205,7 +206,7 @@ class Transformer(nn.Module):
         if torch.compiler.is_compiling():  # a host read would break the graph; the table lookup still bounds it
             return
         if self.config.positions != "rotary" and positions.numel() and int(positions.max()) >= self.config.max_seq_len:
-            raise ValueError(
+            raise UserError(
                 f"position {int(positions.max())} exceeds the model's max_seq_len={self.config.max_seq_len}"
             )
 
@@ -225,7 +226,7 @@ class Transformer(nn.Module):
         """``src_ids (B, S)`` -> memory ``(B, S, C)``. Padding is masked as keys.
         ``positions (B, S)`` default to ``arange(S)`` (packed rows pass positions restarting per sentence)."""
         if not self.is_encoder_decoder:
-            raise ValueError("encode() needs an encoder-decoder model (ModelConfig.arch='encoder_decoder')")
+            raise UserError("encode() needs an encoder-decoder model (ModelConfig.arch='encoder_decoder')")
         B, S = src_ids.shape
         if positions is None:
             positions = torch.arange(S, device=src_ids.device).expand(B, S)  # (B, S)
@@ -328,13 +329,13 @@ class Transformer(nn.Module):
         tail a segment id no sentence uses (e.g. -1), and ``IGNORE_INDEX`` labels.
         """
         if (segments is None) != (src_segments is None) and self.is_encoder_decoder:
-            raise ValueError("packed rows need both segments (B, T) and src_segments (B, S), or neither")
+            raise UserError("packed rows need both segments (B, T) and src_segments (B, S), or neither")
         if src_segments is not None and not self.is_encoder_decoder:
-            raise ValueError("src_segments is for encoder-decoder models; a decoder-only model takes segments only")
+            raise UserError("src_segments is for encoder-decoder models; a decoder-only model takes segments only")
         memory = memory_mask = None
         if self.is_encoder_decoder:
             if src_ids is None:
-                raise ValueError("an encoder-decoder model needs src_ids (B, S)")
+                raise UserError("an encoder-decoder model needs src_ids (B, S)")
             if src_segments is None:
                 memory_mask = self.source_mask(src_ids)
                 memory = self.encode(src_ids, memory_mask)

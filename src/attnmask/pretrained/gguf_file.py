@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnmask.errors import UserError
 from attnmask.model import ModelConfig
 from attnmask.pretrained.quantized import BLOCK_BYTES
 
@@ -91,7 +92,7 @@ def unpermute_qk(w: Tensor, n_heads: int) -> Tensor:
     """Inverse of :func:`permute_qk`: interleaved rows back to Hugging Face's rotate-half order."""
     rows = w.shape[0]
     if rows % (2 * n_heads):
-        raise ValueError(f"query/key weight has {rows} rows, expected a multiple of 2 * n_heads = {2 * n_heads}")
+        raise UserError(f"query/key weight has {rows} rows, expected a multiple of 2 * n_heads = {2 * n_heads}")
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
@@ -111,25 +112,25 @@ def config_from_metadata(meta: dict[str, Any], *, tied: bool) -> ModelConfig:
     """
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; expected 'llama'")
+        raise UserError(f"GGUF architecture {arch!r} is not supported; expected 'llama'")
 
     def get(key: str, default=None):
         value = meta.get(f"llama.{key}", default)
         if value is None:
-            raise ValueError(f"GGUF metadata lacks llama.{key}")
+            raise UserError(f"GGUF metadata lacks llama.{key}")
         return value
 
     dim, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(meta.get("llama.attention.key_length", dim // n_heads))
     rope_dims = int(meta.get("llama.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        raise ValueError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
+        raise UserError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
     scaling = None
     kind = meta.get("llama.rope.scaling.type", "none")
     if kind == "linear":
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     elif kind != "none":
-        raise ValueError(f"GGUF rope scaling {kind!r} is not supported; expected 'none' or 'linear'")
+        raise UserError(f"GGUF rope scaling {kind!r} is not supported; expected 'none' or 'linear'")
     vocab = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     return ModelConfig(
         arch="decoder",
@@ -174,7 +175,7 @@ def _pre_tokenizer(kind: str):
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    raise ValueError(
+    raise UserError(
         f"GGUF pre-tokenizer {kind!r} is not supported; expected one of default, gpt2, smollm, starcoder, refact, "
         "llama-bpe"
     )
@@ -190,7 +191,7 @@ def build_tokenizer(meta: dict[str, Any]):
 
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)")
+        raise UserError(f"GGUF tokenizer model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     pre = meta.get("tokenizer.ggml.pre", "default")
@@ -244,7 +245,7 @@ def read_gguf(source, *, keep_blocks: bool = False) -> GGUFCheckpoint:
     try:
         from gguf import GGUFReader, dequantize
     except ImportError as err:
-        raise ValueError("reading GGUF files needs the gguf package: pip install 'attnmask[hf]'") from err
+        raise UserError("reading GGUF files needs the gguf package: pip install 'attnmask[hf]'") from err
 
     if isinstance(source, GGUFReader):
         reader, path = source, Path(getattr(source.data, "filename", None) or "<GGUFReader>")
@@ -255,13 +256,13 @@ def read_gguf(source, *, keep_blocks: bool = False) -> GGUFCheckpoint:
         try:
             reader = GGUFReader(path)
         except (ValueError, OSError) as err:
-            raise ValueError(f"{path} is not a readable GGUF file: {err}") from err
+            raise UserError(f"{path} is not a readable GGUF file: {err}") from err
     meta = _fields(reader)
     names = {t.name for t in reader.tensors}
     config = config_from_metadata(meta, tied="output.weight" not in names)
     unknown = sorted(n for n in names if _attnmask_name(n) is None)
     if unknown:
-        raise ValueError(f"{path}: tensors attnmask cannot place: {unknown[:5]} (e.g. rope_freqs of Llama 3.1)")
+        raise UserError(f"{path}: tensors attnmask cannot place: {unknown[:5]} (e.g. rope_freqs of Llama 3.1)")
     state_dict, blocks = {}, {}
     for t in reader.tensors:
         name = _attnmask_name(t.name)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from attnmask.errors import UserError, UserTypeError
 from attnmask.model import ModelConfig, Transformer, sinusoidal_table
 
 __all__ = [
@@ -58,19 +59,21 @@ def _as_dict(hf_config) -> dict:
         return dict(hf_config)
     if hasattr(hf_config, "to_dict"):
         return hf_config.to_dict()
-    raise TypeError(f"hf_config must be a transformers config or a config.json dict, got {type(hf_config).__name__}")
+    raise UserTypeError(
+        f"hf_config must be a transformers config or a config.json dict, got {type(hf_config).__name__}"
+    )
 
 
 def _model_type(c: dict) -> str:
     kind = c.get("model_type")
     if kind not in SUPPORTED:
-        raise ValueError(f"cannot import a Hugging Face model of type {kind!r}; expected one of {SUPPORTED}")
+        raise UserError(f"cannot import a Hugging Face model of type {kind!r}; expected one of {SUPPORTED}")
     return kind
 
 
 def _activation(name: str, model: str) -> str:
     if name not in _ACTIVATIONS:
-        raise ValueError(f"{model} activation {name!r} is not supported; expected one of {sorted(_ACTIVATIONS)}")
+        raise UserError(f"{model} activation {name!r} is not supported; expected one of {sorted(_ACTIVATIONS)}")
     return _ACTIVATIONS[name]
 
 
@@ -82,11 +85,11 @@ def _rope(c: dict) -> tuple[float, dict | None]:
     if kind == "default":
         return float(theta), None
     if kind not in ("linear", "llama3"):
-        raise ValueError(f"Llama rope scaling {kind!r} is not supported; expected 'default', 'linear' or 'llama3'")
+        raise UserError(f"Llama rope scaling {kind!r} is not supported; expected 'default', 'linear' or 'llama3'")
     params["rope_type"] = kind
     params.pop("type", None)
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial rotary embeddings are not supported (partial_rotary_factor={params})")
+        raise UserError(f"partial rotary embeddings are not supported (partial_rotary_factor={params})")
     return float(theta), params
 
 
@@ -102,12 +105,12 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
     kind = _model_type(c)
     if kind == "llama":
         if c.get("attention_bias", False) != c.get("mlp_bias", False):
-            raise ValueError(
+            raise UserError(
                 f"Llama with attention_bias={c.get('attention_bias')} but mlp_bias={c.get('mlp_bias')}: attnmask has "
                 "one bias switch for all linear layers; expected both equal"
             )
         if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Llama hidden_act={c.get('hidden_act')!r} is not supported; expected 'silu' (SwiGLU)")
+            raise UserError(f"Llama hidden_act={c.get('hidden_act')!r} is not supported; expected 'silu' (SwiGLU)")
         theta, scaling = _rope(c)
         cfg = dict(
             arch="decoder",
@@ -133,9 +136,9 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
     elif kind == "gpt2":
         for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
             if c.get(flag):
-                raise ValueError(f"GPT-2 with {flag}=True is not supported; expected False")
+                raise UserError(f"GPT-2 with {flag}=True is not supported; expected False")
         if c.get("scale_attn_weights", True) is False:
-            raise ValueError("GPT-2 with scale_attn_weights=False is not supported; expected True (1/sqrt(D))")
+            raise UserError("GPT-2 with scale_attn_weights=False is not supported; expected True (1/sqrt(D))")
         cfg = dict(
             arch="decoder",
             vocab_size=c["vocab_size"],
@@ -159,11 +162,11 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
             ("encoder_ffn_dim", "decoder_ffn_dim"),
         ):
             if c[enc] != c[dec]:
-                raise ValueError(f"Marian with {enc}={c[enc]} != {dec}={c[dec]}: attnmask expects them equal")
+                raise UserError(f"Marian with {enc}={c[enc]} != {dec}={c[dec]}: attnmask expects them equal")
         shared = c.get("share_encoder_decoder_embeddings", True)
         dec_vocab = c.get("decoder_vocab_size") or c["vocab_size"]
         if not shared and dec_vocab == c["vocab_size"]:
-            raise ValueError(
+            raise UserError(
                 "Marian with separate source/target embeddings of equal size is not supported: attnmask shares "
                 "equal-size vocabularies; expected share_encoder_decoder_embeddings=True or different sizes"
             )
@@ -219,7 +222,7 @@ def llama_key_map(cfg: ModelConfig) -> dict[str, str]:
 
 def _take(sd: Mapping[str, Tensor], key: str, model: str) -> Tensor:
     if key not in sd:
-        raise ValueError(f"{model} state_dict lacks {key!r} (has {len(sd)} keys, e.g. {sorted(sd)[:3]})")
+        raise UserError(f"{model} state_dict lacks {key!r} (has {len(sd)} keys, e.g. {sorted(sd)[:3]})")
     return sd[key]
 
 
@@ -299,7 +302,7 @@ def _convert_marian(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Ten
         if key in sd:
             ours_table = sinusoidal_table(cfg.max_seq_len, cfg.dim)  # (max_seq_len, C)
             if sd[key].shape != ours_table.shape or not torch.allclose(sd[key].float(), ours_table, atol=1e-5):
-                raise ValueError(f"Marian {key} is not the sinusoidal table attnmask computes (sin | cos halves)")
+                raise UserError(f"Marian {key} is not the sinusoidal table attnmask computes (sin | cos halves)")
     return out
 
 
@@ -336,7 +339,7 @@ def transformer_from_hf(
     if cfg.arch == "encoder_decoder" and cfg.src_vocab_size is None:
         missing = [k for k in missing if k != "src_embed.weight"]
     if missing or unexpected:
-        raise ValueError(f"converted state_dict does not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise UserError(f"converted state_dict does not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if dtype is None:  # keep the checkpoint's precision (float32 parameters hold bfloat16 values exactly)
         dtype = next((t.dtype for t in weights.values() if t.is_floating_point()), torch.float32)
     return model.to(dtype).eval()

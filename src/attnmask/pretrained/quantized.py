@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnmask import native
+from attnmask.errors import UserError
 
 __all__ = ["BlockLinear", "BLOCK_BYTES", "block_matmul", "check_buffers", "dequantize_blocks", "kernel_status"]
 
@@ -234,29 +235,29 @@ def check_buffers(codes: Tensor, d: Tensor, m: Tensor | None, kind: str, in_feat
     on the CPU, contiguous, of the right dtype and exactly the right shape (so no read goes past
     an end). ``x``, when given, must be float32 ``(rows, in_features)``, contiguous."""
     if kind not in BLOCK_BYTES:
-        raise ValueError(f"block format {kind!r} is not supported; expected one of {sorted(BLOCK_BYTES)}")
+        raise UserError(f"block format {kind!r} is not supported; expected one of {sorted(BLOCK_BYTES)}")
     if in_features <= 0 or in_features % QK:
-        raise ValueError(f"in_features={in_features} is not a positive multiple of the block size {QK}")
+        raise UserError(f"in_features={in_features} is not a positive multiple of the block size {QK}")
     n, nb = codes.shape[0] if codes.dim() == 2 else -1, _blocks_per_row(kind, in_features)
     code_bytes = nb * 16 if kind == "Q4_1" else nb * QK
     want = [("codes", codes, torch.uint8, (n, code_bytes)), ("d", d, torch.float32, (n, nb))]
     if kind == "Q4_1":
         if m is None:
-            raise ValueError("Q4_1 needs the block minimums m; got None")
+            raise UserError("Q4_1 needs the block minimums m; got None")
         want.append(("m", m, torch.float32, (n, nb)))
     elif m is not None:
-        raise ValueError("Q8_0 has no block minimums; got an m tensor")
+        raise UserError("Q8_0 has no block minimums; got an m tensor")
     if x is not None:
         want.append(("x", x, torch.float32, (x.shape[0] if x.dim() == 2 else -1, in_features)))
     for name, t, dtype, shape in want:
         if t.device.type != "cpu":
-            raise ValueError(f"block kernel: {name} is on {t.device}; the kernel reads CPU memory")
+            raise UserError(f"block kernel: {name} is on {t.device}; the kernel reads CPU memory")
         if t.dtype != dtype:
-            raise ValueError(f"block kernel: {name} is {t.dtype}; the kernel reads {dtype}")
+            raise UserError(f"block kernel: {name} is {t.dtype}; the kernel reads {dtype}")
         if tuple(t.shape) != shape or n < 0:
-            raise ValueError(f"block kernel: {name} has shape {tuple(t.shape)}; expected {shape} for {kind}")
+            raise UserError(f"block kernel: {name} has shape {tuple(t.shape)}; expected {shape} for {kind}")
         if not t.is_contiguous():
-            raise ValueError(f"block kernel: {name} is not contiguous")
+            raise UserError(f"block kernel: {name} is not contiguous")
 
 
 def _block_matmul(codes: Tensor, d: Tensor, m: Tensor | None, x: Tensor, kind: str, in_features: int) -> Tensor:
@@ -317,12 +318,12 @@ class BlockLinear(nn.Module):
     def __init__(self, blocks: Tensor, kind: str, in_features: int):
         super().__init__()
         if kind not in BLOCK_BYTES:
-            raise ValueError(f"block format {kind!r} is not supported; expected one of {sorted(BLOCK_BYTES)}")
+            raise UserError(f"block format {kind!r} is not supported; expected one of {sorted(BLOCK_BYTES)}")
         if in_features % QK:
-            raise ValueError(f"in_features={in_features} is not a multiple of the block size {QK}")
+            raise UserError(f"in_features={in_features} is not a multiple of the block size {QK}")
         row_bytes = in_features // QK * BLOCK_BYTES[kind]
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
-            raise ValueError(
+            raise UserError(
                 f"{kind} blocks for in_features={in_features} must be uint8 (out_features, {row_bytes}); "
                 f"got {tuple(blocks.shape)} {blocks.dtype}"
             )
@@ -339,7 +340,7 @@ class BlockLinear(nn.Module):
         """One layer computing ``cat([layer(x) for layer in layers], -1)`` in one product (rows stacked)."""
         kinds, ins = {layer.kind for layer in layers}, {layer.in_features for layer in layers}
         if len(kinds) != 1 or len(ins) != 1:
-            raise ValueError(f"only layers of one format and input size concatenate; got {kinds} and {ins}")
+            raise UserError(f"only layers of one format and input size concatenate; got {kinds} and {ins}")
         packed = {name: torch.cat([layer._packed()[name] for layer in layers]) for name in layers[0]._packed()}
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
@@ -391,7 +392,7 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features; this layer expects {self.in_features}")
+            raise UserError(f"input has {x.shape[-1]} features; this layer expects {self.in_features}")
         rows = x.numel() // self.in_features
         if not _kernel_loaded() or x.device.type != "cpu":  # no kernel: decode the blocks once, keep float32
             if self._dense is None or self._dense.device != x.device:

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from attnmask.data.tokenizer import TokenizerBase
 from attnmask.decode import fused
+from attnmask.errors import UserError, UserTypeError
 from attnmask.model import ModelConfig, Rotary, Transformer, fuse_projections_, sinusoidal_table
 from attnmask.pretrained.quantized import BlockLinear
 from attnmask.pretrained.storage import cache_dir
@@ -112,7 +113,7 @@ class PretrainedTokenizer(TokenizerBase):
         at ``<|endoftext|>`` when the vocabulary has it (chat models end turns with their eos)."""
         eos = special_ids["eos_id"]
         if eos is None:
-            raise ValueError("the checkpoint names no eos token id; expected tokenizer.ggml.eos_token_id")
+            raise UserError("the checkpoint names no eos token id; expected tokenizer.ggml.eos_token_id")
         end_of_text = hf_tokenizer.token_to_id("<|endoftext|>")
         stop = [eos] + ([end_of_text] if end_of_text is not None and end_of_text != eos else [])
         return cls(
@@ -134,7 +135,7 @@ class PretrainedTokenizer(TokenizerBase):
         """Token ids of ``text`` (special tokens spelled in it included), with ``<bos>`` first when
         the model expects it. Raises TypeError for non-``str``."""
         if not isinstance(text, str):
-            raise TypeError(f"expected text as str, got {type(text).__name__}")
+            raise UserTypeError(f"expected text as str, got {type(text).__name__}")
         ids = self._hf.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
@@ -189,15 +190,15 @@ class ChatTemplate:
                 or not isinstance(m.get("role"), str)
                 or not isinstance(m.get("content"), str)
             ):
-                raise ValueError(f"message {i} is {m!r}; expected a dict with str 'role' and 'content'")
+                raise UserError(f"message {i} is {m!r}; expected a dict with str 'role' and 'content'")
             out.append({"role": m["role"], "content": m["content"]})
         if not out:
-            raise ValueError("no messages to render; expected at least one")
+            raise UserError("no messages to render; expected at least one")
         return out
 
     def __call__(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
         if self.source is None:
-            raise ValueError("this model has no chat template (tokenizer.chat_template); prompt it with plain text")
+            raise UserError("this model has no chat template (tokenizer.chat_template); prompt it with plain text")
         msgs = self._messages(messages)
         try:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -205,7 +206,7 @@ class ChatTemplate:
             return self.render_chatml(msgs, add_generation_prompt=add_generation_prompt)
 
         def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
+            raise UserError(f"chat template: {message}")
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
@@ -220,7 +221,7 @@ class ChatTemplate:
         """SmolLM2's template by hand: a default system turn unless the first message is one, each
         message as ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, then ``<|im_start|>assistant\\n``."""
         if self.source is None or "<|im_start|>" not in self.source:
-            raise ValueError("rendering this chat template needs jinja2 (pip install jinja2): it is not ChatML")
+            raise UserError("rendering this chat template needs jinja2 (pip install jinja2): it is not ChatML")
         msgs = self._messages(messages)
         default = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", self.source, flags=re.S)
         parts = []
@@ -250,13 +251,11 @@ def locate(name: str | os.PathLike) -> Path:
             if not path.is_file():
                 raise FileNotFoundError(f"GGUF file {path} not found")
             return path
-        raise ValueError(
-            f"unknown pretrained model {key!r}; expected one of {sorted(MODELS)} or a path to a .gguf file"
-        )
+        raise UserError(f"unknown pretrained model {key!r}; expected one of {sorted(MODELS)} or a path to a .gguf file")
     spec = MODELS[key]
     found = importlib.util.find_spec(spec.package)  # finds a top-level package without importing it
     if found is None or not found.submodule_search_locations:
-        raise ValueError(f"model {key!r} needs the package {spec.package!r}, which is not installed: {spec.install}")
+        raise UserError(f"model {key!r} needs the package {spec.package!r}, which is not installed: {spec.install}")
     for folder in found.submodule_search_locations:
         path = Path(folder) / spec.filename
         if path.is_file():
@@ -377,7 +376,7 @@ def build(
         path = name.removesuffix(".weight")
         linear = model.get_submodule(path)
         if not isinstance(linear, nn.Linear) or linear.bias is not None:
-            raise ValueError(f"{name}: block weights replace bias-free linear layers only, not {linear}")
+            raise UserError(f"{name}: block weights replace bias-free linear layers only, not {linear}")
         parent, _, child = path.rpartition(".")
         model.get_submodule(parent).register_module(child, BlockLinear(raw, kind, linear.in_features))
     missing = [k for k in missing if k not in blocks]
@@ -385,7 +384,7 @@ def build(
         model.lm_head.weight = model.embed.weight
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
-        raise ValueError(f"weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise UserError(f"weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if config.positions == "rotary":
         model.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
     elif config.positions == "sinusoidal":
@@ -452,7 +451,7 @@ def load(
             ``quantized`` with a dtype other than float32.
     """
     if quantized and dtype != torch.float32:
-        raise ValueError(f"quantized weights compute with float32 activations; got dtype={dtype}, expected float32")
+        raise UserError(f"quantized weights compute with float32 activations; got dtype={dtype}, expected float32")
     loaded = _read(locate(name), cache, quantized)
     state_dict = {k: v.to(dtype) for k, v in loaded.state_dict.items()}
     model = build(loaded.config, state_dict, loaded.blocks).eval()

@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from attnmask.errors import UserError
+
 
 def _fsync_dir(directory: Path) -> None:
     try:
@@ -96,7 +98,7 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
     try:
         load_model(model, str(path), strict=True)
     except Exception as err:  # safetensors raises several types for a bad file or mismatch
-        raise ValueError(f"{path}: cannot load weights into the model: {err}") from err
+        raise UserError(f"{path}: cannot load weights into the model: {err}") from err
 
 
 def load_torch(path: str | Path) -> dict:
@@ -110,7 +112,7 @@ def load_torch(path: str | Path) -> dict:
     except FileNotFoundError:
         raise
     except Exception as err:  # a truncated or foreign file
-        raise ValueError(f"{path}: not a readable trainer checkpoint ({err})") from err
+        raise UserError(f"{path}: not a readable trainer checkpoint ({err})") from err
 
 
 # --- random number generators ------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from attnmask.errors import UserError
 from attnmask.model import ACTIVATIONS, NORM_POSITIONS, NORMS, POSITIONS, ModelConfig
 from attnmask.train.rundir import TASKS, read_config
 
@@ -37,7 +38,7 @@ RESUME_OVERRIDES = (
 
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r}; expected one of {tuple(allowed)}")
+        raise UserError(f"{name}={value!r}; expected one of {tuple(allowed)}")
 
 
 def _positive(section, names, *, allow_zero: bool = False) -> None:
@@ -45,7 +46,7 @@ def _positive(section, names, *, allow_zero: bool = False) -> None:
         value = getattr(section, name)
         if value is not None and (value < 0 if allow_zero else value < 1):
             kind = "non-negative" if allow_zero else "positive"
-            raise ValueError(f"{name}={value}; expected a {kind} int")
+            raise UserError(f"{name}={value}; expected a {kind} int")
 
 
 @dataclass
@@ -81,9 +82,9 @@ class DataConfig:
         sizes = ("batch_tokens", "block_size", "max_len", "train_size", "valid_size", "vocab_size", "pack_length")
         _positive(self, sizes)
         if not 0.0 < self.valid_fraction < 1.0:
-            raise ValueError(f"valid_fraction={self.valid_fraction}; expected a number in (0, 1)")
+            raise UserError(f"valid_fraction={self.valid_fraction}; expected a number in (0, 1)")
         if self.task == "lm" and self.batch_tokens < self.block_size:
-            raise ValueError(
+            raise UserError(
                 f"batch_tokens={self.batch_tokens} < block_size={self.block_size}; expected at least one block"
             )
 
@@ -158,13 +159,13 @@ class OptimConfig:
         _positive(self, ("grad_accum", "max_steps"))
         _positive(self, ("warmup",), allow_zero=True)
         if self.max_steps is None and self.max_minutes is None:
-            raise ValueError("no budget: set max_steps, max_minutes, or both")
+            raise UserError("no budget: set max_steps, max_minutes, or both")
         if self.max_minutes is not None and self.max_minutes <= 0:
-            raise ValueError(f"max_minutes={self.max_minutes}; expected a positive number")
+            raise UserError(f"max_minutes={self.max_minutes}; expected a positive number")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"lr={self.lr}, min_lr_ratio={self.min_lr_ratio}; expected lr > 0, 0 <= ratio <= 1")
+            raise UserError(f"lr={self.lr}, min_lr_ratio={self.min_lr_ratio}; expected lr > 0, 0 <= ratio <= 1")
         if self.label_smoothing is not None and not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing={self.label_smoothing}; expected a number in [0, 1)")
+            raise UserError(f"label_smoothing={self.label_smoothing}; expected a number in [0, 1)")
 
 
 @dataclass
@@ -226,7 +227,7 @@ class TrainConfig:
         """
         unknown = sorted(set(settings) - set(FLAT))
         if unknown:
-            raise ValueError(f"unknown training settings {unknown}; expected some of {sorted(FLAT)}")
+            raise UserError(f"unknown training settings {unknown}; expected some of {sorted(FLAT)}")
         parts: dict[str, dict] = {section: {} for section in SECTIONS}
         for name, value in settings.items():
             section, key = FLAT[name]
@@ -262,7 +263,7 @@ class TrainConfig:
                 known = {f.name for f in fields(SECTIONS[section])}
                 unknown = sorted(set(values) - known)
                 if unknown:
-                    raise ValueError(f"unknown {section} settings {unknown}; expected some of {sorted(known)}")
+                    raise UserError(f"unknown {section} settings {unknown}; expected some of {sorted(known)}")
             return cls(**{section: SECTIONS[section](**d.get(section, {})) for section in SECTIONS})
         legacy = {
             "layers": "n_layers",
@@ -298,7 +299,7 @@ def resume_config(out: str | Path, **given) -> TrainConfig:
     saved = TrainConfig.from_dict(read_config(out)["train"])
     differ = resume_changes(saved, given)
     if differ:
-        raise ValueError(f"resume settings differ from the saved run in {out}: {'; '.join(differ)}")
+        raise UserError(f"resume settings differ from the saved run in {out}: {'; '.join(differ)}")
     allowed = {k: v for k, v in given.items() if k in RESUME_OVERRIDES}
     return saved.replace(**{**allowed, "out": str(out), "resume": True})
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from attnmask.errors import UserError
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -49,9 +51,9 @@ def setup(device: str = "auto") -> Dist:
             "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
         )
     except RuntimeError as err:
-        raise ValueError(f"--device {device!r} is not a device name; expected auto, cpu, cuda or cuda:N") from err
+        raise UserError(f"--device {device!r} is not a device name; expected auto, cpu, cuda or cuda:N") from err
     if want.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r} asks for CUDA, but torch.cuda.is_available() is False")
+        raise UserError(f"--device {device!r} asks for CUDA, but torch.cuda.is_available() is False")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return Dist(device=want)
@@ -81,7 +83,7 @@ def _rank_device(device: str, rank: int, local_rank: int) -> torch.device:
         return torch.device("cuda", local_rank)
     numbers = f"{local_ranks} local ranks (torchrun --nproc-per-node) but {gpus} GPU{'s' if gpus != 1 else ''}"
     if device != "auto":
-        raise ValueError(
+        raise UserError(
             f"--device {device}: {numbers}; start at most {gpus} processes per node, or use --device auto (CPU) or cpu"
         )
     if rank == 0:

@@ -48,6 +48,7 @@ from torch import nn
 from attnmask import allocator, linear
 from attnmask.data.collate import IGNORE_INDEX, PAD_SEGMENT
 from attnmask.decode.static import compile_failure
+from attnmask.errors import UserError
 from attnmask.model import Transformer
 from attnmask.model.loss import head_loss
 from attnmask.train import checkpoint, distributed, precision
@@ -222,14 +223,14 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         if not cfg.run.resume:
             if self.dir.holds_run:
-                raise ValueError(
+                raise UserError(
                     f"{self.dir} already holds a run; pass --resume to continue it, or choose another --out"
                 )
             return None
         saved = TrainConfig.from_dict(self.dir.read_config()["train"])
         differ = resume_changes(saved, {k: v for k, v in cfg.flat().items() if k not in RESUME_OVERRIDES})
         if differ:
-            raise ValueError(f"resume settings differ from the saved run in {self.dir}: {'; '.join(differ)}")
+            raise UserError(f"resume settings differ from the saved run in {self.dir}: {'; '.join(differ)}")
         if ctx.is_main:
             self.dir.remove_stale_temporaries()
         if not self.dir.has_checkpoint:  # stopped before its first checkpoint: start over, same settings
@@ -239,7 +240,7 @@ class Trainer:
             return None
         state = self.dir.load_trainer_state()
         if len(state["ranks"]) != ctx.world_size:
-            raise ValueError(
+            raise UserError(
                 f"{self.dir} was saved by {len(state['ranks'])} processes, this resume has "
                 f"{ctx.world_size}; expected the same number (torchrun --nproc-per-node)"
             )

@@ -17,6 +17,7 @@ import copy
 import queue
 import threading
 
+from attnmask.errors import UserError
 from attnmask.train.tasks import Batch, TrainingTask
 
 _DONE = object()
@@ -27,7 +28,7 @@ class Prefetcher:
 
     def __init__(self, task: TrainingTask, depth: int = 1):
         if depth < 1:
-            raise ValueError(f"depth={depth}; expected at least one batch ahead")
+            raise UserError(f"depth={depth}; expected at least one batch ahead")
         self.task = task
         self.depth = depth
         self._state = copy.deepcopy(task.state_dict())  # the data position after the last consumed batch

@@ -33,6 +33,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from attnmask.data.tokenizer import Tokenizer
+from attnmask.errors import UserError
 from attnmask.model import ModelConfig, Transformer
 from attnmask.train import checkpoint
 from attnmask.train.checkpoint import atomic_write_text, load_weights
@@ -84,7 +85,7 @@ class Run:
 def write_config(path: str | Path, *, task: str, model: ModelConfig, train: dict, src_tokenizer: bool) -> Path:
     """Write ``config.json`` (atomically) for a run directory."""
     if task not in TASKS:
-        raise ValueError(f"task={task!r}; expected one of {TASKS}")
+        raise UserError(f"task={task!r}; expected one of {TASKS}")
     config = {
         "format": FORMAT_VERSION,
         "task": task,
@@ -103,19 +104,19 @@ def read_config(path: str | Path) -> dict:
     """
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"{path}: not a run directory (no such directory)")
+        raise UserError(f"{path}: not a run directory (no such directory)")
     file = path / CONFIG
     if not file.is_file():
-        raise ValueError(f"{path}: not a run directory (missing {CONFIG}); expected the --out of `attnmask train`")
+        raise UserError(f"{path}: not a run directory (missing {CONFIG}); expected the --out of `attnmask train`")
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{file}: not valid JSON ({err})") from err
+        raise UserError(f"{file}: not valid JSON ({err})") from err
     missing = [k for k in ("task", "model", "tokenizers") if k not in config]
     if missing:
-        raise ValueError(f"{file}: missing keys {missing}; expected a config written by `attnmask train`")
+        raise UserError(f"{file}: missing keys {missing}; expected a config written by `attnmask train`")
     if config["task"] not in TASKS:
-        raise ValueError(f"{file}: task={config['task']!r}; expected one of {TASKS}")
+        raise UserError(f"{file}: task={config['task']!r}; expected one of {TASKS}")
     return config
 
 
@@ -126,7 +127,7 @@ def load_tokenizers(path: str | Path, config: dict) -> tuple[Tokenizer, Tokenize
     files = [names["tgt"]] + ([names["src"]] if names.get("src") else [])
     missing = [f for f in files if not (path / f).is_file()]
     if missing:
-        raise ValueError(f"{path}: run directory is missing {', '.join(missing)}")
+        raise UserError(f"{path}: run directory is missing {', '.join(missing)}")
     tokenizer = Tokenizer.load(path / names["tgt"])
     if config["task"] == "lm":
         return tokenizer, None
@@ -144,7 +145,7 @@ def load_run(path: str | Path, *, device: str = "cpu") -> Run:
     path = Path(path)
     config = read_config(path)
     if not (path / WEIGHTS).is_file():
-        raise ValueError(f"{path}: run directory is missing {WEIGHTS} (training has not saved a checkpoint yet)")
+        raise UserError(f"{path}: run directory is missing {WEIGHTS} (training has not saved a checkpoint yet)")
     tokenizer, src_tokenizer = load_tokenizers(path, config)
     model = Transformer(ModelConfig.from_dict(config["model"]))
     load_weights(path / WEIGHTS, model)
@@ -233,7 +234,7 @@ class RunDir:
         checkpoint.save_torch(self.path / TRAINER_STATE, state)
         checkpoint.save_weights(self.path / WEIGHTS, model, {"step": str(state["step"])})
         if not self.weights_readable():
-            raise ValueError(f"{self.path / WEIGHTS}: written but does not read back; the disk may be full")
+            raise UserError(f"{self.path / WEIGHTS}: written but does not read back; the disk may be full")
 
     def truncate_metrics(self, step: int) -> None:
         truncate_metrics(self.path, step)

@@ -38,6 +38,7 @@ from attnmask.data import (
 )
 from attnmask.data.samplers import LMStream, PackingBatcher, TokenBucketBatcher
 from attnmask.data.tokenizer import Tokenizer
+from attnmask.errors import UserError
 from attnmask.model import ModelConfig, Transformer
 from attnmask.train import distributed, evaluate
 from attnmask.train.config import DataConfig, ModelSettings, TrainConfig
@@ -52,7 +53,7 @@ def build_tokenizer(kind: str, texts: list[str], vocab_size: int) -> Tokenizer:
         return Tokenizer.train_chars(texts)
     if kind == "bpe":
         return Tokenizer.train_bpe(texts, vocab_size)
-    raise ValueError(f"tokenizer={kind!r}; expected 'char' or 'bpe'")
+    raise UserError(f"tokenizer={kind!r}; expected 'char' or 'bpe'")
 
 
 @dataclass
@@ -155,7 +156,7 @@ class TranslationTask:
         self._device = device
         lengths = self.train_lengths()
         shard = {"shuffle": True, "seed": self.seed, "rank": rank, "world_size": world_size}
-        if packs_on(self.data.samplers, device):
+        if packs_on(self.data.batching, device):
             # a row holds at least the longest pair; pack_length is the usual row
             row = min(max(self.data.pack_length, *(max(p) for p in lengths)), self.data.batch_tokens)
             self._sampler = PackingBatcher(lengths, self.data.batch_tokens, row_tokens=row, **shard)
@@ -303,13 +304,13 @@ def _translation_pairs(cfg: DataConfig, seed: int) -> tuple[list[tuple[str, str]
         notes.append(f"built-in task {task.name!r}: {task.description}")
         return train, valid, notes
     if not cfg.src or not cfg.tgt:
-        raise ValueError("translation needs --src FILE and --tgt FILE (or a built-in task)")
+        raise UserError("translation needs --src FILE and --tgt FILE (or a built-in task)")
     data = read_parallel(cfg.src, cfg.tgt)
     if data.skipped_empty:
         notes.append(f"skipped {data.skipped_empty} line pairs with an empty side in {cfg.src} / {cfg.tgt}")
     train = data.pairs
     if bool(cfg.valid_src) != bool(cfg.valid_tgt):
-        raise ValueError("give both --valid-src and --valid-tgt, or neither")
+        raise UserError("give both --valid-src and --valid-tgt, or neither")
     if cfg.valid_src:
         vdata = read_parallel(cfg.valid_src, cfg.valid_tgt)
         if vdata.skipped_empty:
@@ -385,7 +386,7 @@ def lm_task(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> LMTask:
         DataError: unreadable or empty files, or a split shorter than one block.
     """
     if not cfg.text:
-        raise ValueError("language modelling needs --text FILE")
+        raise UserError("language modelling needs --text FILE")
     notes = []
     text = read_text(cfg.text)
     if cfg.valid_text:
