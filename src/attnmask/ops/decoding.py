@@ -1,11 +1,11 @@
-"""The one-token decoding step as a few C++ operators: its work between the matrix products, and its float32 products.
+"""The one-token decoding step's work between its matrix products, and its float32 products, as PyTorch operators.
 
 A one-token step of a pre-norm RMSNorm / rotary / SwiGLU decoder (Llama, SmolLM2) does, per layer,
 four matrix products and between them ~30 small operations on a few hundred floats: norms, a
 residual, rotary on the new query and key, two cache writes, attention of one query per head,
-SiLU. Eager PyTorch dispatches each of them (2-10 us apiece): a SmolLM2 step's framework work
-took 4.0-4.5 ms a token on one Zen 5 core, and takes 1.95-2.3 ms with these operators, which do the
-same work in one call each:
+SiLU. Eager PyTorch dispatches each of them separately, and at batch 1 that dispatching costs as
+much as the products; these operators do the same work in one call each (figures: the SmolLM2
+sections of ``docs/benchmarks.md``):
 
 - ``torch.ops.attnmask.rms_norm(x, weight, eps)``: ``weight * x / sqrt(mean(x^2) + eps)`` per row;
 - ``torch.ops.attnmask.add_rms_norm(x, delta, weight, eps)`` -> ``(x + delta, rms_norm(x + delta))``:
@@ -17,45 +17,33 @@ same work in one call each:
   its key/value head with ``bias`` (0 / -inf) added to its scores. Rows with nothing to attend to
   give zeros, never NaN;
 - ``torch.ops.attnmask.linear_rows(x, weight, bias)``: ``x W^T + b`` for a few rows ``x (M, K)`` and a
-  row-major ``W (N, K)``: a matrix-vector product that streams the weights with software prefetch and
-  splits their rows over PyTorch's threads, where the BLAS reads them at ~60% of the rate and on one
-  thread only (measured: 38 GB/s against 21-26 on one Zen 5 core; 46-52 against 21-26 on two).
-
+  row-major ``W (N, K)``: a matrix-vector product that streams the weights with software prefetch
+  and splits their rows over PyTorch's threads (the BLAS reads them slower, on one thread);
 - ``torch.ops.attnmask.decoder_step(x, cos, signed_sin, norms, eps, products, kinds, k_caches, v_caches,
   col, bias, heads, kv_heads, scale)``: a whole one-token step, every layer and the head, making the
-  calls above (and ``attnmask::block_matmul`` for block layers) from C++: one call a token instead of
-  ~210 from Python, each ~4 us of Python and dispatcher (see :func:`attnmask.decode.static._fused_step`).
+  calls above (and the block product of :mod:`attnmask.ops.blocks` for block layers) from C++: one
+  call a token instead of a few hundred from Python (see :func:`attnmask.decode.static._fused_step`).
 
-The first four are what Llama's layers do between their products, the fifth their float32 products.
-The operators are implemented in C++ for float32 CPU tensors only (``_fused.cpp``, built on first
-use with ``$CXX`` against PyTorch's headers, see :mod:`attnmask.native`; other inputs are refused
-with a message naming them). :func:`cpu_available` builds and loads them once, and says whether
-they are there; ``ATTNMASK_FUSED=0`` turns them off. Where they are not,
-:func:`attnmask.decode.static.decode_one` runs its PyTorch operations instead. ``*_reference`` is
-each operator's definition in PyTorch, for any dtype and device: what the tests compare with. Rows
-are computed independently of each other and of the thread count, so a row's result does not
-depend on the batch it comes in.
+Each operator has its PyTorch definition here (``*_reference``, any dtype and device), registered as
+the kernel every device runs where no faster one is; ``csrc/decoding.cpp`` registers the float32
+CPU kernels (other dtypes are refused there with a message naming them) when the native library is
+built (:mod:`attnmask.ops.native`). Rows are computed independently of each other and of the thread
+count, so a row's result does not depend on the batch it comes in.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import threading
-import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnmask import native
+from attnmask.ops import blocks  # decoder_step multiplies by block weights (csrc/blocks.h in C++)
 
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
-    "cpu_available",
     "decoder_step",
+    "decoder_step_reference",
     "linear_rows",
     "linear_rows_reference",
     "rms_norm",
@@ -64,12 +52,7 @@ __all__ = [
     "rope_attend_reference",
     "silu_mul",
     "silu_mul_reference",
-    "status",
 ]
-
-_SOURCE = Path(__file__).with_name("_fused.cpp")
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,8 +108,50 @@ def rope_attend_reference(
     return out.reshape(B, heads * D)
 
 
+def decoder_step_reference(
+    x: Tensor,
+    cos: Tensor,
+    signed_sin: Tensor,
+    norms: list[Tensor],
+    eps: list[float],
+    products: list[Tensor],
+    kinds: list[int],
+    k_caches: list[Tensor],
+    v_caches: list[Tensor],
+    col: int,
+    bias: Tensor | None,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+) -> Tensor:
+    """``decoder_step`` as the same operator calls from Python, in the same order."""
+    L = len(k_caches)
+    first = [0]  # where each product's tensors start
+    for kind in kinds:
+        first.append(first[-1] + (3 if kind == Q4_1 else 2))
+
+    def project(i: int, h: Tensor) -> Tensor:
+        t = products[first[i] : first[i + 1]]
+        if kinds[i] == DENSE:
+            return linear_rows(h, t[0], t[1] if t[1].numel() else None)
+        m = t[2] if kinds[i] == Q4_1 else None
+        return blocks.block_matmul(t[0], t[1], m, h, "Q4_1" if kinds[i] == Q4_1 else "Q8_0", h.shape[1])
+
+    h = rms_norm(x, norms[0], eps[0])
+    for layer in range(L):
+        qkv = project(4 * layer, h)
+        out = rope_attend(
+            qkv, cos, signed_sin, k_caches[layer], v_caches[layer], col, col + 1, bias, heads, kv_heads, scale
+        )
+        x, h = add_rms_norm(x, project(4 * layer + 1, out), norms[2 * layer + 1], eps[2 * layer + 1])
+        delta = project(4 * layer + 3, silu_mul(project(4 * layer + 2, h)))
+        x, h = add_rms_norm(x, delta, norms[2 * layer + 2], eps[2 * layer + 2])
+    return project(4 * L, h)
+
+
 # ---------------------------------------------------------------------------------------------
-# The operators: schemas and shape rules here, the CPU float32 implementations in _fused.cpp
+# The operators: schemas, shape rules and PyTorch definitions here; csrc/decoding.cpp adds the
+# float32 CPU kernels
 # ---------------------------------------------------------------------------------------------
 _LIBRARY = torch.library.Library("attnmask", "FRAGMENT")
 _LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -176,62 +201,19 @@ def _(qkv, cos, signed_sin, k_cache, v_cache, col, keys, bias, heads, kv_heads, 
     return qkv.new_empty(k_cache.shape[0], heads * k_cache.shape[3])
 
 
+for _name, _definition in [
+    ("rms_norm", rms_norm_reference),
+    ("add_rms_norm", add_rms_norm_reference),
+    ("silu_mul", silu_mul_reference),
+    ("linear_rows", linear_rows_reference),
+    ("rope_attend", rope_attend_reference),
+    ("decoder_step", decoder_step_reference),
+]:
+    _LIBRARY.impl(_name, _definition, "CompositeExplicitAutograd")
+
 rms_norm = torch.ops.attnmask.rms_norm.default
 add_rms_norm = torch.ops.attnmask.add_rms_norm.default
 silu_mul = torch.ops.attnmask.silu_mul.default
 rope_attend = torch.ops.attnmask.rope_attend.default
 linear_rows = torch.ops.attnmask.linear_rows.default
 decoder_step = torch.ops.attnmask.decoder_step.default
-
-
-# ---------------------------------------------------------------------------------------------
-# The C++ build
-# ---------------------------------------------------------------------------------------------
-def cpu_available() -> bool:
-    """Whether the C++ CPU implementations are loaded (building them on the first call; a warning,
-    once, if they cannot be built). False with ``ATTNMASK_FUSED=0``."""
-    if "loaded" in _state:
-        return bool(_state["loaded"])
-    with _lock:
-        if "loaded" not in _state:
-            _state["loaded"] = False
-            if os.environ.get("ATTNMASK_FUSED", "1") == "0":
-                _state["why"] = "disabled by ATTNMASK_FUSED=0"
-            else:
-                try:
-                    _state["why"] = _load()
-                    _state["loaded"] = True
-                except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-                    _state["why"] = f"PyTorch ({err})"
-                    warnings.warn(
-                        f"attnmask: fused decoding operators unavailable, decoding with PyTorch's (slower): {err}",
-                        stacklevel=3,
-                    )
-    return bool(_state["loaded"])
-
-
-def status() -> str:
-    """Which implementation the fused operators use here (building the C++ one if needed)."""
-    cpu_available()
-    return str(_state["why"])
-
-
-def _load() -> str:
-    """Build (once, into the kernel cache) and load ``_fused.cpp``; returns what was loaded, in words."""
-    cxx = native.compiler("CXX", "c++")
-    source = _SOURCE.read_text(encoding="utf-8")
-    # at::parallel_for is OpenMP in PyTorch's CPU builds: without -fopenmp it runs on one thread
-    for flags in ([*native.simd_flags(), "-fopenmp"], native.simd_flags()):
-        name = native.library_name("fused", source, *flags, *cxx, torch.__version__)
-        target = native.cache_dir() / "kernels" / name
-        try:
-            if not target.is_file():
-                native.build_operator(target, _SOURCE, cxx[0], flags=flags)
-            break
-        except OSError as err:
-            error = err
-    else:
-        raise error
-    torch.ops.load_library(str(target))
-    simd = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "portable C")
-    return f"C++, {simd}, {'OpenMP threads' if '-fopenmp' in flags else 'one thread'} ({target})"

@@ -1,8 +1,8 @@
 /*
- * y = x W^T with W held in llama.cpp's block formats, float32 activations (attnmask.quantized).
+ * y = x W^T with W held in llama.cpp's block formats, float32 activations (attnmask.ops.blocks).
  *
  * A GGUF block holds 32 weights: Q4_1 weight j = d * q_j + m (q_j in 0..15), Q8_0 weight j = d * q_j
- * (q_j in -128..127), d and m float16. attnmask.quantized repacks each row once, at load time, into a
+ * (q_j in -128..127), d and m float16. attnmask.ops.blocks.repack repacks each row once, at load time, into a
  * layout these loops read without byte shuffles (values unchanged):
  *
  *   Q4_1: blocks in pairs (a zero block pads an odd count); per pair 8 uint32 lanes, lane i holding

@@ -1,0 +1,22 @@
+// What other native code of attnmask may call of blocks.cpp: the declared dependency of
+// decoding.cpp's decoder_step on the block-weight product (the same function the operator
+// attnmask::block_matmul runs on the CPU, called directly rather than looked up by name).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <optional>
+
+namespace attnmask {
+
+// x (rows, in_features) float32 @ W^T, W held as GGUF blocks repacked by attnmask.ops.blocks.repack;
+// every buffer is checked first (ValueError naming it). kind: "Q4_1" or "Q8_0".
+at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
+                        const at::Tensor &x, c10::string_view kind, int64_t in_features);
+
+// The float32 (out, in_features) weight the blocks hold, d * q (+ m).
+at::Tensor block_dequantize(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
+                            c10::string_view kind, int64_t in_features);
+
+}  // namespace attnmask
