@@ -4,8 +4,9 @@ The shapes are the products attnmask's workloads run: translation decoding (64 r
 Marian-size model, C=512, FFN 2048, V=8000), the Multi30k training step (4,096 tokens through dim 256,
 FFN 1024, V=8000; forward, and forward + backward), and SmolLM2's widths at a few rows. Each cell
 is the best of ``--repeats`` timed runs of ``--inner`` calls, the two contenders taking turns; the
-outputs are checked against a float64 product first. The last column is what
-``attnmask.linear.engine()`` (``ATTNMASK_MATMUL=auto``) chose on this machine.
+outputs are checked against a float64 product first. The header says what
+``attnmask.linear.engine()`` takes on this machine (``ATTNMASK_MATMUL``, default ``auto``: a fixed
+rule from the CPU's vendor, family and flags, never a timing) and why.
 
     python benchmarks/matmul.py [--threads 1] [--repeats 5]
 """

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from attnmask import linear as L
+from attnmask.errors import UserError
 
 needs_onednn = pytest.mark.skipif(not L._onednn_available(), reason="this PyTorch has no oneDNN")
 
@@ -91,21 +92,131 @@ def test_other_dtypes_and_autocast_keep_torchs_own_product(engine_restored):
 
 
 def test_engine_names_are_checked(engine_restored, monkeypatch):
-    with pytest.raises(ValueError, match="unknown matmul engine 'mkl'.*auto, onednn, blas"):
+    with pytest.raises(UserError, match="unknown matmul engine 'mkl'.*auto, onednn, blas, measure"):
         L.set_engine("mkl")
     L._engine = None
     monkeypatch.setenv("ATTNMASK_MATMUL", "fast")
-    with pytest.raises(ValueError, match="ATTNMASK_MATMUL='fast'.*auto, onednn, blas"):
+    with pytest.raises(UserError, match="ATTNMASK_MATMUL='fast'.*auto, onednn, blas, measure"):
         L.engine()
     monkeypatch.setenv("ATTNMASK_MATMUL", "blas")
     assert L.engine() == "blas" and L.engine_reason() == "as requested"
 
 
+def proc_cpuinfo(vendor: str, family: int, model: int, flags: str) -> str:
+    """One processor's block of /proc/cpuinfo as Linux writes it (the flags cut to those that matter)."""
+    return f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\nflags\t\t: {flags}\n\n"
+
+
+ZEN5 = proc_cpuinfo("AuthenticAMD", 26, 2, "fpu avx2 avx512f avx512bw")  # EPYC 9005
+ZEN4 = proc_cpuinfo("AuthenticAMD", 25, 17, "fpu avx2 avx512f avx512bw")  # EPYC 9004: AVX-512 in two halves
+ZEN3 = proc_cpuinfo("AuthenticAMD", 25, 1, "fpu avx avx2")
+AMD_AVX2 = proc_cpuinfo("AuthenticAMD", 26, 68, "fpu avx avx2")  # family 26, AVX-512 absent (or masked by a VM)
+INTEL = proc_cpuinfo("GenuineIntel", 6, 143, "fpu avx2 avx512f avx512bw")  # Sapphire Rapids
+ARM = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\n\n"
+
+
+def test_cpuinfo_is_read_from_the_first_processor():
+    two = ZEN5 + ZEN5.replace("processor\t: 0", "processor\t: 1").replace("26", "99")
+    assert L.cpu_info(two) == L.CpuInfo("AuthenticAMD", 26, frozenset({"fpu", "avx2", "avx512f", "avx512bw"}))
+    assert L.cpu_info(ARM) == L.CpuInfo("", None, frozenset())
+
+
+@pytest.mark.parametrize(
+    "cpuinfo, onednn, chosen, why",
+    [
+        (ZEN5, True, "onednn", "auto: AMD family 26 (Zen 5 or later) with AVX-512"),
+        (ZEN5, False, "blas", "auto: this PyTorch has no working oneDNN product"),
+        (ZEN4, True, "blas", "auto: AMD family 25, before Zen 5 (family 26)"),
+        (ZEN3, True, "blas", "auto: AMD family 25, before Zen 5"),
+        (INTEL, True, "blas", "auto: GenuineIntel's CPU, not AMD's"),
+        (AMD_AVX2, True, "blas", "auto: AMD family 26 without AVX-512 (no avx512f)"),
+        (ARM, True, "blas", "auto: an unknown vendor's CPU"),
+        (None, True, "blas", "auto: CPU unknown"),
+    ],
+    ids=["zen5", "zen5-no-onednn", "zen4", "zen3", "intel", "amd-avx2-only", "arm", "unknown"],
+)
+def test_the_auto_rule_follows_the_cpu(cpuinfo, onednn, chosen, why):
+    cpu = None if cpuinfo is None else L.cpu_info(cpuinfo)
+    engine, reason = L.auto_rule(cpu, onednn=onednn)
+    assert engine == chosen
+    assert reason.startswith(why), reason
+
+
+@pytest.mark.parametrize("name", ["auto", "onednn", "blas"])
+def test_no_engine_but_measure_times_anything(name, engine_restored, monkeypatch):
+    def timing(*args, **kwargs):
+        raise AssertionError(f"{name} timed the two libraries")
+
+    monkeypatch.setattr(L, "measure_speedup", timing)
+    assert L.set_engine(name) in ("onednn", "blas")
+    L._engine = None
+    monkeypatch.setenv("ATTNMASK_MATMUL", name)
+    L.engine()  # the environment's default path too
+
+
+def test_auto_applies_the_rule_to_this_machine(engine_restored, monkeypatch):
+    zen5, zen4 = L.cpu_info(ZEN5), L.cpu_info(ZEN4)
+    monkeypatch.setattr(L, "cpu_info", lambda: zen5)
+    monkeypatch.setattr(L, "_onednn_checked", (True, ""))
+    assert L.set_engine("auto") == "onednn"
+    assert L.engine_reason().startswith("auto: AMD family 26 (Zen 5 or later)")
+    monkeypatch.setattr(L, "cpu_info", lambda: zen4)
+    assert L.set_engine("auto") == "blas"
+    assert L.engine_reason().startswith("auto: AMD family 25")
+    # the same answer every time: a rule, not a measurement
+    assert {L.set_engine("auto") for _ in range(5)} == {"blas"}
+
+
 @needs_onednn
-def test_auto_times_both_and_says_so(engine_restored):
-    chosen = L.set_engine("auto")
-    assert chosen in ("onednn", "blas")
-    assert L.engine_reason().startswith("auto: oneDNN measured ")
+def test_measure_times_both_and_says_so(engine_restored, monkeypatch):
+    monkeypatch.setattr(L, "measure_speedup", lambda: 1.3)
+    assert L.set_engine("measure") == "onednn"
+    assert L.engine_reason() == "measure: oneDNN timed at 1.3x the BLAS's speed (threshold 1.15x)"
+    monkeypatch.setattr(L, "measure_speedup", lambda: 1.1)
+    assert L.set_engine("measure") == "blas"
+    monkeypatch.undo()
+    assert L.set_engine("measure") in ("onednn", "blas")  # the real timing runs
+    assert L.engine_reason().startswith("measure: oneDNN timed at ")
+
+
+@pytest.mark.parametrize(
+    "broken, why",
+    [
+        ("raises", "torch.ops.mkldnn._linear_pointwise failed (RuntimeError: unsupported)"),
+        ("wrong", "torch.ops.mkldnn._linear_pointwise disagrees with F.linear"),
+        ("missing", "this PyTorch has no torch.ops.mkldnn._linear_pointwise"),
+    ],
+)
+def test_a_broken_private_op_falls_back_to_the_blas(broken, why, engine_restored, monkeypatch):
+    class FakeOps:  # stands in for torch.ops.mkldnn
+        if broken == "raises":
+
+            @staticmethod
+            def _linear_pointwise(x, w, b, *args):
+                raise RuntimeError("unsupported")
+
+        elif broken == "wrong":
+
+            @staticmethod
+            def _linear_pointwise(x, w, b, *args):
+                return F.linear(x, w, b) + 1.0
+
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.ops, "mkldnn", FakeOps())
+    monkeypatch.setattr(L, "_onednn_checked", None)
+    assert L._onednn_works() == (False, why)
+    assert L.set_engine("onednn") == "blas"
+    assert L.engine_reason() == f"onednn requested, but {why}"
+    assert L.set_engine("auto") == "blas"
+    assert L.engine_reason() == "auto: this PyTorch has no working oneDNN product"
+    x, w = torch.randn(64, 256), torch.randn(512, 256)
+    torch.testing.assert_close(L.linear(x, w), F.linear(x, w))  # the BLAS computes it; nothing raised
+
+
+@needs_onednn
+def test_the_check_passes_for_this_torchs_onednn(monkeypatch):
+    monkeypatch.setattr(L, "_onednn_checked", None)
+    assert L._onednn_works() == (True, "")
 
 
 @needs_onednn

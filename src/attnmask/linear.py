@@ -1,23 +1,38 @@
-"""Float32 matrix products on the CPU through the faster of the two libraries inside PyTorch.
+"""Float32 matrix products on the CPU in either of the two libraries inside PyTorch.
 
 PyTorch computes a float32 ``F.linear`` on the CPU in the BLAS it was built with (MKL on x86), and
-MKL runs its AVX2 code on AMD processors: on a Zen 5 core about 100 GFLOP/s, where oneDNN, which
-PyTorch also carries (it serves the bfloat16 products and inductor's frozen graphs), reaches about
-235 for the same float32 product (``docs/benchmarks.md``). :class:`Linear` is ``nn.Linear`` whose
-float32 CPU products go to oneDNN where this machine measures oneDNN faster, forward and backward;
-everything else (CUDA, bfloat16 or float64 tensors, autocast, products too small to amortize
-oneDNN's ~10 us a call) is ``F.linear`` unchanged. Both compute in float32 with float32 sums; only
-the order of the additions differs (results agree to float32 rounding, not bit for bit).
+MKL runs its AVX2 code on AMD processors. oneDNN, which PyTorch also carries (it serves the bfloat16
+products and inductor's frozen graphs), runs AVX-512 there. :class:`Linear` is ``nn.Linear`` whose
+float32 CPU products go to oneDNN when :func:`engine` says so, forward and backward; everything else
+(CUDA, bfloat16 or float64 tensors, autocast, products too small to amortize oneDNN's ~10 us a call)
+is ``F.linear`` unchanged. Both compute in float32 with float32 sums; only the order of the
+additions differs, so results agree to float32 rounding, not bit for bit.
 
-Which library: ``$ATTNMASK_MATMUL`` = ``auto`` (the default: time both once per process on a
-``(256, 512) x (512, 512)`` product and take oneDNN if it is at least :data:`MIN_SPEEDUP` times
-faster), ``onednn`` or ``blas``; :func:`set_engine` overrides it in code, :func:`engine` says which.
+Which library: ``$ATTNMASK_MATMUL`` =
+
+- ``auto`` (the default): a fixed rule from what the CPU is, never a timing, so the same command on
+  the same machine computes the same sums whatever the load (:func:`auto_rule`). oneDNN where its
+  edge is large: an AMD CPU of family 26 (Zen 5) or later with AVX-512, whose full-width 512-bit
+  datapath MKL's AVX2 code leaves half idle. The BLAS everywhere else: on Zen 4 (family 25, AVX-512
+  executed in two halves) oneDNN's edge is small, on Intel MKL runs AVX-512 itself, and without
+  AVX-512 there is nothing to gain. Figures: ``docs/benchmarks.md``, "Matrix products".
+- ``onednn`` or ``blas``: that library (``onednn`` falls back to the BLAS, saying why, where this
+  PyTorch's oneDNN product is missing or fails its check).
+- ``measure``: time both once per process on a ``(256, 512) x (512, 512)`` product and take oneDNN
+  if it is at least :data:`MIN_SPEEDUP` times faster. Faster on some machines, but the choice, and
+  with it the last bits of every product, can change with the machine's load: opt in knowingly.
+
+:func:`set_engine` overrides it in code, :func:`engine` says which, :func:`engine_reason` why.
+
+Raises :class:`~attnmask.errors.UserError` for an engine name not in :data:`ENGINES`.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,11 +40,24 @@ from torch import Tensor, nn
 
 from attnmask.errors import UserError
 
-__all__ = ["ENGINES", "LIBRARIES", "Linear", "engine", "engine_reason", "linear", "set_engine"]
+__all__ = [
+    "ENGINES",
+    "LIBRARIES",
+    "CpuInfo",
+    "Linear",
+    "auto_rule",
+    "cpu_info",
+    "engine",
+    "engine_reason",
+    "linear",
+    "measure_speedup",
+    "set_engine",
+]
 
-ENGINES = ("auto", "onednn", "blas")
+ENGINES = ("auto", "onednn", "blas", "measure")
 LIBRARIES = {"onednn": "oneDNN", "blas": "the BLAS"}  # what a log calls each engine
-MIN_SPEEDUP = 1.15  # oneDNN must beat the BLAS by this much to be chosen by ``auto``
+MIN_SPEEDUP = 1.15  # oneDNN must beat the BLAS by this much to be chosen by ``measure``
+FIRST_FULL_WIDTH_AMD_FAMILY = 26  # 0x1A, Zen 5: AVX-512 on a full 512-bit datapath (Zen 4, 0x19, splits it)
 # oneDNN costs ~10 us more a call than the BLAS (Zen 5): below this many multiply-adds, or with
 # fewer rows, the BLAS is as fast (measured: 4 rows of 512 x 2048 1.4x faster in oneDNN, 2 rows slower)
 MIN_ROWS = 4
@@ -37,10 +65,92 @@ MIN_MACS = 1 << 21
 
 _engine: str | None = None  # "onednn" or "blas" once decided
 _reason = ""
+_onednn_checked: tuple[bool, str] | None = None  # (works, why not) once checked
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What :func:`auto_rule` needs to know of a CPU (the first processor of ``/proc/cpuinfo``)."""
+
+    vendor: str  # "AuthenticAMD", "GenuineIntel", ... ("" when unknown)
+    family: int | None  # x86 "cpu family" in decimal (26 = 0x1A, Zen 5); None when unknown
+    flags: frozenset[str] = field(default_factory=frozenset)  # "avx2", "avx512f", ...
+
+
+def cpu_info(text: str | None = None) -> CpuInfo | None:
+    """This machine's :class:`CpuInfo` from ``/proc/cpuinfo`` (or from ``text`` in its format);
+    ``None`` off Linux or where the file cannot be read."""
+    if text is None:
+        if platform.system() != "Linux":
+            return None
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return None
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block is enough: the others are the same CPU
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    family = fields.get("cpu family", "")
+    return CpuInfo(
+        vendor=fields.get("vendor_id", ""),
+        family=int(family) if family.isdigit() else None,
+        flags=frozenset(fields.get("flags", "").split()),
+    )
+
+
+def auto_rule(cpu: CpuInfo | None, *, onednn: bool) -> tuple[str, str]:
+    """``(engine, reason)`` that ``auto`` takes for ``cpu`` (``None``: unknown) given whether this
+    PyTorch's oneDNN product works. A pure function of its arguments: no timing."""
+    if not onednn:
+        return "blas", "auto: this PyTorch has no working oneDNN product"
+    if cpu is None:
+        return "blas", "auto: CPU unknown (no /proc/cpuinfo)"
+    if cpu.vendor != "AuthenticAMD":
+        return "blas", f"auto: {cpu.vendor or 'an unknown vendor'}'s CPU, not AMD's: the BLAS runs its best code here"
+    if cpu.family is None or cpu.family < FIRST_FULL_WIDTH_AMD_FAMILY:
+        return "blas", (
+            f"auto: AMD family {cpu.family}, before Zen 5 (family {FIRST_FULL_WIDTH_AMD_FAMILY}): "
+            "oneDNN's edge is too small to leave the BLAS"
+        )
+    if "avx512f" not in cpu.flags:
+        return "blas", f"auto: AMD family {cpu.family} without AVX-512 (no avx512f): nothing to gain"
+    return "onednn", f"auto: AMD family {cpu.family} (Zen 5 or later) with AVX-512, where MKL runs its AVX2 code"
+
+
+def _onednn_works() -> tuple[bool, str]:
+    """Whether ``torch.ops.mkldnn._linear_pointwise`` (private to PyTorch) exists and computes a
+    tiny product as ``F.linear`` does; checked once a process. ``(False, why)`` otherwise."""
+    global _onednn_checked
+    if _onednn_checked is None:
+        _onednn_checked = _check_onednn()
+    return _onednn_checked
+
+
+def _check_onednn() -> tuple[bool, str]:
+    if not torch.backends.mkldnn.is_available():
+        return False, "this PyTorch has no oneDNN"
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False, "this PyTorch has no torch.ops.mkldnn._linear_pointwise"
+    g = torch.Generator().manual_seed(0)  # not the global generator: checking must not change a seeded run
+    x, w, b = torch.randn(8, 16, generator=g), torch.randn(12, 16, generator=g), torch.randn(12, generator=g)
+    try:
+        got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    except Exception as err:  # a changed signature, an unsupported CPU: PyTorch's own product instead
+        return False, f"torch.ops.mkldnn._linear_pointwise failed ({type(err).__name__}: {err})"
+    want = F.linear(x, w, b)  # (8, 12)
+    if tuple(got.shape) != tuple(want.shape) or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        return False, "torch.ops.mkldnn._linear_pointwise disagrees with F.linear"
+    return True, ""
 
 
 def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return _onednn_works()[0]
 
 
 @torch.library.custom_op("attnmask::onednn_linear", mutates_args=())
@@ -64,7 +174,8 @@ def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def measure_speedup(rows: int = 256, dim: int = 512, reps: int = 5) -> float:
-    """BLAS time / oneDNN time of a float32 ``(rows, dim) x (dim, dim)`` product (best of ``reps``)."""
+    """BLAS time / oneDNN time of a float32 ``(rows, dim) x (dim, dim)`` product (best of ``reps``).
+    Used by ``measure`` alone: a timing depends on what else the machine is doing."""
     g = torch.Generator().manual_seed(0)  # not the global generator: deciding must not change a seeded run
     x, w = torch.randn(rows, dim, generator=g), torch.randn(dim, dim, generator=g)
 
@@ -81,17 +192,27 @@ def measure_speedup(rows: int = 256, dim: int = 512, reps: int = 5) -> float:
 
 
 def set_engine(name: str) -> str:
-    """Decide which library computes float32 CPU products: ``auto``, ``onednn`` or ``blas``.
-    Returns the one taken (``auto`` and ``onednn`` give ``blas`` where PyTorch has no oneDNN)."""
+    """Decide which library computes float32 CPU products: ``auto``, ``onednn``, ``blas`` or
+    ``measure`` (see the module's docstring). Returns the one taken, ``onednn`` or ``blas``.
+
+    Raises:
+        UserError: ``name`` is not one of :data:`ENGINES`.
+    """
     global _engine, _reason
     if name not in ENGINES:
         raise UserError(f"unknown matmul engine {name!r}: expected one of {', '.join(ENGINES)}")
-    if name != "blas" and not _onednn_available():
-        _engine, _reason = "blas", "this PyTorch has no oneDNN"
-    elif name == "auto":
+    if name == "blas":
+        _engine, _reason = "blas", "as requested"
+        return _engine
+    works, why_not = _onednn_works()
+    if name == "auto":
+        _engine, _reason = auto_rule(cpu_info(), onednn=works)
+    elif not works:
+        _engine, _reason = "blas", f"{name} requested, but {why_not}"
+    elif name == "measure":
         speedup = measure_speedup()
         _engine = "onednn" if speedup >= MIN_SPEEDUP else "blas"
-        _reason = f"auto: oneDNN measured {speedup:.1f}x the BLAS's speed on this CPU"
+        _reason = f"measure: oneDNN timed at {speedup:.1f}x the BLAS's speed (threshold {MIN_SPEEDUP}x)"
     else:
         _engine, _reason = name, "as requested"
     return _engine
@@ -99,7 +220,11 @@ def set_engine(name: str) -> str:
 
 def engine() -> str:
     """``onednn`` or ``blas``: the library float32 CPU products use (decided on first call, from
-    ``$ATTNMASK_MATMUL``, default ``auto``)."""
+    ``$ATTNMASK_MATMUL``, default ``auto``).
+
+    Raises:
+        UserError: ``$ATTNMASK_MATMUL`` is not one of :data:`ENGINES`.
+    """
     if _engine is None:
         name = os.environ.get("ATTNMASK_MATMUL", "auto").strip().lower() or "auto"
         if name not in ENGINES:
