@@ -31,8 +31,9 @@ Two measurements (``--part cache``, ``--part translate``, or both):
 
 ``--compile`` adds a "cached, compiled" column to part 1 (the compile time is printed, not timed).
 
-Every part runs under :func:`attnmask.allocator.keep_freed_memory` (as the CLI does; both peers
-alike; ``ATTNMASK_MALLOC=default`` leaves glibc's own policy), named in the header.
+Every part runs under :func:`attnmask.allocator.keep_freed_memory`, applied here because the script
+owns its process (as the CLI's compute commands do; both peers alike; ``ATTNMASK_MALLOC=default``
+leaves glibc's own policy), named in the header.
 
 Run: ``python benchmarks/decode.py [--part cache|translate|framework|all] [--threads N] [--compile]``.
 Timings are wall clock on whatever machine runs it unless said otherwise; nothing here is asserted.
@@ -371,7 +372,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    memory = allocator.keep_freed_memory()  # as the CLI runs; the whole process, both peers alike
+    memory = allocator.keep_freed_memory()  # this script owns the process, as the CLI does; both peers alike
     print(
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, python {sys.version.split()[0]}; memory: {memory}",

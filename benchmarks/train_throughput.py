@@ -16,9 +16,10 @@ the step times its ``on_step`` hook sees after two warm-up steps.
     python benchmarks/train_throughput.py [--rounds 3] [--steps 10] [--threads 2] [--precision bf16]
                                           [--device cpu|cuda]
 
-Both models run in one process under the same allocator policy (:mod:`attnmask.allocator`: freed
-memory kept for reuse, as ``attnmask train`` does; ``ATTNMASK_MALLOC=default`` leaves glibc's own),
-named in the header.
+Both models run in one process under the same allocator policy, set here because the script owns
+its process (:mod:`attnmask.allocator`: freed memory kept for reuse, as the ``attnmask train`` command
+does; the library itself never sets it; ``ATTNMASK_MALLOC=default`` leaves glibc's own), named in
+the header.
 
 On CUDA every round ends with a synchronisation, so the times are the GPU's, and the header names
 the GPU instead of the CPU.
@@ -148,7 +149,7 @@ def main() -> None:
     ap.add_argument("--no-loop", action="store_true", help="skip the `attnmask train` loop row")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    memory = allocator.keep_freed_memory()  # the whole process: both models, and the loop's row
+    memory = allocator.keep_freed_memory()  # this script owns the process: both models, and the loop's row
     tok, src, tgt = multi30k_ids(args.vocab_size)
     sampler = TokenBucketBatcher(translation_lengths(src, tgt), args.batch_tokens, seed=0)
     plan = sampler.batches_for_epoch(0)[: args.steps + 2]

@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # trains
 def test_demo_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
+    text, err = capsys.readouterr()
+    assert "\r" not in text + err  # redirected (captured): no progress bar's carriage returns, log lines kept
+    assert "float32 products: " in text and "memory: " in text
     assert "held-out test exact match:" in text
     assert 'numbers are read day first: "1/2/2000" -> "2000-02-01"' in text
     assert re.search(r"everyday forms \(never trained on\): \d+/50 right", text)
@@ -66,3 +68,14 @@ def test_demo_replaces_its_own_previous_run_but_not_another(tmp_path, capsys):
     (other / "config.json").write_text('{"task": "lm", "train": {"builtin_task": null}}')
     assert main(["demo", "--quick", "--out", str(other)]) == 2
     assert "holds another run (not a demo); choose another --out" in capsys.readouterr().err
+
+
+def test_the_demo_is_bounded_by_steps_not_time():
+    # same command, same seed, same machine -> same model whatever the load: no clock in the schedule
+    from attnmask.cli.demo import demo_config
+
+    for quick in (False, True):
+        cfg = demo_config("unused", quick=quick)
+        assert cfg.optim.max_minutes is None
+        assert cfg.optim.max_steps is not None and cfg.optim.max_steps > 0
+    assert demo_config("unused").run.seed == 0 and demo_config("unused", seed=3).run.seed == 3

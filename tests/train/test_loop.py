@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import ctypes
 import gzip
+import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.testing import assert_close
 
+from attnmask import allocator
 from attnmask.cli import main
 from attnmask.train import TrainConfig, checkpoint, learning_rate, param_groups, resume_config, train
+from attnmask.train.logger import TrainLogger
 from attnmask.train.rundir import load_run, read_metrics
 from attnmask.train.tasks import build_task
 
@@ -216,6 +221,51 @@ def test_the_optimizer_is_fused_adamw_on_the_cpu(tmp_path):
     train(tiny(tmp_path / "run", max_steps=2, save_every=2), log=quiet)
     groups = checkpoint.load_torch(tmp_path / "run" / "trainer_state.pt")["optimizer"]["param_groups"]
     assert groups and all(g["fused"] is True for g in groups)
+
+
+# --- the process belongs to its owner -----------------------------------------------------------
+
+
+def test_training_through_the_library_leaves_the_allocator_alone(tmp_path, monkeypatch):
+    def keep_freed_memory():
+        raise AssertionError("library training changed the process's allocator (mallopt)")
+
+    real_cdll = ctypes.CDLL
+
+    def cdll(name, *args, **kwargs):  # native kernels may load; the C library itself must not be opened
+        if name is None or "libc." in str(name):
+            raise AssertionError(f"library training opened the C library ({name!r}): mallopt")
+        return real_cdll(name, *args, **kwargs)
+
+    monkeypatch.setattr(allocator, "keep_freed_memory", keep_freed_memory)
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    lines: list[str] = []
+    train(tiny(tmp_path / "run", max_steps=2), log=lines.append)
+    assert f"memory: {allocator.current_policy()}" in lines  # what the process runs under, only said
+
+
+def test_the_progress_bar_stays_off_a_redirected_stderr(tmp_path, capsys, monkeypatch):
+    def run(out: Path) -> None:
+        logger = TrainLogger(out, is_main=True)
+        logger.open(step=0, total=40, resume=False, progress=True)
+        logger.line("step 20: loss 1.000")
+        for i in range(40):
+            logger.advance({"loss": f"{i:.3f}"})
+        logger.close()
+
+    run(tmp_path / "redirected")  # capsys: stderr is not a terminal
+    out, err = capsys.readouterr()
+    assert "\r" not in err + out
+    assert out == "step 20: loss 1.000\n"  # the log lines stay, as plain lines
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    run(tmp_path / "terminal")
+    assert terminal.getvalue().count("\r") >= 2 and "40/40" in terminal.getvalue()  # a terminal gets the bar
 
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -45,6 +46,7 @@ def translate(
     sentence's translation does not depend on its batch).
 
     ``compile`` (greedy only): as for :func:`generate`; one compiled step serves every batch.
+    ``progress``: a bar on stderr, when stderr is a terminal.
 
     Raises ValueError for a source longer than the model's maximum, TypeError for a non-string.
     """
@@ -66,7 +68,8 @@ def translate(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(ids), unit="sent", desc="translate", leave=False)
+        # a text bar on a terminal only: redirected to a file it would write a "\r" line per batch
+        bar = tqdm(total=len(ids), unit="sent", desc="translate", leave=False, disable=not sys.stderr.isatty())
     for first in range(0, len(order), batch_size):
         chunk = order[first : first + batch_size]
         src = [ids[i] for i in chunk]

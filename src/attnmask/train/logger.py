@@ -4,6 +4,7 @@ and TensorBoard scalars. Only rank 0 writes; on other ranks every call is a no-o
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,13 +20,25 @@ def default_log(msg: str) -> None:
     tqdm.write(msg)  # keeps an active progress bar intact
 
 
+def bar_wanted(bar_class: type) -> bool:
+    """Whether a progress bar belongs where it would be drawn: on a terminal, or as a notebook's
+    widget. Redirected to a file, a text bar would write thousands of ``\\r`` updates into it; the
+    log lines (:func:`default_log`) print there all the same."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        return True
+    from tqdm.notebook import tqdm_notebook
+
+    return issubclass(bar_class, tqdm_notebook)
+
+
 def fmt(metrics: dict) -> str:
     """``loss 1.234, bleu 30.12, exact_match 97.10%`` for a log line."""
     return ", ".join(f"{key} {form.format(metrics[key])}" for key, form in FORMATS.items() if key in metrics)
 
 
 class TrainLogger:
-    """Log lines (``log``), a tqdm bar, ``metrics.jsonl`` and TensorBoard for one invocation.
+    """Log lines (``log``), a tqdm bar (on a terminal or in a notebook only), ``metrics.jsonl`` and
+    TensorBoard for one invocation.
 
     Lines can be logged at once; :meth:`open` starts the bar and the files (at ``step``, purging
     TensorBoard records after it on a resume), :meth:`close` ends them and is safe to repeat.
@@ -48,7 +61,8 @@ class TrainLogger:
 
         self._writer = SummaryWriter(str(self.out / TENSORBOARD), purge_step=step if resume else None)
         self._metrics = open(self.out / METRICS, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        self._bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, disable=not progress, desc="train")
+        show = progress and bar_wanted(tqdm)
+        self._bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, disable=not show, desc="train")
 
     def record(self, rec: dict) -> None:
         """One metrics.jsonl line and its TensorBoard scalars: ``{"step", "split", ...}``."""

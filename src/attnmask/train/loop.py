@@ -266,14 +266,16 @@ class Trainer:
             # one library for every rank and for the whole run, resumes included: the same sums
             # in the same order, so a resumed run reproduces the uninterrupted one
             if self._resumed_engine is not None:
-                chosen, why = linear.set_engine(self._resumed_engine), "as the run began"
+                chosen = linear.set_engine(self._resumed_engine)
+                why = "as the run began" if chosen == self._resumed_engine else linear.engine_reason()
             else:
                 chosen, why = distributed.all_gather_objects(self.ctx, linear.engine())[0], linear.engine_reason()
                 if chosen != linear.engine():
                     linear.set_engine(chosen)
                     why = "rank 0's choice"
             self.logger.line(f"float32 products: {linear.LIBRARIES[chosen]} ({why})")
-            self.logger.line(f"memory: {allocator.keep_freed_memory()}")
+            # what the process's owner chose (the CLI: ATTNMASK_MALLOC); a library never sets it
+            self.logger.line(f"memory: {allocator.current_policy()}")
         if self.precision != "bf16":
             return contextlib.nullcontext
         device_type = self.ctx.device.type
