@@ -1,4 +1,4 @@
-"""The fused decoding operators (:mod:`attnmask.decode.fused`): each against its PyTorch definition
+"""The decoding step's operators (:mod:`attnmask.ops.decoding`): each against its PyTorch definition
 computed in float64, rows independent of the batch and of the thread count, the cache written in
 place, no NaN on rows with nothing to attend to, clear refusals, and ``decode_one`` running through
 them with the logits of the general forward pass."""
@@ -11,9 +11,10 @@ import shutil
 import pytest
 import torch
 
-from attnmask import decode, masks
-from attnmask.decode import fused, static
+from attnmask import decode, masks, ops
+from attnmask.decode import static
 from attnmask.model import fuse_projections_
+from attnmask.ops import decoding
 from tests.conftest import run_python, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(autouse=True, scope="module")
 def _built():
-    if shutil.which(os.environ.get("CXX", "c++")) is None or not fused.cpu_available():
-        pytest.skip(f"no C++ build of the fused operators here: {fused.status()}")
+    if shutil.which(os.environ.get("CXX", "c++")) is None or not ops.available():
+        pytest.skip(f"no native build of the operators here: {ops.status().why}")
 
 
 def _close(got: torch.Tensor, want64: torch.Tensor, what: str = "") -> None:
@@ -38,13 +39,13 @@ def _randn(*shape, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(1, 576), (5, 64), (2, 3, 96), (4, 7)])
 def test_norms_and_silu_match_their_definitions(shape):
     x, delta, w = _randn(*shape, seed=1), _randn(*shape, seed=2), _randn(shape[-1], seed=3)
-    _close(fused.rms_norm(x, w, 1e-5), fused.rms_norm_reference(x.double(), w.double(), 1e-5), "rms_norm")
-    total, normed = fused.add_rms_norm(x, delta, w, 1e-6)
-    want_total, want_normed = fused.add_rms_norm_reference(x.double(), delta.double(), w.double(), 1e-6)
+    _close(decoding.rms_norm(x, w, 1e-5), decoding.rms_norm_reference(x.double(), w.double(), 1e-5), "rms_norm")
+    total, normed = decoding.add_rms_norm(x, delta, w, 1e-6)
+    want_total, want_normed = decoding.add_rms_norm_reference(x.double(), delta.double(), w.double(), 1e-6)
     assert torch.equal(total, x + delta)  # one float32 addition, as PyTorch's
     _close(normed, want_normed, "add_rms_norm")
     gate_up = _randn(*shape[:-1], 2 * shape[-1], seed=4) * 4
-    _close(fused.silu_mul(gate_up), fused.silu_mul_reference(gate_up.double()), "silu_mul")
+    _close(decoding.silu_mul(gate_up), decoding.silu_mul_reference(gate_up.double()), "silu_mul")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
@@ -52,10 +53,10 @@ def test_norms_and_silu_match_their_definitions(shape):
 def test_linear_rows_matches_its_definition(rows, k):
     """Row lengths with and without a tail past the vector loop; with and without a bias."""
     x, w, b = _randn(rows, k, seed=1), _randn(40, k, seed=2), _randn(40, seed=3)
-    with_bias, without = fused.linear_rows(x, w, b), fused.linear_rows(x, w, None)
+    with_bias, without = decoding.linear_rows(x, w, b), decoding.linear_rows(x, w, None)
     assert with_bias.shape == without.shape == (rows, 40) and with_bias.dtype == torch.float32
-    _close(with_bias, fused.linear_rows_reference(x.double(), w.double(), b.double()), "with bias")
-    _close(without, fused.linear_rows_reference(x.double(), w.double(), None), "no bias")
+    _close(with_bias, decoding.linear_rows_reference(x.double(), w.double(), b.double()), "with bias")
+    _close(without, decoding.linear_rows_reference(x.double(), w.double(), None), "no bias")
     assert (with_bias - without - b).abs().max() <= 1e-5 * with_bias.abs().max()  # the bias is added once
 
 
@@ -83,11 +84,11 @@ def test_rope_attend_matches_its_definition(rotary, bias_rows):
         allowed[..., col] = True
         bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
     k64, v64 = k_cache.double(), v_cache.double()
-    want = fused.rope_attend_reference(
+    want = decoding.rope_attend_reference(
         qkv.double(), cos.double(), signed.double(), k64, v64, col, keys, None if bias is None else bias.double(), 6, 2,
         0.25,
     )  # fmt: skip
-    got = fused.rope_attend(qkv, cos, signed, k_cache, v_cache, col, keys, bias, 6, 2, 0.25)
+    got = decoding.rope_attend(qkv, cos, signed, k_cache, v_cache, col, keys, bias, 6, 2, 0.25)
     _close(got, want, "rope_attend")
     _close(k_cache, k64, "the key written into the cache")
     _close(v_cache, v64, "the value written into the cache")
@@ -98,7 +99,7 @@ def test_rope_attend_rows_with_nothing_to_attend_to_are_zero_not_nan():
     qkv, cos, signed, k_cache, v_cache, col = _attend_inputs()
     bias = torch.zeros(3, 1, 1, 12)
     bias[1] = float("-inf")  # row 1 sees no key at all
-    got = fused.rope_attend(qkv, cos, signed, k_cache, v_cache, col, col + 1, bias, 6, 2, 0.25)
+    got = decoding.rope_attend(qkv, cos, signed, k_cache, v_cache, col, col + 1, bias, 6, 2, 0.25)
     assert not got.isnan().any()
     assert torch.equal(got[1], torch.zeros_like(got[1]))
 
@@ -114,10 +115,10 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads():
         torch.set_num_threads(threads)
         try:
             kc, vc = k_cache[rows].clone(), v_cache[rows].clone()
-            out = fused.rope_attend(qkv[rows], cos[rows], signed[rows], kc, vc, col, col + 1, bias[rows], 6, 2, 0.25)
-            normed = fused.add_rms_norm(qkv[rows], qkv[rows] * 0.5, qkv[0], 1e-6)[1]
-            product = fused.linear_rows(qkv[rows], k_cache.reshape(-1, 160)[:300], None)  # 300 weight rows
-            return out, kc, normed, fused.silu_mul(qkv[rows]), product
+            out = decoding.rope_attend(qkv[rows], cos[rows], signed[rows], kc, vc, col, col + 1, bias[rows], 6, 2, 0.25)
+            normed = decoding.add_rms_norm(qkv[rows], qkv[rows] * 0.5, qkv[0], 1e-6)[1]
+            product = decoding.linear_rows(qkv[rows], k_cache.reshape(-1, 160)[:300], None)  # 300 weight rows
+            return out, kc, normed, decoding.silu_mul(qkv[rows]), product
         finally:
             torch.set_num_threads(before)
 
@@ -132,23 +133,23 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads():
 def test_the_operators_refuse_what_they_cannot_compute():
     qkv, cos, signed, k_cache, v_cache, col = _attend_inputs()
     with pytest.raises(ValueError, match=r"rms_norm: x must be a float32 CPU tensor; got Double"):
-        fused.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1e-6)
+        decoding.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1e-6)
     with pytest.raises(ValueError, match=r"rms_norm: weight has shape \[5\]; expected \(4,\)"):
-        fused.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-6)
+        decoding.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-6)
     with pytest.raises(ValueError, match=r"silu_mul: gate_up has shape \[2, 5\]; expected \(\.\.\., 2 \* F\)"):
-        fused.silu_mul(torch.ones(2, 5))
+        decoding.silu_mul(torch.ones(2, 5))
     with pytest.raises(ValueError, match=r"linear_rows: weight must be contiguous"):
-        fused.linear_rows(torch.ones(1, 4), torch.ones(4, 3).t(), None)  # column-major: the BLAS's business
+        decoding.linear_rows(torch.ones(1, 4), torch.ones(4, 3).t(), None)  # column-major: the BLAS's business
     with pytest.raises(ValueError, match=r"linear_rows: x has shape \[1, 4\] and weight \[3, 5\]; expected \(M, K\)"):
-        fused.linear_rows(torch.ones(1, 4), torch.ones(3, 5), None)
+        decoding.linear_rows(torch.ones(1, 4), torch.ones(3, 5), None)
     with pytest.raises(ValueError, match=r"rope_attend: column 12 and 13 keys do not fit a cache of 12"):
-        fused.rope_attend(qkv, cos, signed, k_cache, v_cache, 12, 13, None, 6, 2, 0.25)
+        decoding.rope_attend(qkv, cos, signed, k_cache, v_cache, 12, 13, None, 6, 2, 0.25)
     with pytest.raises(ValueError, match=r"rope_attend: qkv has shape \[3, 159\]; expected \(3, 160\)"):
-        fused.rope_attend(qkv[:, 1:].contiguous(), cos, signed, k_cache, v_cache, col, col + 1, None, 6, 2, 0.25)
+        decoding.rope_attend(qkv[:, 1:].contiguous(), cos, signed, k_cache, v_cache, col, col + 1, None, 6, 2, 0.25)
     with pytest.raises(ValueError, match=r"rope_attend: bias has shape \[2, 1, 1, 12\]; expected \(3 or 1, 1, 1"):
-        fused.rope_attend(qkv, cos, signed, k_cache, v_cache, col, col + 1, torch.zeros(2, 1, 1, 12), 6, 2, 0.25)
+        decoding.rope_attend(qkv, cos, signed, k_cache, v_cache, col, col + 1, torch.zeros(2, 1, 1, 12), 6, 2, 0.25)
     with pytest.raises(ValueError, match=r"rope_attend: 5 query heads over 2 key/value heads"):
-        fused.rope_attend(qkv, cos, signed, k_cache, v_cache, col, col + 1, None, 5, 2, 0.25)
+        decoding.rope_attend(qkv, cos, signed, k_cache, v_cache, col, col + 1, None, 5, 2, 0.25)
 
 
 def _fused_model():
@@ -165,16 +166,16 @@ STEPS = torch.randint(4, 24, (3, 5), generator=torch.Generator().manual_seed(0))
 
 
 def _counted(monkeypatch, *names):
-    """Count the calls decode_one makes to these operators of attnmask.decode.fused."""
+    """Count the calls decode_one makes to these operators of attnmask.ops.decoding."""
     calls = {name: 0 for name in names}
     for name in names:
-        real = getattr(fused, name)
+        real = getattr(decoding, name)
 
         def counting(*args, name=name, real=real):
             calls[name] += 1
             return real(*args)
 
-        monkeypatch.setattr(fused, name, counting)
+        monkeypatch.setattr(decoding, name, counting)
     return calls
 
 
@@ -249,25 +250,36 @@ def test_the_other_builds_match_their_definitions_too(capability):
         pytest.skip("this CPU does not run AVX2")
     code = (
         "import sys, pytest\n"
-        "from attnmask.decode import fused\n"
-        "print(fused.status())\n"
+        "from attnmask import ops\n"
+        "print(ops.load().why)\n"
         f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', 'matches_its_definition']))\n"
     )
     lines = run_python(code, timeout=600, ATEN_CPU_CAPABILITY=capability)
-    assert lines[0].startswith(f"C++, {'AVX2' if capability == 'avx2' else 'portable C'}, "), lines[0]
+    assert lines[0].startswith(f"C/C++, {'AVX2' if capability == 'avx2' else 'portable C'}, "), lines[0]
     assert " passed" in lines[-1] and "skipped" not in lines[-1], lines[-1]
 
 
-def test_without_a_cxx_compiler_decoding_says_so_and_goes_on(tmp_path):
-    """A fresh process (a loaded operator library cannot be unloaded) whose $CXX does not exist."""
+def test_without_a_cxx_compiler_decoding_says_so_once_and_gives_the_same_logits(tmp_path):
+    """A fresh process (a loaded operator library cannot be unloaded) whose $CXX does not exist: one
+    warning naming the compiler, the step on PyTorch's operations (not the operators' slow
+    definitions), and the logits of the native step up to rounding."""
     code = (
         "import warnings, torch\n"
-        "from attnmask.decode import fused\n"
+        "from attnmask import ops\n"
+        "from attnmask.ops import decoding\n"
+        "from tests.ops.test_decoding import _decoded, _fused_model\n"
+        "calls = []\n"
+        "decoding.decoder_step = decoding.rope_attend = lambda *a: calls.append(a)\n"
         "with warnings.catch_warnings(record=True) as seen:\n"
         "    warnings.simplefilter('always')\n"
-        "    print(fused.cpu_available(), fused.cpu_available())\n"
+        "    print(ops.available(), ops.available())\n"
+        f"    torch.save(_decoded(_fused_model()), {str(tmp_path / 'logits.pt')!r})\n"
         "print(len(seen), str(seen[0].message))\n"
+        "print(len(calls))\n"
     )
-    available, warning = run_python(code, CXX=str(tmp_path / "no-such-c++"), ATTNMASK_CACHE=str(tmp_path))
+    available, warning, calls = run_python(code, CXX=str(tmp_path / "no-such-c++"), ATTNMASK_CACHE=str(tmp_path))
     assert available == "False False"
-    assert warning.startswith("1 attnmask: fused decoding operators unavailable") and "no-such-c++" in warning
+    assert warning.startswith("1 attnmask: native kernels unavailable") and "no-such-c++" in warning, warning
+    assert calls == "0"
+    fallback, native = torch.load(tmp_path / "logits.pt"), _decoded(_fused_model())
+    torch.testing.assert_close(fallback, native, atol=1e-5 * native.abs().max(), rtol=0)

@@ -25,11 +25,14 @@ import pytest
 import torch
 from torch import nn
 
-from attnmask import decode, native, pretrained
+from attnmask import decode, ops, pretrained
 from attnmask.audit import audit
-from attnmask.pretrained import build, load, quantized, registry
+from attnmask.ops import blocks, native
+from attnmask.ops.blocks import BLOCK_BYTES, dequantize_blocks
+from attnmask.pretrained import build, load
+from attnmask.pretrained import cache as weight_cache
 from attnmask.pretrained.gguf_file import read_gguf
-from attnmask.pretrained.quantized import BLOCK_BYTES, BlockLinear, dequantize_blocks, kernel_status
+from attnmask.pretrained.quantized import BlockLinear, kernel_status
 from tests.conftest import run_python
 from tests.pretrained import test_pretrained
 from tests.pretrained.test_pretrained import _prompts, _smollm2_path, write_tiny_gguf
@@ -244,9 +247,9 @@ def test_pytorch_fallback_gives_the_same_values(kind, monkeypatch):
     xs = [torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)) for rows in ROWS]
     with torch.no_grad():
         kernel = [layer(x) for x in xs]
-    monkeypatch.setattr(quantized, "_state", {})
-    monkeypatch.setenv("ATTNMASK_QUANT_KERNEL", "0")
-    assert "disabled" in kernel_status() and "ATTNMASK_QUANT_KERNEL=0" in kernel_status()
+    monkeypatch.setattr(native, "_status", native.Status("unloaded", ""))
+    monkeypatch.setenv("ATTNMASK_KERNELS", "0")
+    assert "decoded once" in kernel_status() and "ATTNMASK_KERNELS=0" in kernel_status(), kernel_status()
     fresh = BlockLinear.from_numpy(raw, kind, 160)
     for x, y in zip(xs, kernel):
         with torch.no_grad():
@@ -259,54 +262,66 @@ def test_pytorch_fallback_gives_the_same_values(kind, monkeypatch):
     assert torch.equal(fresh.weight, w)
 
 
-@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
-def test_kernel_is_built_into_the_cache_folder(monkeypatch, tmp_path, build):
-    """A fresh build (``$ATTNMASK_CACHE/kernels``): the CPU's own kernel, the AVX2 one an AVX-512 CPU
-    would otherwise never run, and the portable C one that machines without AVX2/FMA get, forced here
-    with a compiler wrapper that turns those instructions off."""
+@pytest.mark.slow  # builds attnmask's kernels three times, a minute or so each on 2 cores
+@pytest.mark.parametrize("flavour", ["native", "avx2", "portable"])
+def test_kernel_is_built_into_the_cache_folder(tmp_path, flavour):
+    """A fresh build in a fresh process (``$ATTNMASK_CACHE/kernels``): the CPU's own kernel, the AVX2 one
+    an AVX-512 CPU would otherwise never run, and the portable C one that machines without AVX2/FMA
+    get, forced here with a compiler wrapper that turns those instructions off; each against the
+    float64 reference."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        pytest.skip("no C compiler: the kernel cannot be built here")
-    monkeypatch.setattr(quantized, "_state", {})
-    monkeypatch.delenv("ATTNMASK_QUANT_KERNEL", raising=False)
-    monkeypatch.setenv("ATTNMASK_CACHE", str(tmp_path))
+    if compiler is None or shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C/C++ compiler: the kernels cannot be built here")
     off = {"avx2": "-mno-avx512f", "portable": "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"}
-    if build in off:
+    env = {"ATTNMASK_CACHE": str(tmp_path)}
+    if flavour in off:
         if platform.machine().lower() not in ("x86_64", "amd64"):
             pytest.skip("the native build is the portable one on this machine")
-        if build == "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        if flavour == "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX512":
             pytest.skip("the native build is the AVX2 (or portable) one on this CPU")
-        wrapper = tmp_path / f"cc-{build}"
-        wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {off[build]}\n')
+        wrapper = tmp_path / f"cc-{flavour}"
+        wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {off[flavour]}\n')
         wrapper.chmod(0o755)
-        monkeypatch.setenv("CC", str(wrapper))
-    status = kernel_status()
-    assert status.startswith("compiled kernel"), status
-    expected = {"avx2": "(AVX2);", "portable": "(portable C);"}.get(build, ");")
-    assert expected in status, status
-    built = [f for f in (tmp_path / "kernels").iterdir() if not f.name.startswith("quantized-op-")]
-    assert len(built) == 1 and built[0].suffix == ".so", built
-    assert str(built[0]) in status
+        env["CC"] = str(wrapper)
+    code = (
+        "import sys, pytest\n"
+        "from attnmask.pretrained.quantized import kernel_status\n"
+        "print(kernel_status())\n"
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', 'kernel_matches_the_reference']))\n"
+    )
+    lines = run_python(code, timeout=900, **env)
+    status = lines[0]
+    assert status.startswith("block kernel in C"), status
+    assert {"avx2": "AVX2,", "portable": "portable C,"}.get(flavour, "C/C++,") in status, status
+    built = list((tmp_path / "kernels").glob("*.so"))
+    assert len(built) == 1 and str(built[0]) in status, (built, status)
+    assert " passed" in lines[-1] and "skipped" not in lines[-1] and "failed" not in lines[-1], lines[-1]
+
+
+def test_kernel_matches_the_reference():
+    """Every shape and row count of the kernel against the float64 reference, and its dequantization
+    exact (run again by the build test above in processes with other builds)."""
     for kind in KINDS:
         for n, k in SHAPES:
             raw, w = random_blocks(kind, n, k, seed=n)
             layer = BlockLinear.from_numpy(raw, kind, k)
-            assert torch.equal(layer.dequantize(), w), f"{build} {kind} {n}x{k}"
+            assert torch.equal(layer.dequantize(), w), f"{kind} {n}x{k}"
             g = torch.Generator().manual_seed(k)
             for rows in ROWS:
                 x = torch.randn(rows, k, generator=g)
                 with torch.no_grad():
-                    assert_float32_accurate(layer(x), x, w, f"{build} {kind} {n}x{k}, {rows} rows")
+                    assert_float32_accurate(layer(x), x, w, f"{kind} {n}x{k}, {rows} rows")
 
 
 def test_without_a_compiler_warns_and_falls_back(monkeypatch, tmp_path):
-    monkeypatch.setattr(quantized, "_state", {})
-    monkeypatch.delenv("ATTNMASK_QUANT_KERNEL", raising=False)
+    monkeypatch.setattr(native, "_status", native.Status("unloaded", ""))
+    monkeypatch.delenv("ATTNMASK_KERNELS", raising=False)
     monkeypatch.setenv("ATTNMASK_CACHE", str(tmp_path))  # no kernel built earlier
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with pytest.warns(UserWarning, match="falling back to PyTorch"):
+    with pytest.warns(UserWarning, match="native kernels unavailable, using PyTorch's") as seen:
         status = kernel_status()
-    assert "no compiled kernel" in status and "PyTorch" in status
+    assert len(seen) == 1
+    assert "decoded once" in status and "no-such-cc" in status, status
     raw, w = random_blocks("Q8_0", 24, 160, seed=1)
     x = torch.randn(3, 160, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -389,7 +404,7 @@ def test_tiny_gguf_quantized_equals_float32(tmp_path, tied):
     path.write_bytes(b"")  # the cache is named by the file's hash: keep the name, lose the content
     with pytest.raises(ValueError):
         load(path, quantized=True, cache=tmp_path / "cache")
-    again = registry._read_cache(cached)
+    again = weight_cache._read_cache(cached)
     assert {k: (kind, raw.shape) for k, (kind, raw) in again.blocks.items()} == {
         k: (kind, raw.shape) for k, (kind, raw) in blocks.items()
     }
@@ -532,34 +547,35 @@ def test_the_registered_operator_checks_every_buffer(kind):
         wrong = list(args)
         wrong[i] = value
         with pytest.raises(ValueError) as python:
-            quantized.check_buffers(*wrong[:3], kind, 96, wrong[3])
+            blocks.check_buffers(*wrong[:3], kind, 96, wrong[3])
         if what != "x on meta":
             with pytest.raises(ValueError, match="block kernel|Q4_1 needs|Q8_0 has no") as operator:
                 op(*wrong)
             assert str(operator.value) == str(python.value), what  # the C++ checks say what Python's say
 
 
-def test_the_operator_runs_in_cxx_where_a_cxx_compiler_is():
-    if shutil.which(os.environ.get("CXX", "c++")) is None or quantized._load_kernel() is None:
-        pytest.skip("no C++ compiler or no kernel here: the operator runs in Python")
-    assert quantized.kernel_status().endswith("operator in C++"), quantized.kernel_status()
+def test_the_operator_runs_the_native_kernel_where_it_is_built():
+    if not ops.available():
+        pytest.skip(f"no native kernels here: {ops.status().why}")
+    assert kernel_status().startswith("block kernel in C"), kernel_status()
     layer, args = _good_args("Q4_1")
     x = args[3]
-    assert torch.equal(torch.ops.attnmask.block_matmul(*args), quantized._block_matmul(*args))  # same kernel
-    assert torch.equal(layer(x), quantized._block_matmul(*args))
+    assert torch.equal(torch.ops.attnmask.block_matmul(*args), layer(x))  # the module calls the operator
+    # the PyTorch definition (what runs without the build) computes the same function
+    _, bound = float32_error_bound(x, layer.dequantize())
+    assert (blocks.block_matmul_reference(*args) - layer(x)).abs().max().item() <= 2 * bound
+    assert torch.equal(blocks.block_dequantize_reference(*args[:3], "Q4_1", 96), layer.dequantize())
 
 
-def test_without_a_cxx_compiler_the_operator_stays_in_python(tmp_path):
-    """A fresh process (a loaded C++ operator cannot be unloaded) whose $CXX does not exist."""
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler: no kernel at all here")
+def test_without_a_cxx_compiler_the_layer_decodes_its_weights_once(tmp_path):
+    """A fresh process (a loaded operator library cannot be unloaded) whose $CXX does not exist."""
     code = (
         "import torch; from attnmask.pretrained import quantized as q; print(q.kernel_status()); "
         "layer = q.BlockLinear(torch.zeros(2, 20, dtype=torch.uint8), 'Q4_1', 32); "
         "print(layer(torch.ones(1, 32)).tolist())"
     )
     status, result = run_python(code, CXX=str(tmp_path / "no-such-c++"), ATTNMASK_CACHE=str(tmp_path))
-    assert "operator in Python" in status and "no-such-c++" in status, status
+    assert "decoded once" in status and "no-such-c++" in status, status
     assert result == "[[0.0, 0.0]]"  # zero scales and minimums: zero weights
 
 
@@ -578,27 +594,14 @@ def test_the_operator_composes_with_torch_compile():
     assert torch.equal(compiled(x), layer(x))
 
 
-def test_kernel_cache_is_keyed_on_the_compiler_and_its_version():
-    flags = quantized._flags()
-    names = {
-        quantized._kernel_name(flags, "cc", "cc (GCC) 12.2.0"),
-        quantized._kernel_name(flags, "cc", "cc (GCC) 13.1.0"),
-        quantized._kernel_name(flags, "clang", "clang version 17.0.0"),
-        quantized._kernel_name(flags + ["-mavx512f"], "cc", "cc (GCC) 12.2.0"),
-    }
-    assert len(names) == 4
-    compiler, version = native.compiler()
-    assert compiler == os.environ.get("CC", "cc") and version
-
-
 @pytest.mark.slow  # the real SmolLM2-135M file
 def test_smollm2_quantized_step_in_one_call_is_the_calls_one_by_one(smol_q, monkeypatch):
     """decoder_step (the block operator called from C++) against the same calls from Python, greedy with
     two rows of different lengths (left padding): the same logits, bit for bit."""
-    from attnmask.decode import fused, static
+    from attnmask.decode import static
 
-    if not fused.cpu_available():
-        pytest.skip(f"no C++ build of the fused operators here: {fused.status()}")
+    if not ops.available():
+        pytest.skip(f"no native build of the operators here: {ops.status().why}")
     model, tok = smol_q
     prompts = [tok.encode("The capital of France is"), tok.encode("Hello")]
 

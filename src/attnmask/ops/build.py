@@ -97,14 +97,11 @@ def compiler(variable: str = "CC", default: str = "cc") -> tuple[str, str]:
 
 
 def _first_error(output: str) -> str:
-    """The line of a compiler's output that says what went wrong first (not its last, which is
-    usually ``compilation terminated.`` or a count of errors)."""
+    """The first line of a compiler's output that says what went wrong (not its last, which is usually
+    ``compilation terminated.`` or a count of errors)."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
-    for pattern in (r"\berror\b:", r"\bfatal error\b", r"\bundefined reference\b", r"\bcannot\b|\bnot found\b"):
-        for line in lines:
-            if re.search(pattern, line):
-                return line
-    return lines[0] if lines else "no output"
+    pattern = re.compile(r"\berror\b|\bundefined reference\b|\bcannot find\b|\bnot found\b", re.I)
+    return next((line for line in lines if pattern.search(line)), lines[0] if lines else "no output")
 
 
 def _includes(source: Path) -> list[Path]:
@@ -155,6 +152,31 @@ def _prune(name: str, keep: Path) -> None:
                 old.unlink()
 
 
+def _targets(name, sources, cflags, cxxflags, variants, cc, cxx) -> list[tuple[list[str], Path]]:
+    """Each variant's extra flags and the file its build would be published as."""
+    texts = []
+    for source in sources:
+        for path in [source, *_includes(source)]:
+            texts.append(f"{path.name}\n{path.read_text(encoding='utf-8')}")
+    out = []
+    for extra in variants:
+        c_all, cxx_all = [*cflags, *extra], [*cxxflags, *extra]
+        key = _key([*texts, " ".join(c_all), " ".join(cxx_all), *cc, *cxx, torch.__version__])
+        out.append((list(extra), _library_path(name, key)))
+    return out
+
+
+def find_library(
+    name: str, sources: list[Path], *, cflags: list[str] = (), cxxflags: list[str] = (), variants=([],)
+) -> tuple[Path | None, tuple[str, ...]]:
+    """The build :func:`load_library` would load without building (and its variant's flags), or None."""
+    cc, cxx = compiler("CC", "cc"), compiler("CXX", "c++")
+    for extra, target in _targets(name, sources, cflags, cxxflags, variants, cc, cxx):
+        if target.is_file():
+            return target, tuple(extra)
+    return None, ()
+
+
 def load_library(
     name: str,
     sources: list[Path],
@@ -182,16 +204,10 @@ def load_library(
     from torch.utils import cpp_extension
 
     cc, cxx = compiler("CC", "cc"), compiler("CXX", "c++")
-    texts = []
-    for source in sources:
-        for path in [source, *_includes(source)]:
-            texts.append(f"{path.name}\n{path.read_text(encoding='utf-8')}")
     say = notice or (lambda line: print(line, file=sys.stderr, flush=True))
     error: BuildError | None = None
-    for extra in variants:
+    for extra, target in _targets(name, sources, cflags, cxxflags, variants, cc, cxx):
         c_all, cxx_all = [*cflags, *extra], [*cxxflags, *extra]
-        key = _key([*texts, " ".join(c_all), " ".join(cxx_all), *cc, *cxx, torch.__version__])
-        target = _library_path(name, key)
         if target.is_file():
             torch.ops.load_library(str(target))
             return Built(target, built_now=False, flags=tuple(extra))

@@ -26,7 +26,7 @@ import torch
 
 from attnmask.ops import blocks, build, decoding
 
-__all__ = ["OPERATORS", "Status", "available", "load", "status"]
+__all__ = ["OPERATORS", "Status", "available", "cached", "load", "status"]
 
 NAME = "attnmask_ops"
 CSRC = Path(__file__).with_name("csrc")
@@ -66,6 +66,19 @@ class Status:
         return self.state in ("built", "cached")
 
 
+def _flags() -> dict[str, list]:
+    return {
+        "cflags": ["-ffp-contract=off", *build.simd_flags()],  # the block sums in the order they are written
+        "cxxflags": build.simd_flags(),
+        "variants": [["-fopenmp"], []],  # without an OpenMP runtime: one thread
+    }
+
+
+def cached() -> Path | None:
+    """The build :func:`load` would load from the cache folder without compiling, if there is one."""
+    return build.find_library(NAME, SOURCES, **_flags())[0]
+
+
 _lock = threading.Lock()
 _status = Status("unloaded", "not loaded yet (built on first use, or by `attnmask kernels --build`)")
 
@@ -82,14 +95,7 @@ def load(*, notice=None) -> Status:
             _status = Status("disabled", "disabled by ATTNMASK_KERNELS=0: every operator runs its PyTorch definition")
             return _status
         try:
-            built = build.load_library(
-                NAME,
-                SOURCES,
-                cflags=["-ffp-contract=off", *build.simd_flags()],  # the block sums in the order written
-                cxxflags=build.simd_flags(),
-                variants=[["-fopenmp"], []],  # without an OpenMP runtime: one thread
-                notice=notice,
-            )
+            built = build.load_library(NAME, SOURCES, **_flags(), notice=notice)
         except (OSError, RuntimeError) as err:  # BuildError, or a cached library that does not load
             _status = Status("fallback", f"PyTorch definitions: {err}")
             warnings.warn(f"attnmask: native kernels unavailable, using PyTorch's (slower): {err}", stacklevel=3)
