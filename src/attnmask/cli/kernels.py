@@ -39,9 +39,9 @@ def _compilers() -> list[str]:
 
 def run(args) -> int:
     status = ops.load() if args.build else ops.status()
-    if status.state == "unloaded":
-        if os.environ.get("ATTNMASK_KERNELS", "1").strip() == "0" or native.cached() is not None:
-            status = ops.load()  # disabled, or a cached build: loading is instant
+    disabled = os.environ.get("ATTNMASK_KERNELS", "1").strip() == "0"
+    if status.state == "unloaded" and (disabled or native.cached() is not None):
+        status = ops.load()  # disabled, or a cached build: loading is instant
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"library   {native.NAME}: {', '.join(p.name for p in native.SOURCES)} (attnmask/ops/csrc)")
     print(f"CPU       PyTorch capability {capability}: builds for {build.simd_level()}")
