@@ -4,8 +4,7 @@ Both models hold the *same* weights: the GGUF file dequantized by :func:`attnmas
 copied into a ``transformers`` ``LlamaForCausalLM`` of the same configuration (their logits are
 compared first). attnmask's model is what ``load(...)`` returns: q/k/v and gate/up projections
 fused (:func:`attnmask.model.fuse_projections_`), float32 linear weights row-major for the decoding
-step's own product (:func:`attnmask.decode.fused.linear_rows`; column-major for the BLAS where that
-operator cannot be built). Variants (``--variants``): ``float32`` and ``bfloat16``
+step's own product (:func:`attnmask.ops.decoding.linear_rows`). Variants (``--variants``): ``float32`` and ``bfloat16``
 (Hugging Face's model cast with ``.to(dtype)``), and ``blocks``: ``load(quantized=True)``, the file's
 Q4_1/Q8_0 blocks multiplied directly with float32 activations (:mod:`attnmask.pretrained.quantized`), against
 Hugging Face in float32 on the dequantized file, which is the same function. For each variant and
@@ -27,7 +26,7 @@ prompt ids, greedy (``top_k=1``), ``n_threads`` = attnmask's threads, never stop
 ``--compile`` adds rows for attnmask's step through ``torch.compile``
 (:class:`attnmask.decode.static.CompiledStep`; its compile time is reported, not timed);
 ``--unfused`` adds, in the same rounds, attnmask's eager step without the fused operators of
-:mod:`attnmask.decode.fused` (how it decoded before them).
+:mod:`attnmask.ops.decoding` (how it decoded before them).
 
 ``--device cuda``: bfloat16 weights on both sides, batches 1/8/64, attnmask eager and compiled
 (CUDA graphs, ``mode="reduce-overhead"``) against Hugging Face ``generate`` with its static cache
