@@ -170,5 +170,17 @@ def test_inductor_compiled_step_gives_the_same_tokens():
     assert step.failed is None, step.failed
 
 
-def test_cache_is_the_model_packages_cache():
-    assert decode.steps.KVCache is KVCache
+def test_the_prefill_fills_the_models_own_cache():
+    """decode.start keeps the keys and values in the model package's KVCache (no copy of the class
+    of its own): the same tensors a KVCache filled by the model's forward holds, at the same position."""
+    model = model_of("decoder", "rotary-gqa-fused", seed=3)
+    prompt = INPUTS[0]
+    with torch.inference_mode():
+        state, _, _ = decode.start(model, prompts=[prompt], max_new_tokens=4)
+        cache = KVCache.for_model(model, 1, max_len=state.cache.max_len)
+        model.decode(torch.tensor([prompt]), mask=masks.causal(), cache=cache)
+    assert type(state.cache) is KVCache
+    assert state.cache.pos == cache.pos == len(prompt)
+    for ours, theirs in zip(state.cache.layers, cache.layers):
+        torch.testing.assert_close(ours.k[:, :, : len(prompt)], theirs.k[:, :, : len(prompt)], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours.v[:, :, : len(prompt)], theirs.v[:, :, : len(prompt)], rtol=0, atol=1e-6)
