@@ -19,6 +19,10 @@ sections of ``docs/benchmarks.md``):
 - ``torch.ops.attnmask.linear_rows(x, weight, bias)``: ``x W^T + b`` for a few rows ``x (M, K)`` and a
   row-major ``W (N, K)``: a matrix-vector product that streams the weights with software prefetch
   and splits their rows over PyTorch's threads (the BLAS reads them slower, on one thread);
+- ``torch.ops.attnmask.paged_attend(q, k_pool, v_pool, tables, row_seq, row_pos, window, heads, scale)``:
+  packed rows of several sequences, each attending to its own sequence's cached keys up to its own
+  position (and within ``window``), read through a block table: the serving engine's attention
+  (:mod:`attnmask.engine`);
 - ``torch.ops.attnmask.decoder_step(x, cos, signed_sin, norms, eps, products, kinds, k_caches, v_caches,
   col, bias, heads, kv_heads, scale)``: a whole one-token step, every layer and the head, making the
   calls above (and the block product of :mod:`attnmask.ops.blocks` for block layers) from C++: one
@@ -46,6 +50,8 @@ __all__ = [
     "decoder_step_reference",
     "linear_rows",
     "linear_rows_reference",
+    "paged_attend",
+    "paged_attend_reference",
     "rms_norm",
     "rms_norm_reference",
     "rope_attend",
@@ -108,6 +114,38 @@ def rope_attend_reference(
     return out.reshape(B, heads * D)
 
 
+def paged_attend_reference(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    tables: Tensor,
+    row_seq: Tensor,
+    row_pos: Tensor,
+    window: int,
+    heads: int,
+    scale: float,
+) -> Tensor:
+    """``paged_attend`` in PyTorch, one row at a time (so that a row's result, here too, does not
+    depend on the rows packed with it): row ``r`` attends to the keys of sequence ``row_seq[r]`` at
+    positions ``[max(0, row_pos[r] - window + 1), row_pos[r]]`` (``window`` 0: from 0), read through
+    that sequence's block table."""
+    N = q.shape[0]
+    _, S, Hkv, D = k_pool.shape
+    G = heads // Hkv
+    out = q.new_zeros(N, heads * D)
+    for r in range(N):
+        seq, last = int(row_seq[r]), int(row_pos[r])
+        first = max(0, last - window + 1) if window > 0 else 0
+        t = torch.arange(first, last + 1, device=q.device)
+        slots = tables[seq, t // S] * S + t % S  # (T,) rows of the flattened pool
+        k = k_pool.reshape(-1, Hkv, D)[slots].transpose(0, 1)  # (Hkv, T, D)
+        v = v_pool.reshape(-1, Hkv, D)[slots].transpose(0, 1)
+        qh = q[r].reshape(Hkv, G, D)  # the G query heads of each key/value head
+        weights = torch.softmax((qh @ k.transpose(-1, -2)) * scale, dim=-1)  # (Hkv, G, T)
+        out[r] = (weights @ v).reshape(heads * D)
+    return out
+
+
 def decoder_step_reference(
     x: Tensor,
     cos: Tensor,
@@ -165,6 +203,10 @@ _LIBRARY.define(
 )
 DENSE, Q4_1, Q8_0 = 0, 1, 2  # decoder_step's product kinds: a float32 weight and bias, block layers' buffers
 _LIBRARY.define(
+    "paged_attend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor row_seq, Tensor row_pos, int window, "
+    "int heads, float scale) -> Tensor"
+)
+_LIBRARY.define(
     "rope_attend(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int col, "
     "int keys, Tensor? bias, int heads, int kv_heads, float scale) -> Tensor"
 )
@@ -196,6 +238,11 @@ def _(x, cos, signed_sin, norms, eps, products, kinds, k_caches, v_caches, col, 
     return x.new_empty(x.shape[0], head.shape[0])
 
 
+@torch.library.register_fake("attnmask::paged_attend", lib=_LIBRARY)
+def _(q, k_pool, v_pool, tables, row_seq, row_pos, window, heads, scale):
+    return torch.empty_like(q)
+
+
 @torch.library.register_fake("attnmask::rope_attend", lib=_LIBRARY)
 def _(qkv, cos, signed_sin, k_cache, v_cache, col, keys, bias, heads, kv_heads, scale):
     return qkv.new_empty(k_cache.shape[0], heads * k_cache.shape[3])
@@ -207,6 +254,7 @@ for _name, _definition in [
     ("silu_mul", silu_mul_reference),
     ("linear_rows", linear_rows_reference),
     ("rope_attend", rope_attend_reference),
+    ("paged_attend", paged_attend_reference),
     ("decoder_step", decoder_step_reference),
 ]:
     _LIBRARY.impl(_name, _definition, "CompositeExplicitAutograd")
@@ -215,5 +263,6 @@ rms_norm = torch.ops.attnmask.rms_norm.default
 add_rms_norm = torch.ops.attnmask.add_rms_norm.default
 silu_mul = torch.ops.attnmask.silu_mul.default
 rope_attend = torch.ops.attnmask.rope_attend.default
+paged_attend = torch.ops.attnmask.paged_attend.default
 linear_rows = torch.ops.attnmask.linear_rows.default
 decoder_step = torch.ops.attnmask.decoder_step.default

@@ -40,6 +40,7 @@ OPERATORS = {
     "add_rms_norm": decoding,
     "silu_mul": decoding,
     "rope_attend": decoding,
+    "paged_attend": decoding,
     "linear_rows": decoding,
     "decoder_step": decoding,
 }

@@ -8,6 +8,7 @@
 //   rope_attend(qkv, ...)             rotary on the new query and key, both written into the cache
 //                                     column, and one query per head against the cached keys
 //   linear_rows(x, weight, bias)      x W^T (+ b) for a few rows x and a row-major float32 W
+//   paged_attend(q, pools, tables, ...) packed rows of several sequences against a paged cache
 //   decoder_step(x, ...)              all of the above for every layer of a step, and its head: one
 //                                     call a token instead of ~210 from Python
 //
@@ -246,6 +247,84 @@ at::Tensor rope_attend(const at::Tensor &qkv, const at::Tensor &cos, const at::T
     return out;
 }
 
+// Attention of packed rows against a paged cache: q (N, H D) the rows' rotated queries, heads in order;
+// k_pool, v_pool (P, S, Hkv, D): P blocks of S positions; tables (Q, W) int64: the blocks holding each
+// sequence's positions in order; row_seq, row_pos (N,) int64: each row's sequence and its position there.
+// Row r attends to its own sequence's keys at positions [max(0, pos - window + 1), pos] (window 0: all),
+// i.e. document(row_seq) & causal with each sequence's own offset (& sliding_window): the ranges the
+// mask algebra's lowering gives (attnmask.engine.step). Every (row, head) is computed alone, in the
+// same order whatever the other rows, so a row's output does not depend on what it is packed with.
+at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at::Tensor &v_pool,
+                        const at::Tensor &tables, const at::Tensor &row_seq, const at::Tensor &row_pos,
+                        int64_t window, int64_t heads, double scale) {
+    const char *op = "paged_attend";
+    check_rows(q, op, "q");
+    TORCH_CHECK_VALUE(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(), op,
+                      ": the key and value pools must be (P, S, Hkv, D) alike; got ", k_pool.sizes(), " and ",
+                      v_pool.sizes());
+    check_rows(k_pool, op, "k_pool");
+    check_rows(v_pool, op, "v_pool");
+    const int64_t P = k_pool.size(0), S = k_pool.size(1), Hkv = k_pool.size(2), D = k_pool.size(3);
+    const int64_t N = q.dim() == 2 ? q.size(0) : -1, H = heads;
+    TORCH_CHECK_VALUE(H > 0 && H % Hkv == 0 && q.dim() == 2 && q.size(1) == H * D, op, ": q has shape ", q.sizes(),
+                      "; expected (N, ", H * D, ") for ", H, " heads of ", D, " over ", Hkv, " key/value heads");
+    for (const at::Tensor *t : {&tables, &row_seq, &row_pos}) {
+        TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(), op,
+                          ": tables, row_seq and row_pos must be contiguous int64 CPU tensors");
+    }
+    TORCH_CHECK_VALUE(tables.dim() == 2 && row_seq.dim() == 1 && row_pos.dim() == 1 && row_seq.size(0) == N &&
+                          row_pos.size(0) == N,
+                      op, ": tables (Q, W), row_seq (N,) and row_pos (N,) expected; got ", tables.sizes(), ", ",
+                      row_seq.sizes(), " and ", row_pos.sizes(), " for N = ", N);
+    const int64_t Q = tables.size(0), W = tables.size(1), G = H / Hkv;
+    const int64_t *tab = tables.const_data_ptr<int64_t>(), *seq = row_seq.const_data_ptr<int64_t>();
+    const int64_t *pos = row_pos.const_data_ptr<int64_t>();
+    int64_t longest = 0;
+    for (int64_t r = 0; r < N; r++) {  // every index checked before any is read
+        TORCH_CHECK_VALUE(0 <= seq[r] && seq[r] < Q && 0 <= pos[r] && pos[r] < W * S, op, ": row ", r,
+                          " is position ", pos[r], " of sequence ", seq[r], "; the tables hold ", Q,
+                          " sequences of at most ", W * S, " positions");
+        for (int64_t b = 0; b <= pos[r] / S; b++) {
+            const int64_t block = tab[seq[r] * W + b];
+            TORCH_CHECK_VALUE(0 <= block && block < P, op, ": sequence ", seq[r], " names block ", block,
+                              " of a pool of ", P);
+        }
+        longest = std::max(longest, pos[r] + 1);
+    }
+    at::Tensor out = at::empty({N, H * D}, q.options());
+    const float *qp = q.const_data_ptr<float>(), *kp = k_pool.const_data_ptr<float>();
+    const float *vp = v_pool.const_data_ptr<float>();
+    float *o = out.mutable_data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, longest * D));
+    at::parallel_for(0, N * H, grain, [&](int64_t begin, int64_t end) {
+        std::vector<float> p(longest);
+        for (int64_t i = begin; i < end; i++) {
+            const int64_t r = i / H, h = i % H, g = h / G, last = pos[r];
+            const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
+            const int64_t *blocks = tab + seq[r] * W;
+            const float *qh = qp + i * D;
+            float top = -std::numeric_limits<float>::infinity();
+            for (int64_t t = first; t <= last; t++) {
+                const float *kt = kp + ((blocks[t / S] * S + t % S) * Hkv + g) * D;
+                p[t - first] = vdot<false>(qh, kt, D) * static_cast<float>(scale);
+                top = std::max(top, p[t - first]);
+            }
+            float *__restrict oh = o + i * D;
+            for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
+            float total = 0.0f;
+            for (int64_t t = first; t <= last; t++) {
+                const float weight = std::exp(p[t - first] - top);
+                total += weight;
+                const float *__restrict vt = vp + ((blocks[t / S] * S + t % S) * Hkv + g) * D;
+                for (int64_t d = 0; d < D; d++) oh[d] += weight * vt[d];
+            }
+            const float inv = 1.0f / total;
+            for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+        }
+    });
+    return out;
+}
+
 // x (M, K) W^T + bias for W (N, K) row-major: threads split W's rows, each output computed by the same
 // operations whatever M and the thread count (a row's result does not depend on its batch).
 at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
@@ -337,4 +416,5 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("rope_attend", &rope_attend);
     lib.impl("linear_rows", &linear_rows);
     lib.impl("decoder_step", &decoder_step);
+    lib.impl("paged_attend", &paged_attend);
 }

@@ -1,0 +1,312 @@
+"""The serving engine: requests in, tokens out, one packed step at a time.
+
+>>> engine = Engine(model, kv_cache_mib=64)
+>>> rid = engine.add_request([1, 2, 3], max_tokens=8)            # greedy unless sampling says otherwise
+>>> for event in engine.run():                                    # steps until every request is done
+...     print(event.request_id, event.token, event.finished)
+
+``add_request`` and ``cancel`` may be called from any thread (they only queue); ``step`` runs on one
+thread (a server's engine loop). Each step takes what the :class:`~attnmask.engine.scheduler.Scheduler`
+decides, runs :func:`~attnmask.engine.step.packed_forward` once over the packed chunks, samples the
+sequences whose chunk reached their last token, each with its own settings and its own random
+generator, and returns one :class:`TokenEvent` per new token.
+
+A request's tokens and log-probabilities are bitwise the same whether it runs alone or beside any
+other requests, wherever it sits in the packed row and however its prompt is chunked or preempted:
+the step computes each row independently of the others, sampling reads only the row's own logits
+and the request's own generator.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from attnmask.decode.sampling import GREEDY, Sampling, sample
+from attnmask.engine.cache import PagedKVCache, blocks_for_memory
+from attnmask.engine.scheduler import Chunk, Scheduler
+from attnmask.engine.scheduler import Sequence as SeqState
+from attnmask.engine.step import check_servable, packed_forward
+from attnmask.errors import UserError
+
+__all__ = ["Completion", "Engine", "EngineStats", "RequestParams", "TokenEvent"]
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """What a request asks for besides its prompt.
+
+    ``sampling``: temperature / top-k / top-p (default greedy); ``seed``: the request's own generator
+    (None: drawn from the operating system, so not reproducible); ``stop_ids``: tokens that end the
+    request (besides the engine's end-of-sequence ids, unless ``ignore_eos``); ``stop``: strings that
+    end it (needs the engine's ``detokenize``); ``logprobs``: report each token's log-probability."""
+
+    max_tokens: int = 16
+    sampling: Sampling = GREEDY
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise UserError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.sampling, Sampling):
+            raise UserError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise UserError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One new token of one request. ``finish_reason``: None while it goes on, else ``"stop"`` (an
+    end-of-sequence id, a stop id or a stop string), ``"length"`` (``max_tokens`` or the model's
+    context) or ``"cancelled"`` (then ``token`` is None)."""
+
+    request_id: str
+    token: int | None
+    index: int  # of the token among the request's generated tokens
+    logprob: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """A finished request: its generated tokens (a stop id included), their log-probabilities when
+    asked, and why it ended."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    steps: int
+    tokens_in: int  # prompt tokens computed (recomputations after preemption included)
+    tokens_out: int
+    preemptions: int
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: SeqState
+    params: RequestParams
+    generator: torch.Generator
+    stops: frozenset[int]
+
+
+class Engine:
+    """Continuous batching of one decoder-only model over a paged cache.
+
+    Args:
+        model: a decoder-only :class:`attnmask.model.Transformer` (eval mode is set).
+        kv_cache_mib: memory for keys and values of every layer (the cache's bound); or ``num_blocks``.
+        block_size: positions per cache block.
+        max_batch_tokens: tokens computed per step at most (prefill chunks and decode tokens).
+        max_seqs: requests running at once at most.
+        eos_ids: tokens that end every request (a tokenizer's ``stop_ids``).
+        detokenize: ids -> text, for stop strings.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        kv_cache_mib: float = 256,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_batch_tokens: int = 256,
+        max_seqs: int = 64,
+        eos_ids: Sequence[int] = (),
+        detokenize: Callable[[list[int]], str] | None = None,
+    ):
+        check_servable(model)
+        if block_size < 1 or max_batch_tokens < 1 or max_seqs < 1:
+            raise UserError(
+                f"block_size, max_batch_tokens and max_seqs must be >= 1; got {block_size}, {max_batch_tokens}, "
+                f"{max_seqs}"
+            )
+        self.model = model.eval()
+        cfg = model.config
+        first = next(model.parameters())
+        dtype = first.dtype if first.dtype.is_floating_point else torch.float32
+        if num_blocks is None:
+            num_blocks = blocks_for_memory(
+                kv_cache_mib, n_layers=cfg.n_layers, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                block_size=block_size, dtype=dtype,
+            )  # fmt: skip
+        if num_blocks < 2:
+            raise UserError(f"--kv-cache-mib {kv_cache_mib} holds {num_blocks} blocks of {block_size}; need >= 2")
+        self.cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=block_size)
+        self.scheduler = Scheduler(self.cache.pool, block_size, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self.detokenize = detokenize
+        self.max_len = cfg.max_seq_len if cfg.positions != "rotary" else None
+        self._requests: dict[str, _Request] = {}
+        self._inbox: deque = deque()  # ("add", request) / ("cancel", id): from any thread
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._steps = self._tokens_in = self._tokens_out = 0
+
+    # ---- requests --------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Positions one request may hold at most: the whole cache (and the model's context)."""
+        positions = self.cache.pool.capacity * self.cache.block_size
+        return positions if self.max_len is None else min(positions, self.max_len)
+
+    def add_request(self, prompt: Sequence[int], params: RequestParams | None = None, *, request_id=None) -> str:
+        """Queue a request; returns its id. Raises UserError for an empty prompt, ids outside the
+        vocabulary, or a request that could never fit the cache or the model's context."""
+        params = params or RequestParams()
+        prompt = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise UserError("the prompt is empty; expected at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise UserError(f"prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+        if len(prompt) + params.max_tokens > self.capacity:
+            raise UserError(
+                f"the prompt's {len(prompt)} tokens + max_tokens {params.max_tokens} exceed the {self.capacity} "
+                "positions this engine can hold for one request (its cache or the model's context)"
+            )
+        if params.stop and self.detokenize is None:
+            raise UserError("stop strings need an engine with a detokenize function (a tokenizer)")
+        with self._lock:
+            rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._requests or any(op == "add" and r.seq.request_id == rid for op, r in self._inbox):
+                raise UserError(f"request id {rid!r} is already in use")
+            generator = torch.Generator()
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed)
+            stops = frozenset(params.stop_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+            seq = SeqState(rid, list(prompt), len(prompt), params.max_tokens)
+            self._inbox.append(("add", _Request(seq, params, generator, stops)))
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request (queued or running) and free its blocks at the next step; unknown ids are ignored."""
+        self._inbox.append(("cancel", str(request_id)))
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self.scheduler.running or self.scheduler.waiting)
+
+    def stats(self) -> EngineStats:
+        pool = self.cache.pool
+        preempted = sum(r.seq.preemptions for r in self._requests.values())
+        return EngineStats(
+            len(self.scheduler.running), len(self.scheduler.waiting) + len(self._inbox), pool.used, pool.capacity,
+            self._steps, self._tokens_in, self._tokens_out, preempted,
+        )  # fmt: skip
+
+    # ---- the step ----------------------------------------------------------------------------
+    def _drain(self) -> list[TokenEvent]:
+        events = []
+        while self._inbox:
+            op, item = self._inbox.popleft()
+            if op == "add":
+                self._requests[item.seq.request_id] = item
+                self.scheduler.add(item.seq)
+            elif (request := self._requests.pop(item, None)) is not None:
+                self.scheduler.finish(request.seq)
+                events.append(TokenEvent(item, None, request.seq.generated, finish_reason="cancelled"))
+        return events
+
+    def step(self) -> list[TokenEvent]:
+        """Run one packed step; the new tokens (and cancellations) as events."""
+        events = self._drain()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return events
+        logits = self._forward(chunks)  # (M, V): one row per sampling chunk, in chunk order
+        sampling = [c for c in chunks if c.sample]
+        for c in chunks:
+            c.seq.computed += c.n
+            self._tokens_in += c.n if c.start < c.seq.prompt_len else 0
+        for row, chunk in zip(logits, sampling):
+            events.append(self._sample(chunk.seq, row))
+        self._steps += 1
+        return events
+
+    def _forward(self, chunks: list[Chunk]) -> Tensor:
+        device = self.cache.k[0].device
+        tokens, positions, row_seq, logit_rows = [], [], [], []
+        for i, c in enumerate(chunks):
+            tokens += c.seq.tokens[c.start : c.start + c.n]
+            positions += range(c.start, c.start + c.n)
+            row_seq += [i] * c.n
+            if c.sample:
+                logit_rows.append(len(tokens) - 1)
+        width = max(len(c.seq.blocks) for c in chunks)
+        tables = torch.zeros(len(chunks), width, dtype=torch.long)  # unused entries: the null block
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.seq.blocks)] = torch.tensor(c.seq.blocks)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        with torch.inference_mode():
+            return packed_forward(
+                self.model, self.cache, as_long(tokens), as_long(positions), as_long(row_seq), tables.to(device),
+                as_long(logit_rows),
+            )  # fmt: skip
+
+    def _sample(self, seq: SeqState, row: Tensor) -> TokenEvent:
+        request = self._requests[seq.request_id]
+        params = request.params
+        s = params.sampling
+        token = int(sample(row[None], Sampling(s.temperature, s.top_k, s.top_p, generator=request.generator))[0])
+        logprob = float(torch.log_softmax(row.float(), dim=-1)[token]) if params.logprobs else None
+        seq.tokens.append(token)
+        self._tokens_out += 1
+        reason = None
+        if (
+            token in request.stops
+            or params.stop
+            and any(s in self.detokenize(seq.tokens[seq.prompt_len :]) for s in params.stop)
+        ):
+            reason = "stop"
+        elif seq.generated >= params.max_tokens or (self.max_len is not None and len(seq.tokens) >= self.max_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq)
+            del self._requests[seq.request_id]
+        return TokenEvent(seq.request_id, token, seq.generated - 1, logprob, reason)
+
+    # ---- conveniences ------------------------------------------------------------------------
+    def run(self) -> Iterator[TokenEvent]:
+        """Step until every request is done, yielding the events."""
+        while self.has_work():
+            yield from self.step()
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: RequestParams | None = None) -> list[Completion]:
+        """Every prompt as a request with ``params``; their completions in prompt order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        done = {rid: Completion(rid) for rid in ids}
+        for event in self.run():
+            c = done.get(event.request_id)
+            if c is None:
+                continue
+            if event.token is not None:
+                c.tokens.append(event.token)
+                if event.logprob is not None:
+                    c.logprobs.append(event.logprob)
+            if event.finished:
+                c.finish_reason = event.finish_reason
+        return [done[rid] for rid in ids]
