@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from attnmask.audit import conform  # noqa: E402
-from attnmask.audit.conform_models import implementations, load_model, reach  # noqa: E402
+from attnmask.audit.conform.models import implementations, load_model, reach  # noqa: E402
 from attnmask.cli import main  # noqa: E402
 from tests.audit.conform_fixtures import registered  # noqa: E402
 

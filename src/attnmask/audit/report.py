@@ -21,13 +21,14 @@ padding.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+from attnmask.audit.findings import Finding, Report, json_number
 
 __all__ = ["Leak", "CheckResult", "AuditReport"]
 
@@ -62,7 +63,7 @@ class Leak:
 
 
 @dataclass
-class CheckResult:
+class CheckResult(Finding):
     """One check: passed, skipped (with the reason), or failed with its leaks and/or problems."""
 
     name: str
@@ -81,16 +82,12 @@ class CheckResult:
     def first_leak(self) -> Leak | None:
         return self.leaks[0] if self.leaks else None
 
-    @property
-    def status(self) -> str:
-        return "SKIP" if self.skipped else ("PASS" if self.passed else "FAIL")
-
     def to_dict(self) -> dict:
         return {
             "name": self.name,
             "status": self.status,
             "passed": self.passed,
-            "max_deviation": _finite(self.max_deviation),
+            "max_deviation": json_number(self.max_deviation),
             "tolerance": self.tolerance,
             "n_leaks": len(self.leaks),
             "first_leak": self.first_leak.to_dict() if self.first_leak else None,
@@ -101,13 +98,11 @@ class CheckResult:
         }
 
 
-def _finite(x: float):
-    return x if math.isfinite(x) else str(x)
-
-
 @dataclass
-class AuditReport:
+class AuditReport(Report):
     """Everything one audit found. ``passed`` is False as soon as one check failed."""
+
+    command: ClassVar[str] = "audit"
 
     model: str
     encoder_decoder: bool
@@ -121,14 +116,13 @@ class AuditReport:
     gradient: Tensor | None = None  # (T, T) max ‖∂(r·logits_i)/∂embeds_j‖
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
+    def findings(self) -> list[CheckResult]:
+        return self.checks
 
-    @property
-    def exit_code(self) -> int:
-        """0 when every check passed, 1 otherwise (for CI gates)."""
-        return 0 if self.passed else 1
+    def subtitle(self) -> str:
+        arch = "encoder-decoder" if self.encoder_decoder else "decoder-only"
+        src = f", S={self.src_length}" if self.encoder_decoder else ""
+        return f"{arch}, {self.dtype}, T={self.length}{src}, seed {self.seed}"
 
     @property
     def leaks(self) -> list[Leak]:
@@ -164,14 +158,9 @@ class AuditReport:
             "notes": self.notes,
         }
 
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
     # -- people ----------------------------------------------------------------------------------
     def to_text(self, max_leaks: int = 10) -> str:
-        arch = "encoder-decoder" if self.encoder_decoder else "decoder-only"
-        src = f", S={self.src_length}" if self.encoder_decoder else ""
-        lines = [f"attnmask audit: {self.model}", f"  {arch}, {self.dtype}, T={self.length}{src}, seed {self.seed}", ""]
+        lines = self.heading()
         width = max(len(c.name) for c in self.checks)
         for c in self.checks:
             if c.skipped:

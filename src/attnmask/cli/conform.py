@@ -18,7 +18,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 def add_parser(sub) -> None:
     from attnmask.audit.conform import SCENARIOS
-    from attnmask.audit.conform_models import TINY_CONFIGS
+    from attnmask.audit.conform.models import TINY_CONFIGS
 
     p = sub.add_parser(
         "conform",
@@ -77,7 +77,7 @@ def _names(spec: str | None, flag: str, known) -> list[str] | None:
 
 def run(args) -> int:
     from attnmask.audit.conform import SCENARIOS, conform
-    from attnmask.audit.conform_models import load_model
+    from attnmask.audit.conform.models import load_model
 
     if args.length < 8:
         raise UserError(f"--length {args.length}: expected an int >= 8")

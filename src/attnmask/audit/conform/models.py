@@ -1,4 +1,4 @@
-"""The models :func:`attnmask.audit.conform` checks, and what it checks them against.
+"""The models :func:`~attnmask.audit.conform.runner.conform` checks, and what it checks them against.
 
 - :func:`load_model`: a Hugging Face model from a tiny random config (:data:`TINY_CONFIGS`), a
   local checkpoint directory, or a GGUF file (a registered name such as ``smollm2`` or a path),

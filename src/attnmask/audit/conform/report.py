@@ -1,4 +1,4 @@
-"""What :func:`attnmask.audit.conform` found: one result per scenario and implementation.
+"""What :func:`attnmask.audit.conform.conform` found: one result per scenario and implementation.
 
 ``ConformReport.to_dict()`` is exactly what ``attnmask conform --json`` prints::
 
@@ -14,19 +14,20 @@ picture of the measured dependency matrix beside the intended mask, once :meth:`
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from torch import Tensor
+
+from attnmask.audit.findings import Finding, Report, json_number
 
 __all__ = ["ConformResult", "ConformReport"]
 
 
 @dataclass
-class ConformResult:
+class ConformResult(Finding):
     """One scenario under one attention implementation."""
 
     scenario: str
@@ -51,14 +52,13 @@ class ConformResult:
         return f"{'✓' if self.passed else '✗'} {self.max_deviation:.1e}"
 
     def to_dict(self) -> dict:
-        dev = self.max_deviation
         return {
             "scenario": self.scenario,
             "implementation": self.implementation,
             "passed": self.passed,
             "skipped": self.skipped,
             "detail": self.detail,
-            "max_deviation": dev if math.isfinite(dev) else str(dev),
+            "max_deviation": json_number(self.max_deviation),
             "tolerance": self.tolerance,
             "first": self.first,
             "png": self.png,
@@ -66,7 +66,11 @@ class ConformResult:
 
 
 @dataclass
-class ConformReport:
+class ConformReport(Report):
+    """Every scenario under every implementation; ``passed`` is False as soon as one failed."""
+
+    command: ClassVar[str] = "conform"
+
     model: str
     transformers: str
     dtype: str
@@ -74,18 +78,11 @@ class ConformReport:
     unavailable: dict[str, str]
     results: list[ConformResult]
 
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.results)
+    def findings(self) -> list[ConformResult]:
+        return self.results
 
-    @property
-    def exit_code(self) -> int:
-        """0 when every scenario passed under every implementation, 1 otherwise (for CI)."""
-        return 0 if self.passed else 1
-
-    @property
-    def failures(self) -> list[ConformResult]:
-        return [r for r in self.results if not r.passed]
+    def subtitle(self) -> str:
+        return f"transformers {self.transformers}, {self.dtype}"
 
     @property
     def scenarios(self) -> list[str]:
@@ -107,9 +104,6 @@ class ConformReport:
             "unavailable": self.unavailable,
             "results": [r.to_dict() for r in self.results],
         }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
 
     # -- people ----------------------------------------------------------------------------------
     def rows(self) -> list[list[str]]:
@@ -140,16 +134,15 @@ class ConformReport:
         table = self.rows()
         widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        head = [f"attnmask conform: {self.model}", f"  transformers {self.transformers}, {self.dtype}", ""]
         lines = [fmt.format(*table[0]), "  ".join("─" * w for w in widths)]
         lines += [fmt.format(*row) for row in table[1:]]
-        return "\n".join(head + lines + [""] + self._footer())
+        return "\n".join(self.heading() + lines + [""] + self._footer())
 
     def print_rich(self, console) -> None:
         """The same table through a ``rich.console.Console`` (colours, box drawing)."""
         from rich.table import Table
 
-        table = Table(title=f"attnmask conform: {self.model} (transformers {self.transformers}, {self.dtype})")
+        table = Table(title=f"{self.title()} ({self.subtitle()})")
         for name in self.rows()[0]:
             table.add_column(name)
         for row in self.rows()[1:]:

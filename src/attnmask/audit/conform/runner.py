@@ -28,28 +28,29 @@ registered with ``AttentionInterface.register``) and runs the same scenarios und
     Logits of a left-padded batch equal the first implementation's (``eager``).
 ``float64 reference``
     ... and equal attnmask's float64 Transformer holding the same weights, where attnmask can
-    build the architecture (:func:`~attnmask.audit.conform_models.reference_model`).
+    build the architecture (:func:`~attnmask.audit.conform.models.reference_model`).
 
 Encoder-decoder models get ``causality`` and ``right padding`` of the decoder, ``source
 padding``, ``fully padded rows``, and the two comparisons; the decoder-only scenarios are listed
 as not applicable.
 
-Tolerances: a perturbation that must change nothing is judged by the leak audit's
-:class:`~attnmask.audit.checks.Tolerance` for the dtype; two computations that should agree
-(padded vs not, cached vs not, batched vs alone, implementations against each other and against
-the float64 reference) by :data:`AGREEMENT_TOLERANCE` (relative to the largest logit of the row:
-float32 ``1e-4 + 1e-4 max``: SmolLM2's rounding through 30 layers, up to 4.7e-4 with logits up to
-~30, stays within it; a masking error moves logits by 1e-1 and more).
+Tolerances (:mod:`attnmask.audit.tolerance`): a perturbation that must change nothing is judged
+by the ``"unchanged"`` tolerance for the dtype, as in the leak audit; two computations that should
+agree (padded vs not, cached vs not, batched vs alone, implementations against each other and
+against the float64 reference) by the ``"agreement"`` one, :data:`AGREEMENT_TOLERANCE` (relative to
+the largest logit of the row: float32 ``1e-4 + 1e-4 max``: SmolLM2's rounding through 30 layers, up
+to 4.7e-4 with logits up to ~30, stays within it; a masking error moves logits by 1e-1 and more).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from attnmask.audit.conform_models import implementations as discover
-from attnmask.audit.conform_models import set_implementation
-from attnmask.audit.conform_report import ConformReport, ConformResult
-from attnmask.audit.conform_scenarios import AGREEMENT_TOLERANCE, SCENARIOS, Suite
+from attnmask.audit.conform.models import implementations as discover
+from attnmask.audit.conform.models import set_implementation
+from attnmask.audit.conform.report import ConformReport, ConformResult
+from attnmask.audit.conform.scenarios import SCENARIOS, Suite
+from attnmask.audit.tolerance import AGREEMENT_TOLERANCE
 from attnmask.errors import UserError, UserTypeError
 
 __all__ = ["conform", "SCENARIOS", "AGREEMENT_TOLERANCE"]

@@ -1,5 +1,6 @@
-"""The scenarios of :func:`attnmask.audit.conform`, run by :class:`Suite` under one implementation
-at a time (see :mod:`attnmask.audit.conform` for what each one checks, and its tolerances).
+"""The scenarios of :func:`~attnmask.audit.conform.runner.conform`, run by :class:`Suite` under one
+implementation at a time (see :mod:`attnmask.audit.conform.runner` for what each one checks, and its
+tolerances).
 
 Shared by all scenarios: two random base sequences of T tokens (never the pad id), the leak audit's
 perturbation check for dependency matrices (:meth:`Suite.dependency_of`), and for failures whose
@@ -15,13 +16,14 @@ import torch
 from torch import Tensor
 
 from attnmask import masks
-from attnmask.audit.checks import Tolerance, audit
-from attnmask.audit.conform_models import layer_windows, reach, reference_model
-from attnmask.audit.conform_report import ConformResult
+from attnmask.audit.checks import audit
+from attnmask.audit.conform.models import layer_windows, reach, reference_model
+from attnmask.audit.conform.report import ConformResult
 from attnmask.audit.subjects import from_callable, from_hf, positions_from_mask
+from attnmask.audit.tolerance import Tolerance
 from attnmask.errors import UserError
 
-__all__ = ["Suite", "SCENARIOS", "AGREEMENT_TOLERANCE", "N_PADS", "N_NEW_TOKENS"]
+__all__ = ["Suite", "SCENARIOS", "N_PADS", "N_NEW_TOKENS"]
 
 SCENARIOS = (
     "causality",
@@ -39,16 +41,6 @@ SCENARIOS = (
 )
 _DECODER_ONLY = {"sliding window", "left padding", "packed (no mask)", "packed (all-ones mask)", "cache parity"}
 _DECODER_ONLY |= {"batched greedy"}
-# (rtol, atol) for two different computations of the same logits (padded vs not, cached vs not,
-# batched vs alone, one implementation vs another or vs float64): |Δ| <= atol + rtol * max|ref row|.
-# float32: SmolLM2 (30 layers, logits up to ~30) differs by up to 4.7e-4 between such computations
-# (measured: cached vs full, eager vs sdpa), rounding alone; a masking error moves logits by 1e-1 and more.
-AGREEMENT_TOLERANCE = {
-    torch.float64: (1e-9, 1e-9),
-    torch.float32: (1e-4, 1e-4),
-    torch.float16: (5e-3, 1e-3),
-    torch.bfloat16: (4e-2, 1e-2),
-}
 N_PADS = 3
 N_NEW_TOKENS = 6
 
@@ -87,8 +79,8 @@ class Suite:
         self.T, self.seed = T, seed
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        self.tol = Tolerance.for_dtype(self.dtype)
-        self.agree = Tolerance(*AGREEMENT_TOLERANCE.get(self.dtype, AGREEMENT_TOLERANCE[torch.float32]))
+        self.tol = Tolerance.for_dtype(self.dtype)  # a perturbation that must change nothing
+        self.agree = Tolerance.for_dtype(self.dtype, purpose="agreement")  # two computations of the same logits
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.vocab = text.vocab_size
         pad = getattr(cfg, "pad_token_id", None)
