@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnmask import allocator
+from attnmask import allocator, linear
 from attnmask.cli import main
 from attnmask.train import TrainConfig, checkpoint, learning_rate, param_groups, resume_config, train
 from attnmask.train.logger import TrainLogger
@@ -242,6 +242,23 @@ def test_training_through_the_library_leaves_the_allocator_alone(tmp_path, monke
     lines: list[str] = []
     train(tiny(tmp_path / "run", max_steps=2), log=lines.append)
     assert f"memory: {allocator.current_policy()}" in lines  # what the process runs under, only said
+
+
+def test_a_run_records_its_matmul_engine_and_a_resume_keeps_it(tmp_path, monkeypatch):
+    # the same sums in the same order after a resume, whatever the resuming process would choose
+    monkeypatch.setattr(linear, "_engine", None)
+    monkeypatch.setattr(linear, "_reason", "")
+    monkeypatch.setenv("ATTNMASK_MATMUL", "blas")
+    cfg = tiny(tmp_path / "run", max_steps=2, save_every=2)
+    lines: list[str] = []
+    train(cfg, log=lines.append)
+    assert "float32 products: the BLAS (as requested)" in lines
+    assert checkpoint.load_torch(tmp_path / "run" / "trainer_state.pt")["matmul_engine"] == "blas"
+    monkeypatch.setattr(linear, "_engine", "onednn")  # this process would choose otherwise
+    lines.clear()
+    assert train(resume_config(cfg.run.out).replace(max_steps=3), log=lines.append).step == 3
+    assert "float32 products: the BLAS (as the run began)" in lines
+    assert linear.engine() == "blas"
 
 
 def test_the_progress_bar_stays_off_a_redirected_stderr(tmp_path, capsys, monkeypatch):
