@@ -18,6 +18,7 @@ def test_callable_decoder_passes_and_its_reverse_fails():
         "padding": "PASS",
         "cache parity": "SKIP",
         "fully padded rows": "PASS",
+        "cross-request": "SKIP",  # a callable is not served by the engine's packed step
     }
     assert report.dtype == "float64"  # taken from the logits: it picks the tolerance
     bad = audit(from_callable(bag_of_words(reverse=True), vocab_size=V, dtype=torch.float32), length=T)
@@ -38,6 +39,7 @@ def test_hugging_face_decoder_built_locally_passes(kind):
         "padding": "PASS",
         "cache parity": "PASS",
         "fully padded rows": "PASS",
+        "cross-request": "SKIP",  # a Hugging Face model is not served by attnmask's engine
     }
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     assert bool((report.dependency[causal] > 0).all())
@@ -67,6 +69,7 @@ def test_hugging_face_encoder_decoder_passes():
         "source padding": "PASS",
         "cache parity": "SKIP",
         "fully padded rows": "PASS",
+        "cross-request": "SKIP",
     }
 
 

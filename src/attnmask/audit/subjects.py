@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from attnmask import masks
+from attnmask.engine.step import packed_forward
 from attnmask.errors import UserError, UserTypeError
 
 __all__ = ["Subject", "as_subject", "from_callable", "from_transformer", "from_hf", "from_run", "positions_from_mask"]
@@ -52,6 +53,9 @@ class Subject:
     src_pad_sides: tuple[str, ...] = SIDES  # source padding whose *amount* must not matter
     forward_with_embeds: Callable[..., tuple[Tensor, Tensor]] | None = None  # -> (logits, leaf embeds)
     cached_forward: Callable[..., Tensor] | None = None  # same logits, token by token with a KV cache
+    # sequences (lists of ids) -> each one's logits (T_i, V), all run together through the serving
+    # engine's packed step over a paged cache, ``chunk`` tokens of each a step
+    packed_forward: Callable[..., list[Tensor]] | None = None
     max_len: int | None = None  # longest sequence the model takes
     dtype: torch.dtype | None = None  # dtype of the logits (picks the tolerance); None = as returned
     device: torch.device = torch.device("cpu")  # where the audit puts the ids it makes
@@ -198,6 +202,7 @@ def from_transformer(model, *, name: str | None = None) -> Subject:
         forward=lambda *args: run(args),
         forward_with_embeds=lambda *args: run(args, embeds_hook=True),
         cached_forward=cached,
+        packed_forward=None if enc_dec else lambda seqs, chunk=4: packed(model, seqs, chunk),
         vocab_size=cfg.vocab_size,
         src_vocab_size=cfg.src_vocab_size,
         encoder_decoder=enc_dec,
@@ -211,6 +216,36 @@ def from_transformer(model, *, name: str | None = None) -> Subject:
         dtype=p.dtype,
         device=p.device,
     )
+
+
+def packed(model, seqs: list[list[int]], chunk: int = 4, block_size: int = 4) -> list[Tensor]:
+    """Every sequence's logits ``(T_i, V)`` at every position, all sequences run together through the
+    serving engine's packed step (:func:`attnmask.engine.step.packed_forward`) over one paged cache:
+    ``chunk`` tokens of each sequence a step, each at its own offset, until all are done."""
+    from attnmask.engine.cache import PagedKVCache
+
+    lengths = [len(s) for s in seqs]
+    per_seq = [-(-n // block_size) for n in lengths]
+    cache = PagedKVCache.for_model(model, num_blocks=1 + sum(per_seq), block_size=block_size)
+    tables = torch.zeros(len(seqs), max(per_seq), dtype=torch.long)
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = torch.tensor(cache.pool.allocate(n))
+    device = cache.k[0].device
+    out: list[list[Tensor]] = [[] for _ in seqs]
+    with torch.no_grad():
+        for start in range(0, max(lengths), chunk):
+            rows = [(i, t) for i, n in enumerate(lengths) for t in range(start, min(start + chunk, n))]
+            if not rows:
+                continue
+            seq_ids = torch.tensor([i for i, _ in rows], device=device)
+            positions = torch.tensor([t for _, t in rows], device=device)
+            tokens = torch.tensor([int(seqs[i][t]) for i, t in rows], device=device)
+            logits = packed_forward(
+                model, cache, tokens, positions, seq_ids, tables.to(device), torch.arange(len(rows), device=device)
+            )  # (N, V)
+            for (i, _), row in zip(rows, logits):
+                out[i].append(row)
+    return [torch.stack(rows) for rows in out]
 
 
 def from_run(path: str | Path) -> Subject:

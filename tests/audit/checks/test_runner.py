@@ -19,7 +19,9 @@ def test_clean_attnmask_models_pass_every_check(arch, positions):
     report = audit(tiny_model(arch, positions=positions), length=T, src_length=8)
     expected = [c for c in CHECKS if arch == "encoder_decoder" or c != "source padding"]
     assert [c.name for c in report.checks] == expected
-    assert statuses(report) == dict.fromkeys(expected, "PASS")
+    # an encoder-decoder is not served by the engine's packed step: its cross-request check is skipped
+    skipped = {"cross-request": "SKIP"} if arch == "encoder_decoder" else {}
+    assert statuses(report) == dict.fromkeys(expected, "PASS") | skipped
     assert report.passed and report.exit_code == 0
     assert report.leaks == [] and report.first_leak is None
     # the measured dependency matrix *is* the look-ahead mask: every allowed pair used, no other

@@ -5,7 +5,9 @@
 - :mod:`.padding`: ``padding`` and ``source padding``: real outputs ignore the amount of padding
   and the ids written in the pads;
 - :mod:`.cache_parity`: cached token-by-token logits equal the full forward;
-- :mod:`.fully_padded`: ``fully padded rows``: an all-pad row gives finite logits, disturbs nothing.
+- :mod:`.fully_padded`: ``fully padded rows``: an all-pad row gives finite logits, disturbs nothing;
+- :mod:`.cross_request`: ``cross-request``: requests packed into one step of the serving engine never
+  see each other, bit for bit.
 
 :mod:`.probe` is what they share (the random inputs, the forward calls, the perturbation
 measurement); :mod:`.runner` runs them and assembles the :class:`~attnmask.audit.report.AuditReport`.

@@ -1,8 +1,9 @@
 """The ``cache parity`` check: logits decoded token by token with a KV cache equal the full forward.
 
 Compared at the real positions of each batch: unpadded, padded on each side the model handles,
-and (encoder-decoder) with the source right-padded. Two computations of the same logits, so the
-tolerance is the dtype's ``"unchanged"`` one (user overrides included) times
+and (encoder-decoder) with the source right-padded; and, for a model the serving engine runs, its
+packed step over a paged cache (the sequences together, prompts in chunks of 3). Two computations
+of the same logits, so the tolerance is the dtype's ``"unchanged"`` one (user overrides included) times
 :data:`~attnmask.audit.tolerance.CACHE_TOLERANCE_FACTOR`. Skipped for a model that offers no cached
 decoding (``Subject.cached_forward``).
 """
@@ -59,6 +60,19 @@ def check_cache_parity(probe: Probe) -> CheckResult:
                 f"(first at position {first}, max |Δ| {float(delta.max()):.3g})"
             )
         details.append(name)
+    if subject.packed_forward is not None:
+        full = probe.call(probe.tgt, probe.ones(probe.N, probe.T), None, None)  # (N, T, V)
+        packed = torch.stack(subject.packed_forward(probe.tgt.tolist(), 3)).double().cpu()  # (N, T, V)
+        delta = torch.nan_to_num((packed - full).abs(), nan=float("inf"))
+        ratio = tol.ratio(delta, full).amax(-1)  # (N, T)
+        worst = max(worst, float(delta.max()))
+        if (ratio > 1).any():
+            first = int((ratio > 1).nonzero()[0, 1])
+            problems.append(
+                f"packed step (paged cache): logits differ from the full forward at {int((ratio > 1).sum())} "
+                f"positions (first at position {first}, max |Δ| {float(delta.max()):.3g})"
+            )
+        details.append("packed step (paged cache, chunks of 3)")
     return CheckResult(
         "cache parity",
         passed=not problems,

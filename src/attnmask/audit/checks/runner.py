@@ -9,6 +9,7 @@ from torch import Tensor
 from attnmask import masks
 from attnmask.audit.checks.cache_parity import check_cache_parity
 from attnmask.audit.checks.causality import check_causality
+from attnmask.audit.checks.cross_request import check_cross_request
 from attnmask.audit.checks.fully_padded import check_fully_padded_rows
 from attnmask.audit.checks.gradient import check_gradient
 from attnmask.audit.checks.padding import check_padding, check_source_padding
@@ -27,6 +28,7 @@ _CHECKS: dict[str, Callable[[Probe], CheckResult]] = {
     "source padding": check_source_padding,  # encoder-decoders only
     "cache parity": check_cache_parity,
     "fully padded rows": check_fully_padded_rows,
+    "cross-request": check_cross_request,  # decoder-only attnmask models: the serving engine's packed step
 }
 CHECKS = tuple(_CHECKS)
 
