@@ -32,7 +32,7 @@ from attnmask.decode.sampling import GREEDY, Sampling, sample
 from attnmask.engine.cache import PagedKVCache, blocks_for_memory
 from attnmask.engine.scheduler import Chunk, Scheduler
 from attnmask.engine.scheduler import Sequence as SeqState
-from attnmask.engine.step import check_servable, packed_forward
+from attnmask.engine.step import check_servable, fused_plan, packed_forward
 from attnmask.errors import UserError
 
 __all__ = ["Completion", "Engine", "EngineStats", "RequestParams", "TokenEvent"]
@@ -156,6 +156,7 @@ class Engine:
             raise UserError(f"--kv-cache-mib {kv_cache_mib} holds {num_blocks} blocks of {block_size}; need >= 2")
         self.cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=block_size)
         self.scheduler = Scheduler(self.cache.pool, block_size, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
+        self.plan = fused_plan(self.model)  # the whole step in one native call, where the model allows
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.detokenize = detokenize
         self.max_len = cfg.max_seq_len if cfg.positions != "rotary" else None
@@ -264,7 +265,7 @@ class Engine:
         with torch.inference_mode():
             return packed_forward(
                 self.model, self.cache, as_long(tokens), as_long(positions), as_long(row_seq), tables.to(device),
-                as_long(logit_rows),
+                as_long(logit_rows), self.plan,
             )  # fmt: skip
 
     def _sample(self, seq: SeqState, row: Tensor) -> TokenEvent:

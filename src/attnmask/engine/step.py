@@ -35,7 +35,7 @@ from attnmask.model.layers import RMSNorm, Rotary
 from attnmask.ops import decoding
 from attnmask.pretrained.quantized import BlockLinear
 
-__all__ = ["check_servable", "packed_forward", "packed_mask", "slots_of"]
+__all__ = ["check_servable", "fused_plan", "packed_forward", "packed_mask", "slots_of"]
 
 
 def packed_mask(row_seq: Tensor, row_pos: Tensor, key_seq: Tensor, key_pos: Tensor, window: int = 0) -> masks.Mask:
@@ -127,6 +127,54 @@ def _attention(attn, h: Tensor, rope, cache: PagedKVCache, layer: int, slots, ta
     return _product(attn.o_proj, out)
 
 
+def _operands(proj: nn.Module) -> tuple[int, list[Tensor]] | None:
+    """A product as ``packed_step`` takes it: GGUF blocks, or a row-major float32 weight and its bias."""
+    if proj._forward_hooks or proj._forward_pre_hooks:
+        return None  # a watched module must be called
+    if isinstance(proj, BlockLinear):
+        return proj.decoder_operands()
+    if type(proj) in (nn.Linear, Linear):
+        w, b = proj.weight, proj.bias
+        if w.dtype == torch.float32 and w.is_cpu and w.is_contiguous():
+            return decoding.DENSE, [w, w.new_empty(0) if b is None else b]
+    return None
+
+
+def fused_plan(model) -> tuple | None:
+    """What :func:`attnmask.ops.decoding.packed_step` needs of ``model`` (norm weights and eps, product
+    tensors and kinds), read once; None where the whole step cannot be one native call: the model is
+    not a pre-norm RMSNorm / SwiGLU decoder with fused q/k/v and gate/up projections in float32 on the
+    CPU, or the native kernels are not built. Such models take the per-operation path, which is
+    batch-invariant too."""
+    cfg = model.config
+    if model.is_encoder_decoder or model.training or cfg.norm_position != "pre" or not ops.available():
+        return None
+    if not isinstance(model.norm, RMSNorm) or any(
+        not (p.is_cpu and p.dtype == torch.float32) for p in model.parameters()
+    ):
+        return None
+    norms, products, kinds = [], [], []
+    modules = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(layer.self_norm, RMSNorm) or not isinstance(layer.mlp_norm, RMSNorm):
+            return None
+        if attn.qkv_proj is None or getattr(mlp, "gate_up_proj", None) is None:
+            return None
+        norms += [layer.self_norm, layer.mlp_norm]
+        modules += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    norms.append(model.norm)
+    for proj in [*modules, model.lm_head]:
+        operands = _operands(proj)
+        if operands is None:
+            return None
+        kinds.append(operands[0])
+        products += operands[1]
+    attn = model.layers[0].self_attn
+    weights = [n.weight for n in norms]
+    return weights, [n.eps for n in norms], products, kinds, attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+
 def packed_forward(
     model,
     cache: PagedKVCache,
@@ -135,6 +183,7 @@ def packed_forward(
     row_seq: Tensor,
     tables: Tensor,
     logit_rows: Tensor,
+    plan: tuple | None = None,
 ) -> Tensor:
     """One step of ``model`` over packed rows; returns the logits of ``logit_rows`` only ``(M, V)``.
 
@@ -145,6 +194,9 @@ def packed_forward(
             up to the last one scheduled (unused entries: the null block 0).
         logit_rows: ``(M,)`` rows whose next-token logits are wanted (a sequence's last scheduled
             row, when it is to sample): only they go through the final norm and the head.
+
+        plan: :func:`fused_plan` of ``model`` (read once by the caller): the whole step in one
+            native call (``packed_step``); None: the same work operation by operation.
 
     Keys and values of every row are written into ``cache`` before the rows attend, so a chunk's
     rows see each other causally, and later steps see them all.
@@ -158,6 +210,13 @@ def packed_forward(
         cos, signed = cos[0, 0][:, None], Rotary.signed_sin(sin)[0, 0][:, None]  # (N, 1, D): every head alike
         rope = (cos, signed)
     slots = slots_of(tables, row_seq, positions, cache.block_size)  # (N,)
+    if plan is not None:
+        weights, eps, products, kinds, H, Hkv, D = plan
+        cos, signed = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (x.new_empty(0), x.new_empty(0))
+        return decoding.packed_step(
+            x.contiguous(), cos.contiguous(), signed.contiguous(), weights, eps, products, kinds, cache.k, cache.v,
+            tables, row_seq, positions, slots, logit_rows, window, H, Hkv, D**-0.5,
+        )  # fmt: skip
     for i, layer in enumerate(model.layers):
         mods = layer._modules
 

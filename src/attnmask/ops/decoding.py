@@ -23,6 +23,9 @@ sections of ``docs/benchmarks.md``):
   packed rows of several sequences, each attending to its own sequence's cached keys up to its own
   position (and within ``window``), read through a block table: the serving engine's attention
   (:mod:`attnmask.engine`);
+- ``torch.ops.attnmask.packed_step(x, ..., k_pools, v_pools, tables, row_seq, row_pos, slots, logit_rows, ...)``:
+  ``decoder_step`` over packed rows of several sequences, attention through the paged cache, the head
+  on the rows that sample: the serving engine's whole step in one call;
 - ``torch.ops.attnmask.decoder_step(x, cos, signed_sin, norms, eps, products, kinds, k_caches, v_caches,
   col, bias, heads, kv_heads, scale)``: a whole one-token step, every layer and the head, making the
   calls above (and the block product of :mod:`attnmask.ops.blocks` for block layers) from C++: one
@@ -50,6 +53,8 @@ __all__ = [
     "decoder_step_reference",
     "linear_rows",
     "linear_rows_reference",
+    "packed_step",
+    "packed_step_reference",
     "paged_attend",
     "paged_attend_reference",
     "rms_norm",
@@ -187,6 +192,58 @@ def decoder_step_reference(
     return project(4 * L, h)
 
 
+def packed_step_reference(
+    x: Tensor,
+    cos: Tensor,
+    signed_sin: Tensor,
+    norms: list[Tensor],
+    eps: list[float],
+    products: list[Tensor],
+    kinds: list[int],
+    k_pools: list[Tensor],
+    v_pools: list[Tensor],
+    tables: Tensor,
+    row_seq: Tensor,
+    row_pos: Tensor,
+    slots: Tensor,
+    logit_rows: Tensor,
+    window: int,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+) -> Tensor:
+    """``packed_step`` as operator calls from Python: ``decoder_step``'s, with each layer's attention
+    over the paged cache and the head on ``logit_rows`` only."""
+    L, N = len(k_pools), x.shape[0]
+    _, _, Hkv, D = k_pools[0].shape
+    first = [0]
+    for kind in kinds:
+        first.append(first[-1] + (3 if kind == Q4_1 else 2))
+
+    def project(i: int, h: Tensor) -> Tensor:
+        t = products[first[i] : first[i + 1]]
+        if kinds[i] == DENSE:
+            return linear_rows(h, t[0], t[1] if t[1].numel() else None)
+        m = t[2] if kinds[i] == Q4_1 else None
+        return blocks.block_matmul(t[0], t[1], m, h, "Q4_1" if kinds[i] == Q4_1 else "Q8_0", h.shape[1])
+
+    h = rms_norm(x, norms[0], eps[0])
+    for layer in range(L):
+        q, k, v = project(4 * layer, h).reshape(N, heads + 2 * Hkv, D).split([heads, Hkv, Hkv], dim=1)
+        if cos.numel():
+            c, s = cos.reshape(N, 1, D), signed_sin.reshape(N, 1, D)
+            q = q * c + q.roll(D // 2, dims=-1) * s
+            k = k * c + k.roll(D // 2, dims=-1) * s
+        k_pools[layer].view(-1, Hkv, D)[slots] = k
+        v_pools[layer].view(-1, Hkv, D)[slots] = v
+        out = paged_attend(q.reshape(N, heads * D), k_pools[layer], v_pools[layer], tables, row_seq, row_pos,
+                           window, heads, scale)  # fmt: skip
+        x, h = add_rms_norm(x, project(4 * layer + 1, out), norms[2 * layer + 1], eps[2 * layer + 1])
+        delta = project(4 * layer + 3, silu_mul(project(4 * layer + 2, h)))
+        x, h = add_rms_norm(x, delta, norms[2 * layer + 2], eps[2 * layer + 2])
+    return project(4 * L, h.index_select(0, logit_rows).contiguous())
+
+
 # ---------------------------------------------------------------------------------------------
 # The operators: schemas, shape rules and PyTorch definitions here; csrc/decoding.cpp adds the
 # float32 CPU kernels
@@ -202,6 +259,11 @@ _LIBRARY.define(
     "float scale) -> Tensor"
 )
 DENSE, Q4_1, Q8_0 = 0, 1, 2  # decoder_step's product kinds: a float32 weight and bias, block layers' buffers
+_LIBRARY.define(
+    "packed_step(Tensor x, Tensor cos, Tensor signed_sin, Tensor[] norms, float[] eps, Tensor[] products, "
+    "int[] kinds, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor tables, Tensor row_seq, Tensor row_pos, "
+    "Tensor slots, Tensor logit_rows, int window, int heads, int kv_heads, float scale) -> Tensor"
+)
 _LIBRARY.define(
     "paged_attend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor row_seq, Tensor row_pos, int window, "
     "int heads, float scale) -> Tensor"
@@ -238,6 +300,13 @@ def _(x, cos, signed_sin, norms, eps, products, kinds, k_caches, v_caches, col, 
     return x.new_empty(x.shape[0], head.shape[0])
 
 
+@torch.library.register_fake("attnmask::packed_step", lib=_LIBRARY)
+def _(x, cos, signed_sin, norms, eps, products, kinds, k_pools, v_pools, tables, row_seq, row_pos, slots, logit_rows,
+      window, heads, kv_heads, scale):  # fmt: skip
+    head = products[-2 if kinds[-1] != Q4_1 else -3]
+    return x.new_empty(logit_rows.shape[0], head.shape[0])
+
+
 @torch.library.register_fake("attnmask::paged_attend", lib=_LIBRARY)
 def _(q, k_pool, v_pool, tables, row_seq, row_pos, window, heads, scale):
     return torch.empty_like(q)
@@ -255,6 +324,7 @@ for _name, _definition in [
     ("linear_rows", linear_rows_reference),
     ("rope_attend", rope_attend_reference),
     ("paged_attend", paged_attend_reference),
+    ("packed_step", packed_step_reference),
     ("decoder_step", decoder_step_reference),
 ]:
     _LIBRARY.impl(_name, _definition, "CompositeExplicitAutograd")
@@ -264,5 +334,6 @@ add_rms_norm = torch.ops.attnmask.add_rms_norm.default
 silu_mul = torch.ops.attnmask.silu_mul.default
 rope_attend = torch.ops.attnmask.rope_attend.default
 paged_attend = torch.ops.attnmask.paged_attend.default
+packed_step = torch.ops.attnmask.packed_step.default
 linear_rows = torch.ops.attnmask.linear_rows.default
 decoder_step = torch.ops.attnmask.decoder_step.default

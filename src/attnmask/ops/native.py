@@ -41,6 +41,7 @@ OPERATORS = {
     "silu_mul": decoding,
     "rope_attend": decoding,
     "paged_attend": decoding,
+    "packed_step": decoding,
     "linear_rows": decoding,
     "decoder_step": decoding,
 }

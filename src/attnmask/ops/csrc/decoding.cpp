@@ -24,6 +24,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/index_select.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -407,6 +408,109 @@ at::Tensor decoder_step(const at::Tensor &x0, const at::Tensor &cos, const at::T
     return project(4 * L, h);
 }
 
+// Packed rows' new queries rotated (returned, (N, H D)) and keys rotated and values copied into the pools
+// at `slots` (flat block * S + offset of each row's position): what rope_attend does before attending.
+at::Tensor rope_write(const at::Tensor &qkv, const at::Tensor &cos, const at::Tensor &signed_sin,
+                      const at::Tensor &k_pool, const at::Tensor &v_pool, const int64_t *slots, int64_t heads) {
+    const int64_t N = qkv.size(0), Hkv = k_pool.size(2), D = k_pool.size(3), H = heads;
+    const int64_t row = (H + 2 * Hkv) * D, half = D / 2, cells = k_pool.size(0) * k_pool.size(1);
+    const bool rotary = cos.numel() > 0;
+    at::Tensor q = at::empty({N, H * D}, qkv.options());
+    const float *src = qkv.const_data_ptr<float>();
+    const float *cp = rotary ? cos.const_data_ptr<float>() : nullptr;
+    const float *sp = rotary ? signed_sin.const_data_ptr<float>() : nullptr;
+    float *qp = q.mutable_data_ptr<float>(), *kc = k_pool.mutable_data_ptr<float>();
+    float *vc = v_pool.mutable_data_ptr<float>();
+    for (int64_t r = 0; r < N; r++) {
+        TORCH_CHECK_VALUE(0 <= slots[r] && slots[r] < cells, "packed_step: row ", r, " writes slot ", slots[r],
+                          " of a pool of ", cells);
+        for (int64_t h = 0; h < H + Hkv; h++) {
+            const float *x = src + r * row + h * D;
+            float *y = h < H ? qp + (r * H + h) * D : kc + (slots[r] * Hkv + (h - H)) * D;
+            if (!rotary) {
+                for (int64_t d = 0; d < D; d++) y[d] = x[d];
+                continue;
+            }
+            const float *c = cp + r * D, *s = sp + r * D;
+            for (int64_t d = 0; d < D; d++) y[d] = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
+        }
+        for (int64_t g = 0; g < Hkv; g++) {
+            const float *x = src + r * row + (H + Hkv + g) * D;
+            float *y = vc + (slots[r] * Hkv + g) * D;
+            for (int64_t d = 0; d < D; d++) y[d] = x[d];
+        }
+    }
+    return q;
+}
+
+// A whole step of a pre-norm RMSNorm / rotary / SwiGLU decoder with fused projections over packed rows of
+// several sequences (attnmask.engine.step): decoder_step's calls, with each layer's attention over the
+// paged cache (the rows rotated and written to their slots, then paged_attend), and the head applied to
+// `logit_rows` only. x (N, C) embedded tokens; cos, signed_sin (N, D) or empty; norms / eps / products /
+// kinds as decoder_step takes them; k_pools, v_pools one (P, S, Hkv, D) pair per layer; tables, row_seq,
+// row_pos, window as paged_attend takes them; slots (N,) each row's flat pool index. Returns (M, V).
+at::Tensor packed_step(const at::Tensor &x0, const at::Tensor &cos, const at::Tensor &signed_sin,
+                       at::TensorList norms, at::ArrayRef<double> eps, at::TensorList products, at::IntArrayRef kinds,
+                       at::TensorList k_pools, at::TensorList v_pools, const at::Tensor &tables,
+                       const at::Tensor &row_seq, const at::Tensor &row_pos, const at::Tensor &slots,
+                       const at::Tensor &logit_rows, int64_t window, int64_t heads, int64_t kv_heads, double scale) {
+    const char *op = "packed_step";
+    const int64_t L = static_cast<int64_t>(k_pools.size());
+    check_rows(x0, op, "x");
+    TORCH_CHECK_VALUE(L > 0 && static_cast<int64_t>(v_pools.size()) == L, op, ": ", L, " key pools and ",
+                      v_pools.size(), " value pools; expected one of each per layer");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), op, ": ",
+                      norms.size(), " norm weights and ", eps.size(), " eps for ", L, " layers; expected ", 2 * L + 1,
+                      " of each");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(kinds.size()) == 4 * L + 1, op, ": ", kinds.size(), " products for ", L,
+                      " layers; expected ", 4 * L + 1);
+    const int64_t N = x0.size(0), D = k_pools[0].size(3);
+    for (const at::Tensor *t : {&slots, &logit_rows}) {
+        TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
+                          op, ": slots and logit_rows must be 1-D contiguous int64 CPU tensors");
+    }
+    TORCH_CHECK_VALUE(slots.size(0) == N, op, ": ", slots.size(0), " slots for ", N, " rows");
+    const int64_t *lr = logit_rows.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < logit_rows.size(0); i++)
+        TORCH_CHECK_VALUE(0 <= lr[i] && lr[i] < N, op, ": logit row ", lr[i], " of ", N, " rows");
+    if (cos.numel()) {
+        check_rows(cos, op, "cos");
+        check_rows(signed_sin, op, "signed_sin");
+        TORCH_CHECK_VALUE(cos.numel() == N * D && signed_sin.numel() == N * D, op, ": cos and signed_sin must hold (",
+                          N, ", ", D, ")");
+    }
+    for (int64_t l = 0; l < L; l++) {
+        for (const at::Tensor *t : {&k_pools[l], &v_pools[l]}) {
+            check_rows(*t, op, "a pool");
+            TORCH_CHECK_VALUE(t->dim() == 4 && t->sizes() == k_pools[0].sizes() && t->size(2) == kv_heads, op,
+                              ": pools must all be (P, S, Hkv, D) = ", k_pools[0].sizes(), " with Hkv = ", kv_heads);
+        }
+    }
+    std::vector<int64_t> first(kinds.size() + 1, 0);
+    for (size_t i = 0; i < kinds.size(); i++) {
+        TORCH_CHECK_VALUE(kinds[i] == DENSE || kinds[i] == Q4_1 || kinds[i] == Q8_0, op, ": product kind ", kinds[i],
+                          " is not one of 0 (float32), 1 (Q4_1), 2 (Q8_0)");
+        first[i + 1] = first[i] + product_tensors(kinds[i]);
+    }
+    TORCH_CHECK_VALUE(first.back() == static_cast<int64_t>(products.size()), op, ": ", products.size(),
+                      " product tensors; the kinds name ", first.back());
+    auto project = [&](int64_t i, const at::Tensor &h) { return product(kinds[i], products.data() + first[i], h); };
+    const int64_t *sl = slots.const_data_ptr<int64_t>();
+    at::Tensor x = x0, h = rms_norm(x0, norms[0], eps[0]);
+    for (int64_t l = 0; l < L; l++) {
+        const at::Tensor qkv = project(4 * l, h);
+        TORCH_CHECK_VALUE(qkv.size(1) == (heads + 2 * kv_heads) * D, op, ": layer ", l, "'s q/k/v product gives ",
+                          qkv.size(1), " features; expected ", (heads + 2 * kv_heads) * D);
+        const at::Tensor q = rope_write(qkv, cos, signed_sin, k_pools[l], v_pools[l], sl, heads);
+        const at::Tensor out =
+            paged_attend(q, k_pools[l], v_pools[l], tables, row_seq, row_pos, window, heads, scale);
+        std::tie(x, h) = add_rms_norm(x, project(4 * l + 1, out), norms[2 * l + 1], eps[2 * l + 1]);
+        const at::Tensor delta = project(4 * l + 3, silu_mul(project(4 * l + 2, h)));
+        std::tie(x, h) = add_rms_norm(x, delta, norms[2 * l + 2], eps[2 * l + 2]);
+    }
+    return project(4 * L, h.index_select(0, logit_rows).contiguous());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
@@ -417,4 +521,5 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("linear_rows", &linear_rows);
     lib.impl("decoder_step", &decoder_step);
     lib.impl("paged_attend", &paged_attend);
+    lib.impl("packed_step", &packed_step);
 }
