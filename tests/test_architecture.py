@@ -33,6 +33,7 @@ LAYERS = {
     "model": 2,
     "decode": 3,
     "pretrained": 4,
+    "engine": 4,
     "train": 5,
     "audit": 6,
     "cli": 7,
