@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 
 from attnmask.engine import BlockPool, Scheduler, Sequence
-from attnmask.errors import UserError
 
 NEW = 99  # the token every sampling chunk "generates"
 
@@ -40,20 +39,6 @@ def advance(sched: Scheduler) -> list[tuple[str, int, int, bool]]:
         if c.sample:
             c.seq.tokens.append(NEW)
     return out
-
-
-def test_the_pool_hands_out_blocks_and_takes_them_back():
-    pool = BlockPool(5)
-    assert (pool.free, pool.used, pool.capacity) == (4, 0, 4)
-    a = pool.allocate(3)
-    assert a == [1, 2, 3] and 0 not in a and (pool.free, pool.used) == (1, 3)
-    with pytest.raises(MemoryError, match="asked for 2 cache blocks, 1 free"):
-        pool.allocate(2)
-    pool.release(a)
-    assert (pool.free, pool.used) == (4, 0)
-    assert pool.allocate(1) == [1]  # the most recently freed first
-    with pytest.raises(UserError, match="at least 2 blocks"):
-        BlockPool(1)
 
 
 def test_sequences_join_and_leave_between_steps():
