@@ -242,6 +242,7 @@ def test_other_models_keep_the_general_step():
         assert not static._fusable(model, static._layer_parts(model), k_bufs, cross)
 
 
+@pytest.mark.slow  # builds the native library twice more (a minute or so each on 2 cores)
 @pytest.mark.parametrize("capability", ["avx2", "default"])
 def test_the_other_builds_match_their_definitions_too(capability):
     """The AVX2 and portable builds (what other CPUs get: the flags follow PyTorch's CPU capability,

@@ -331,14 +331,12 @@ def _flex_suits(pm: PreparedMask) -> bool:
 
 
 # ``auto`` on the CPU takes ``math`` for many short problems, where SDPA's fused kernels lose
-# (Zen 5, torch 2.13, docs/benchmarks.md): bfloat16 with up to 128 keys (forward + backward 1.6-13x
-# faster, forward 1.2-2.9x; at 256 keys SDPA is faster); float32 at inference for up to 64 queries
-# over up to 256 keys in at least 32 (batch row, head) pairs, as a batch of short sentences through
-# the encoder or one-token steps through ``Transformer.decode`` (1.2-2x; ``decode_one`` has its own
-# attention and keeps SDPA, where batched products measured slower); float32 training over up to 64
-# keys in at least 32 pairs (forward + backward 1.2-3x faster with 4 or 8 heads, 1.0-1.3x with
-# attention dropout; at 96-128 keys and 8 heads SDPA catches up). Never when the float32 scores would
-# pass 64 MiB.
+# (measured on Zen 5 with torch 2.13: docs/benchmarks.md, attention): bfloat16 with up to 128 keys
+# (at 256 keys SDPA is faster); float32 at inference for up to 64 queries over up to 256 keys in at
+# least 32 (batch row, head) pairs, as a batch of short sentences through the encoder or one-token
+# steps through ``Transformer.decode`` (``decode_one`` has its own attention and keeps SDPA, where
+# batched products measured slower); float32 training over up to 64 keys in at least 32 pairs (at
+# 96-128 keys and 8 heads SDPA catches up). Never when the float32 scores would pass 64 MiB.
 _MATH_MAX_SCORES = 1 << 24
 
 

@@ -16,8 +16,7 @@ one ``scaled_dot_product_attention`` per attention, and nothing else:
 Eager, a pre-norm RMSNorm / SwiGLU decoder with fused projections in float32 on the CPU (Llama,
 SmolLM2) takes a shorter route, :func:`_fused_step`: the work between the products in the C++
 operators of :mod:`attnmask.ops.decoding`, four products and three calls a layer, all made from C++
-in one ``decoder_step`` call a token (framework work 1.3 instead of 4.7 ms a token; see
-docs/benchmarks.md).
+in one ``decoder_step`` call a token (what that saves: docs/benchmarks.md, SmolLM2).
 
 Eager calls attend over exactly the ``step + 1`` cached keys. :class:`CompiledStep` (``torch.compile``)
 attends over a *bucket* of keys (the next power of two >= 64, at most the cache's length), masked
@@ -50,8 +49,7 @@ __all__ = ["CompiledStep", "auto_compile", "bucket", "decode_one", "zero_unwritt
 def auto_compile(model) -> bool:
     """Whether compiling the step pays by default: on a GPU (a batch-1 step is bound by kernel
     launches, which a CUDA graph replays at once), not on a CPU (there the eager step with the fused
-    operators is faster than inductor's graph: SmolLM2 153 against 136 tok/s, one Zen 5 core; see
-    docs/benchmarks.md)."""
+    operators measured faster than inductor's graph for SmolLM2: docs/benchmarks.md)."""
     return next(model.parameters()).device.type == "cuda"
 
 

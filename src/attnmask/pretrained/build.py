@@ -63,9 +63,8 @@ def column_major_(model: nn.Module) -> nn.Module:
 
     A one-token decoding step multiplies each weight matrix by one vector; PyTorch's CPU BLAS
     streams a float32 ``(out, in)`` weight faster when each input feature's weights are contiguous
-    (``weight = W_t.t()`` with ``W_t`` of shape ``(in, out)``): SmolLM2 at batch 1 decoded ~1.2-1.5x
-    faster in interleaved A/B runs on a 2-core CPU, batch 16 unchanged (``benchmarks/smollm2.py``).
-    bfloat16 is left alone: its matrix-vector product is ~5x *slower* column-major (measured), so
+    (``weight = W_t.t()`` with ``W_t`` of shape ``(in, out)``; measured with ``benchmarks/smollm2.py``,
+    docs/benchmarks.md). bfloat16 is left alone: its matrix-vector product is *slower* column-major, so
     cast with ``load(dtype=...)``, not ``model.to(...)`` after loading. ``safetensors.save_file``
     refuses non-contiguous tensors: ``.contiguous()`` them before saving.
     """
