@@ -187,12 +187,6 @@ def test_two_threads_give_the_bits_of_one():
     check_invariant({**PREEMPTING, "max_batch_tokens": 64, "num_blocks": 64}, threads=2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="engine.py Engine.stats: preemptions sums seq.preemptions over live requests only (self._requests), "
-    "so it falls back to 0 when a preempted request finishes, while steps/tokens_in/tokens_out are cumulative",
-)
 def test_stats_keep_counting_preemptions_after_the_requests_finish():
     engine = engine_of("rotary-gqa", num_blocks=5, block_size=2, max_batch_tokens=64, eos_ids=[])
     _, most = run(engine, [(prompt, RequestParams(max_tokens=4)) for prompt in ([3, 4, 5, 6], [7, 8, 9])])

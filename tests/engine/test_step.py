@@ -102,10 +102,7 @@ def by_mask_algebra(q, keys, row_seq, row_pos, H, D, window, scale):
     k = torch.cat([k for k, _ in keys]).transpose(0, 1)[None].double()  # (1, Hkv, K, D)
     v = torch.cat([v for _, v in keys]).transpose(0, 1)[None].double()
     N, K = len(row_seq), len(key_seq)
-    # The mask's predicates index the rows by query index: anchor query 0 at row 0 (top-left) — see
-    # test_packed_mask_materialises_as_its_docstring_says for why this is needed.
-    rows = masks.from_predicate(lambda b, h, qi, kv: torch.ones((), dtype=torch.bool), align="top_left")
-    mask = (packed_mask(row_seq, row_pos, key_seq, key_pos, window) & rows).to_bool(1, N, K)  # (1, 1, N, K)
+    mask = packed_mask(row_seq, row_pos, key_seq, key_pos, window).to_bool(1, N, K)  # (1, 1, N, K)
     # the mask is the ranges the kernel reads: [pos - window + 1, pos] of the row's own sequence
     first = (row_pos - window + 1).clamp(min=0) if window > 0 else torch.zeros_like(row_pos)
     ranges = (key_seq[None] == row_seq[:, None]) & (key_pos[None] <= row_pos[:, None]) & (key_pos >= first[:, None])
@@ -230,12 +227,6 @@ def test_paged_attend_refuses_rows_and_blocks_out_of_range():
         decoding.paged_attend(q, k_pool, v_pool, tables, row_seq, row_pos, 0, 3, 0.3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="engine/step.py packed_mask: its predicates index row_pos with the query's absolute position "
-    "(q_start + row, q_start = Tk - Tq bottom-right) instead of the row, so to_bool(1, N, K) fails for N < K",
-)
 def test_packed_mask_materialises_as_its_docstring_says():
     """``packed_mask(...)``: "Batch 1: ``to_bool(1, N, K)``" — two rows of two sequences, three keys."""
     row_seq, row_pos = torch.tensor([0, 1]), torch.tensor([1, 0])

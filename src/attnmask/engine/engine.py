@@ -213,7 +213,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         pool = self.cache.pool
-        preempted = sum(r.seq.preemptions for r in self._requests.values())
+        preempted = self.scheduler.preemptions
         return EngineStats(
             len(self.scheduler.running), len(self.scheduler.waiting) + len(self._inbox), pool.used, pool.capacity,
             self._steps, self._tokens_in, self._tokens_out, preempted,

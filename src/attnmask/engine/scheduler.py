@@ -73,6 +73,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = 0
+        self.preemptions = 0  # since the scheduler started
 
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
@@ -93,6 +94,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release(seq.blocks)
         seq.blocks, seq.computed, seq.preemptions = [], 0, seq.preemptions + 1
+        self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _grow(self, seq: Sequence, positions: int) -> bool:

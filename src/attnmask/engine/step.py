@@ -43,10 +43,11 @@ def packed_mask(row_seq: Tensor, row_pos: Tensor, key_seq: Tensor, key_pos: Tens
     ``(K,)`` (sequence, position): ``document & causal`` with each sequence's own offset, ``&`` a
     sliding window of ``window`` keys (0: none). Batch 1: ``to_bool(1, N, K)``."""
     same = masks.document(key_seq[None], query_segment_ids=row_seq[None])  # a row sees only its own sequence
-    causal = masks.from_predicate(lambda b, h, q, kv: key_pos[kv] <= row_pos[q])  # up to its own position
+    # top-left: q and kv are the row and key indices (positions live in row_pos / key_pos)
+    causal = masks.from_predicate(lambda b, h, q, kv: key_pos[kv] <= row_pos[q], align="top_left")
     mask = same & causal
     if window > 0:
-        mask = mask & masks.from_predicate(lambda b, h, q, kv: key_pos[kv] > row_pos[q] - window)
+        mask = mask & masks.from_predicate(lambda b, h, q, kv: key_pos[kv] > row_pos[q] - window, align="top_left")
     return mask
 
 
