@@ -8,8 +8,10 @@ The tests mirror the package: ``tests/masks`` tests ``attnmask.masks``, ``tests/
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,43 @@ MULTI30K = DATA / "multi30k"
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev")
+
+
+# ---------------------------------------------------------------------------------------------
+# $ATTNMASK_CACHE: one temporary folder for the whole test run
+# ---------------------------------------------------------------------------------------------
+# Set when pytest starts (before any test module is imported) and removed when it ends, so that no
+# test writes to the developer's cache (~/.cache/attnmask) or is helped by what is in it. One folder
+# per session, not per test: the native kernels build once (about 40 s on 2 cores) and SmolLM2's
+# GGUF file is converted once (about 10 s and 515 MB), by the first test that loads it by name. A
+# test that needs a fresh build sets its own (monkeypatch.setenv("ATTNMASK_CACHE", str(tmp_path))).
+# $ATTNMASK_TEST_CACHE names a folder to use instead, kept between runs (e.g. a CI cache).
+_CACHE_KEY = pytest.StashKey[tuple]()
+
+
+def pytest_configure(config):
+    kept = os.environ.get("ATTNMASK_TEST_CACHE")
+    folder = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="attnmask-test-cache-"))
+    config.stash[_CACHE_KEY] = (folder, not kept, os.environ.get("ATTNMASK_CACHE"))
+    os.environ["ATTNMASK_CACHE"] = str(folder)  # subprocesses (run_python, torchrun) inherit it
+
+
+def pytest_unconfigure(config):
+    folder, remove, before = config.stash.get(_CACHE_KEY, (None, False, None))
+    if folder is None:
+        return
+    if before is None:
+        os.environ.pop("ATTNMASK_CACHE", None)
+    else:
+        os.environ["ATTNMASK_CACHE"] = before
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def attnmask_cache(pytestconfig) -> Path:
+    """The test run's ``$ATTNMASK_CACHE`` folder."""
+    return pytestconfig.stash[_CACHE_KEY][0]
 
 
 @pytest.fixture(scope="module")
