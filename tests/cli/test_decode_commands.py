@@ -96,6 +96,31 @@ def test_translate_errors(mt_run, lm_run, tmp_path, capsys, monkeypatch):
     check_one_line_error(capsys, ["translate", "--run", str(mt_run), "a" * 48], "longer than the model's maximum of 48")
     check_one_line_error(capsys, ["translate", "--run", str(lm_run), "hi"], "is a 'lm' run")
     check_one_line_error(capsys, ["translate", "--run", str(mt_run), "--beam", "0", "hi"], "--beam must be >= 1")
+    vocab = load_run(mt_run).model.config.vocab_size
+    for beam in (vocab + 1, 10**9):  # 10**9 beams once asked for a 2.5 TB KV cache
+        check_one_line_error(
+            capsys, ["translate", "--run", str(mt_run), "--beam", str(beam), "hi"], f"expected 1..{vocab}"
+        )
+    assert main(["translate", "--run", str(mt_run), "--beam", str(vocab), "hi"]) == 0
+
+
+def test_translate_input_file_keeps_line_numbers_and_names_bad_bytes(mt_run, tmp_path, capsys, monkeypatch):
+    src = tmp_path / "in.txt"
+    src.write_bytes("\ufeffa man rides\r\n\r\nthe snow\n".encode())  # a BOM, CRLF and a blank line
+    assert main(["translate", "--run", str(mt_run), "--input", str(src)]) == 0
+    want = expected_translations(mt_run, ["a man rides", "the snow"])
+    assert capsys.readouterr().out.split("\n") == [want[0], "", want[1], ""]
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("a man\ncaf\xe9\n".encode("latin-1"))
+    check_one_line_error(
+        capsys, ["translate", "--run", str(mt_run), "--input", str(latin1)], "invalid UTF-8 at line 2, byte offset 9"
+    )
+    check_one_line_error(capsys, ["translate", "--run", str(mt_run), "--input", str(tmp_path)], "Is a directory")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8"))
+    check_one_line_error(capsys, ["translate", "--run", str(mt_run)], "stdin is not UTF-8 text")
+    check_one_line_error(
+        capsys, ["translate", "--run", str(mt_run), "a", "--length-penalty", "nan"], "--length-penalty nan: expected"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,6 +151,8 @@ def test_eval_errors(mt_run, tmp_path, capsys):
     check_one_line_error(
         capsys, ["eval", "--run", str(tmp_path / "x"), "--src", str(src), "--ref", str(src)], "not a run"
     )
+    argv = ["eval", "--run", str(mt_run), "--src", str(ref), "--ref", str(ref), "--output", str(tmp_path)]
+    check_one_line_error(capsys, argv, f"Is a directory: '{tmp_path}'")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +194,7 @@ def test_generate_errors(lm_run, mt_run, tmp_path, capsys):
     check_one_line_error(capsys, ["generate", "--run", str(tmp_path / "nope"), "--prompt", "a"], "not a run directory")
     check_one_line_error(capsys, ["generate", "--run", str(mt_run), "--prompt", "a"], "needs a language model")
     check_one_line_error(capsys, [*base, "--prompt", "a", "--top-p", "2"], "top_p must be in (0, 1]")
+    check_one_line_error(capsys, [*base, "--prompt", "a", "--chat"], "--chat applies to --model")
 
 
 def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypatch):

@@ -1,14 +1,21 @@
-"""User mistakes on every subcommand: one line on stderr, a non-zero exit, never a traceback."""
+"""User mistakes on every subcommand: one line on stderr, exit code 2, never a traceback; and
+everything else (a bug) an internal error with its traceback, exit code 70."""
 
 from __future__ import annotations
 
+import errno
+import importlib
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from attnmask.cli import main
+from attnmask import allocator
+from attnmask.cli import COMPUTE_SUBCOMMANDS, EX_INTERNAL, SUBCOMMANDS, main
+from attnmask.data.files import DataError
+from attnmask.errors import UserError, UserTypeError
 from tests.cli.test_decode_commands import make_run
 from tests.conftest import REPO
 
@@ -37,6 +44,136 @@ def one_line_error(capsys, argv, match: str, code: int = 2) -> str:
     assert len(err) == 1 and match in err[0], captured.err
     assert "Traceback" not in captured.err
     return err[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# What escapes a subcommand: a user mistake (one line, 2) or a bug (the traceback, 70)
+# ---------------------------------------------------------------------------------------------
+BANNER = "attnmask: internal error — please report:"
+
+
+def plant(monkeypatch, error: BaseException) -> None:
+    """Make ``attnmask mask`` raise ``error`` from inside (where it parses --kind)."""
+
+    def broken(spec):
+        raise error
+
+    monkeypatch.setattr("attnmask.cli.mask._parse_kinds", broken)
+    monkeypatch.delenv("ATTNMASK_DEBUG", raising=False)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        TypeError("planted() takes 1 positional argument but 2 were given"),
+        ValueError("not enough values to unpack (expected 3, got 2)"),  # a plain ValueError, not a UserError
+        RuntimeError("shape '[2, 3]' is invalid for input of size 5"),
+        KeyError("model"),
+        OSError(errno.EPIPE, "Broken pipe"),  # an OSError about no path the user named
+        AssertionError("internal invariant"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_bug_is_an_internal_error_with_its_traceback(capsys, monkeypatch, error):
+    plant(monkeypatch, error)
+    assert main(["mask", "a b c"]) == EX_INTERNAL == 70
+    err = capsys.readouterr().err
+    assert err.startswith(BANNER + "\n"), err
+    assert "Traceback (most recent call last):" in err and "in broken" in err  # where it was raised
+    assert f"{type(error).__name__}: " in err.splitlines()[-1]
+    assert "attnmask mask: error:" not in err  # not passed off as the user's mistake
+
+
+@pytest.mark.parametrize(
+    "error, line",
+    [
+        (UserError("--kind 'x': expected causal"), "--kind 'x': expected causal"),
+        (UserTypeError("--kind: expected a string, got int"), "--kind: expected a string, got int"),
+        (DataError("data.txt line 3: not UTF-8"), "data.txt line 3: not UTF-8"),
+        (UserError("first line\nsecond line"), "first line"),
+        (FileNotFoundError(errno.ENOENT, "No such file or directory", "in.txt"), "No such file or directory: 'in.txt'"),
+        (IsADirectoryError(errno.EISDIR, "Is a directory", "out"), "Is a directory: 'out'"),
+        (PermissionError(errno.EACCES, "Permission denied", "/root/x"), "Permission denied: '/root/x'"),
+        (OSError(errno.ENOSPC, "No space left on device", "o.png"), "No space left on device: 'o.png'"),
+    ],
+    ids=lambda x: type(x).__name__ if isinstance(x, BaseException) else None,
+)
+def test_a_user_mistake_is_one_line(capsys, monkeypatch, error, line):
+    plant(monkeypatch, error)
+    assert main(["mask", "a b c"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"attnmask mask: error: {line}\n"
+
+
+@pytest.mark.parametrize("error", [UserError("bad --kind"), TypeError("a bug")], ids=["user", "bug"])
+def test_debug_lets_every_error_through(monkeypatch, error):
+    plant(monkeypatch, error)
+    monkeypatch.setenv("ATTNMASK_DEBUG", "1")
+    with pytest.raises(type(error), match=str(error)):
+        main(["mask", "a b c"])
+
+
+def test_interrupt_is_130(capsys, monkeypatch):
+    plant(monkeypatch, KeyboardInterrupt())
+    assert main(["mask", "a b c"]) == 130
+    assert capsys.readouterr().err == "attnmask: interrupted\n"
+
+
+def test_a_bug_in_a_subprocess_exits_70():
+    """The console script as a user runs it: exit status 70 and the traceback on stderr."""
+    code = (
+        "import sys\n"
+        "import attnmask.cli.mask as m\n"
+        "m._parse_kinds = lambda spec: None + 1\n"
+        "from attnmask.cli import main\n"
+        "sys.exit(main(['mask', 'a b']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ATTNMASK_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 70, proc.stderr
+    assert proc.stderr.startswith(BANNER) and "TypeError: unsupported operand" in proc.stderr
+
+
+def minimal_argv(command: str) -> list[str]:
+    """The fewest arguments ``attnmask command`` parses: each required option, positional and
+    required either-or group given a placeholder (the first choice where there are choices)."""
+    import argparse
+
+    from attnmask.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    argv = [command]
+
+    def value(action) -> str:
+        return str(next(iter(action.choices))) if action.choices else "X"
+
+    for action in sub._actions:
+        if action.required and action.option_strings:
+            argv += [action.option_strings[-1]] + ([] if action.nargs == 0 else [value(action)])
+        elif not action.option_strings and action.nargs in (None, 1, "+"):
+            argv.append(value(action))
+    for group in sub._mutually_exclusive_groups:
+        if group.required:
+            first = group._group_actions[0]
+            argv += [first.option_strings[-1]] + ([] if first.nargs == 0 else [value(first)])
+    return argv
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_only_compute_subcommands_set_the_allocator(monkeypatch, command):
+    calls = []
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(command) or "spied")
+    monkeypatch.setattr(importlib.import_module(f"attnmask.cli.{command}"), "run", lambda args: 0)
+    assert main(minimal_argv(command)) == 0
+    assert calls == ([command] if command in COMPUTE_SUBCOMMANDS else []), calls
+
+
+def test_mask_draws_without_touching_the_allocator(capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1) or "spied")
+    assert main(["mask", "a b c"]) == 0  # the real command, start to end
+    assert "look-ahead" in capsys.readouterr().out and calls == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,6 +208,67 @@ def test_run_that_is_a_file_says_so(capsys, tmp_path, command):
     }[command]
     line = one_line_error(capsys, argv, "not a run directory (it is a file)")
     assert "no such directory" not in line
+
+
+def _edit_config(run, edit) -> None:
+    import json
+
+    file = run / "config.json"
+    config = json.loads(file.read_text(encoding="utf-8"))
+    file.write_text(json.dumps(edit(config)), encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: [1, 2], "holds a JSON list; expected an object"),
+        (lambda c: {**c, "model": None}, "model=None; expected an object of ModelConfig fields"),
+        (lambda c: {**c, "model": {**c["model"], "dim": "32"}}, "model.dim='32'; expected int"),
+        (lambda c: {**c, "model": {**c["model"], "bias": 1}}, "model.bias=1; expected bool"),
+        (lambda c: {**c, "model": {k: v for k, v in c["model"].items() if k != "vocab_size"}}, "lacks ['vocab_size']"),
+        (lambda c: {**c, "model": {**c["model"], "bogus": 1}}, "config.json: unknown ModelConfig fields ['bogus']"),
+        (lambda c: {**c, "tokenizers": None}, 'tokenizers=None; expected {"tgt": FILE'),
+        (lambda c: {**c, "tokenizers": {"tgt": 3}}, "tokenizers={'tgt': 3}"),
+        (lambda c: {**c, "train": []}, "train=[]; expected an object"),
+    ],
+    ids=["list", "model-null", "dim-str", "bias-int", "no-vocab", "unknown-field", "tok-null", "tok-int", "train-list"],
+)
+@pytest.mark.parametrize("command", ["translate", "audit"])
+def test_damaged_config_json_is_one_line(capsys, tmp_path, edit, message, command):
+    run = tmp_path / "run"
+    run.mkdir()
+    _edit_config(make_run(run, "translation"), edit)
+    argv = {"translate": ["translate", "--run", str(run), "a man"], "audit": ["audit", "--run", str(run)]}[command]
+    line = one_line_error(capsys, argv, message)
+    assert str(run / "config.json") in line
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not a usable Hugging Face config: It looks like the config file"),
+        ("[1]", "not a usable Hugging Face config: Unrecognized model"),
+        ('{"model_type": "no_such_model_xyz"}', "not a usable Hugging Face config: The checkpoint you are trying"),
+        ('{"model_type": "t5"}', "expected a decoder-only (causal LM) config"),
+    ],
+    ids=["json", "list", "model-type", "seq2seq"],
+)
+def test_unusable_hf_config_is_one_line(capsys, tmp_path, content, message):
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(content, encoding="utf-8")
+    for spec in (tmp_path, tmp_path / "config.json"):
+        one_line_error(capsys, ["audit", "--hf-config", str(spec)], message)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    one_line_error(capsys, ["audit", "--hf-config", str(empty)], "the directory holds no config.json")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("flag", ["--lr", "--weight-decay", "--grad-clip", "--max-minutes", "--dropout"])
+def test_train_number_flags_must_be_finite(capsys, tmp_path, flag, value):
+    argv = ["train", "--task", "lm", "--text", str(tmp_path / "t.txt"), "--out", str(tmp_path / "o"), f"{flag}={value}"]
+    one_line_error(capsys, argv, f"{flag} {float(value)}: expected a finite number")
+    assert not (tmp_path / "o").exists()
 
 
 def test_check_device_names():

@@ -3,7 +3,9 @@
 Properties of every run of ``attnmask ARGV``:
 
 - the exit code is 0, 1 (an audit that found a leak; its report is on stdout) or 2 (a user
-  mistake, said in exactly one line on stderr); no run ever prints a traceback;
+  mistake, said in exactly one line on stderr, ``attnmask CMD: error: ...``); no run ever prints a
+  traceback. An internal error (exit code 70, ``attnmask: internal error — please report:`` and the
+  traceback) fails the property: whatever a user can type is either accepted or refused in one line;
 - run directories handed to a command are byte-for-byte unchanged (only ``train --out`` writes one,
   and only when it succeeds);
 - memory stays bounded (the process's peak resident size grows by less than 2 GiB).
@@ -33,7 +35,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnmask.cli import build_parser, main
+from attnmask.cli import EX_INTERNAL, INTERNAL_BANNER, build_parser, main
 from attnmask.train.rundir import CONFIG, WEIGHTS
 from tests.cli.test_decode_commands import make_run
 
@@ -238,22 +240,36 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
+def shown_run(argv: list[str], err: str) -> str:
+    return f"attnmask {' '.join(repr(a) if ' ' in a or not a else a for a in argv)[:400]}\nstderr: {err[-3000:]}"
+
+
+def check_exit(argv: list[str], rc: int, err: str, codes: tuple[int, ...]) -> list[str]:
+    """The exit of ``attnmask argv``: never an internal error or a traceback, an exit code in
+    ``codes``, and a refusal (2) in exactly one line ``attnmask CMD: error: ...``. Returns the
+    stderr lines other than warnings."""
+    shown = shown_run(argv, err)
+    assert rc != EX_INTERNAL and INTERNAL_BANNER not in err, f"internal error (a bug): {shown}"
+    assert "Traceback" not in err, shown
+    assert rc in codes, f"exit code {rc}: {shown}"
+    errors = [line for line in err.splitlines() if line.strip() and not line.startswith("attnmask: warning:")]
+    if rc == 2:  # a user mistake: said in one line, by the CLI or by argparse
+        assert len(errors) == 1, f"{len(errors)} error lines: {shown}"
+        assert errors[0].startswith("attnmask") and ": error: " in errors[0], shown
+    return errors
+
+
 def check_properties(argv: list[str], world: dict[str, Path]) -> None:
     runs = [world[k] for k in RUN_KEYS]
     before = snapshot(runs)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rc, _, err = run_cli(argv)
-    shown = f"attnmask {' '.join(repr(a) if ' ' in a or not a else a for a in argv)[:400]}\nstderr: {err[-2000:]}"
-    assert "Traceback" not in err, shown
-    assert rc in (0, 1, 2), f"exit code {rc}: {shown}"
-    errors = [line for line in err.splitlines() if line.strip() and not line.startswith("attnmask: warning:")]
-    if rc == 2:  # a user mistake: said in one line
-        assert len(errors) == 1, f"{len(errors)} error lines: {shown}"
-    elif rc == 1:  # an audit that found a leak: the report is on stdout
-        assert argv[0] == "audit" and len(errors) <= 1, shown
-    assert snapshot(runs) == before, f"a run directory changed: {shown}"
+    errors = check_exit(argv, rc, err, codes=(0, 1, 2))
+    if rc == 1:  # an audit that found a leak: the report is on stdout
+        assert argv[0] == "audit" and len(errors) <= 1, shown_run(argv, err)
+    assert snapshot(runs) == before, f"a run directory changed: {shown_run(argv, err)}"
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
-    assert growth < MAX_RSS_GROWTH_KIB, f"peak memory grew by {growth / 1024:.0f} MiB: {shown}"
+    assert growth < MAX_RSS_GROWTH_KIB, f"peak memory grew by {growth / 1024:.0f} MiB: {shown_run(argv, err)}"
 
 
 FAST = settings(max_examples=8, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
@@ -302,7 +318,7 @@ CORRUPT_RUNS = ["truncated_run", "bitflip_run", "badjson_run", "wrongmodel_run",
 def test_corrupted_run_is_one_line(world, argv, bad):
     argv = [str(world["text"]) if a == "TEXT" else a for a in argv] + ["--run", str(world[bad])]
     rc, _, err = run_cli(argv)
-    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
+    check_exit(argv, rc, err, codes=(2,))
 
 
 @pytest.mark.parametrize("bad", ["binary", "latin1", "empty_file", "missing", "empty_dir", "huge_tokens", "emoji"])

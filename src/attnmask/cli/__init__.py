@@ -1,8 +1,16 @@
 """The ``attnmask`` command line: one console script, one module per subcommand.
 
 Each subcommand module exposes ``add_parser(subparsers)`` which registers its parser and sets
-``func``. A user mistake (``ValueError``, ``TypeError``, ``OSError``) becomes one line on stderr and
-exit code 2, never a traceback; ``ATTNMASK_DEBUG=1`` shows the traceback.
+``func``. What escapes a subcommand is sorted in two (Click's ``ClickException`` vs the rest):
+
+- a user mistake: :class:`attnmask.errors.UserError` (``UserTypeError``, ``DataError``) or an OS
+  error about a path the user named (:func:`attnmask.cli.common.is_user_mistake`) becomes one line
+  on stderr, ``attnmask CMD: error: ...``, and exit code 2, never a traceback;
+- anything else is a bug in attnmask, a ``TypeError`` from a wrong call or a ``ValueError`` or
+  ``RuntimeError`` from inside a library alike: ``attnmask: internal error — please report:`` and
+  the traceback on stderr, exit code 70 (``EX_SOFTWARE``).
+
+Ctrl-C exits 130. ``ATTNMASK_DEBUG=1`` lets every exception propagate with its traceback.
 """
 
 from __future__ import annotations
@@ -11,16 +19,36 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 import warnings
 
 from attnmask import allocator
+from attnmask.cli.common import is_user_mistake, one_line
+from attnmask.errors import UserError
+
+__all__ = ["COMPUTE_SUBCOMMANDS", "EX_INTERNAL", "EX_USAGE", "SUBCOMMANDS", "UserError", "build_parser", "main"]
 
 # Subcommand modules, in --help order.
-SUBCOMMANDS = ("demo", "train", "translate", "generate", "eval", "mask", "attention", "audit", "conform")
+SUBCOMMANDS = (
+    "demo",
+    "train",
+    "translate",
+    "generate",
+    "eval",
+    "mask",
+    "attention",
+    "audit",
+    "conform",
+    "kernels",
+)
 
+# Subcommands that run a model long enough for the allocator policy to matter: these alone get
+# allocator.keep_freed_memory() ($ATTNMASK_MALLOC); `mask` only draws and keeps the C library's default.
+COMPUTE_SUBCOMMANDS = frozenset({"train", "demo", "translate", "generate", "eval", "serve"})
 
-class UserError(Exception):
-    """An error caused by the user's input; printed as one line."""
+EX_USAGE = 2  # a user mistake, as argparse's own usage errors
+EX_INTERNAL = 70  # EX_SOFTWARE (sysexits.h): a bug in attnmask
+INTERNAL_BANNER = "attnmask: internal error — please report:"
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,17 +90,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warning  # restored on exit
-            allocator.keep_freed_memory()  # a compute job: freed memory is kept for reuse (ATTNMASK_MALLOC)
+            if args.command in COMPUTE_SUBCOMMANDS:
+                allocator.keep_freed_memory()  # freed memory is kept for reuse (ATTNMASK_MALLOC)
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("attnmask: interrupted", file=sys.stderr)
         return 130
-    except (UserError, ValueError, TypeError, OSError) as e:
+    except Exception as e:
         if os.environ.get("ATTNMASK_DEBUG"):
             raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"attnmask {args.command}: error: {msg}", file=sys.stderr)
-        return 2
+        if is_user_mistake(e):
+            print(f"attnmask {args.command}: error: {one_line(e)}", file=sys.stderr)
+            return EX_USAGE
+        print(INTERNAL_BANNER, file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        return EX_INTERNAL
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from attnmask.cli.common import check_args
+from attnmask.cli.common import check_args, check_picture_path
 from attnmask.errors import UserError
 
 HF_PRESETS = ("gpt2", "llama")
@@ -107,8 +107,21 @@ def hf_model(spec: str, *, seed: int = 0):
         path = Path(spec)
         if not path.exists():
             raise UserError(f"--hf-config {spec!r}: expected {' or '.join(HF_PRESETS)}, or a local config.json / dir")
-        cfg = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise UserError(f"--hf-config {spec}: the directory holds no config.json; expected a Hugging Face config")
+        try:  # transformers says what is wrong with the file with a ValueError or an OSError
+            cfg = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except (ValueError, OSError) as e:
+            raise UserError(f"--hf-config {spec}: not a usable Hugging Face config: {_first_line(e)}") from e
+    try:
+        return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    except ValueError as e:  # a config of no causal LM (an encoder-decoder, a vision model)
+        raise UserError(f"--hf-config {spec}: {_first_line(e)}; expected a decoder-only (causal LM) config") from e
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def build_subject(args):
@@ -140,6 +153,8 @@ def run(args) -> int:
     from attnmask.audit import audit
 
     check_args(args)
+    if args.png:
+        check_picture_path("--png", args.png)
 
     report = audit(
         build_subject(args),

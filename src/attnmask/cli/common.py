@@ -1,4 +1,5 @@
-"""Checks shared by the subcommands: ``--device`` names and ``--run`` directories.
+"""Checks shared by the subcommands (``--device`` names, ``--run`` directories) and which exceptions are
+the user's mistakes (:func:`is_user_mistake`).
 
 They run before anything is loaded, so a mistake gives one line (through :func:`attnmask.cli.main`)
 instead of a traceback from deep inside torch: ``model.to("cuda")`` on a CPU-only build raises an
@@ -8,6 +9,8 @@ treats as a user mistake.
 
 from __future__ import annotations
 
+import errno
+import re
 from pathlib import Path
 
 import torch
@@ -15,6 +18,32 @@ import torch
 from attnmask.errors import UserError
 
 DEVICE_HELP = "auto, cpu, cuda or cuda:N"
+
+# OS errors that are about a path the user named (--src, --out, --png, ...) or the disk it is on:
+# the file is not there, is a directory or is not one, may not be read or written, already exists
+# (an exclusive create), or the name is too long, the disk full, the file system read-only. None of
+# these is fixed by changing attnmask. Every other OSError (a broken pipe, a failed mmap, ENOMEM, a
+# bad file descriptor) points at attnmask's own handling and is reported as an internal error.
+USER_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
+USER_OS_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ELOOP})
+
+
+def is_user_mistake(err: BaseException) -> bool:
+    """Whether ``err`` is the user's mistake (said in one line) rather than a bug (a traceback):
+    a :class:`~attnmask.errors.UserError` (``UserTypeError``, ``DataError``) or an OS error about
+    a path the user named (:data:`USER_OS_ERRORS`, :data:`USER_OS_ERRNOS`)."""
+    if isinstance(err, (UserError, *USER_OS_ERRORS)):
+        return True
+    return isinstance(err, OSError) and err.errno in USER_OS_ERRNOS
+
+
+def one_line(err: BaseException) -> str:
+    """The first line of what ``err`` says, for ``attnmask CMD: error: ...``; an OS error as Python
+    words it, without the ``[Errno N]`` prefix: ``No such file or directory: 'in.txt'``."""
+    text = str(err).strip()
+    if isinstance(err, OSError) and err.errno is not None:
+        text = re.sub(r"^\[Errno \d+\] ", "", text)
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def check_device(spec: str) -> str:
@@ -58,6 +87,25 @@ def check_run_dir(path: str | Path) -> Path:
         kind = "it is a file" if path.is_file() else "it is not a directory"
         raise UserError(f"--run {path}: not a run directory ({kind}); expected the --out of `attnmask train`")
     raise UserError(f"--run {path}: not a run directory (no such directory); expected the --out of `attnmask train`")
+
+
+def check_picture_path(flag: str, path: str) -> None:
+    """``--png FILE``: a name whose suffix matplotlib can write (``.png``, ``.svg``, ``.pdf``, ...) or none.
+
+    Raises:
+        ValueError: a suffix matplotlib has no writer for (``--png out.jpgx``).
+    """
+    suffix = Path(path).suffix.lower().removeprefix(".")
+    if not suffix:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = set(FigureCanvasBase.get_supported_filetypes()) - {"pgf"}  # .pgf needs a TeX installation
+    if suffix not in formats:
+        raise UserError(
+            f"{flag} {path}: cannot write .{suffix} pictures; expected a name ending in .png "
+            f"(or one of {', '.join('.' + f for f in sorted(formats) if f != 'png')})"
+        )
 
 
 def check_args(args) -> None:

@@ -47,7 +47,7 @@ def run(args) -> int:
             f"{args.src} has {len(src.lines)} non-empty lines but {args.ref} has {len(ref.lines)}; "
             "expected aligned files (line i of --ref translates line i of --src)"
         )
-    model_run = load_translation_run(args.run, args.device)
+    model_run = load_translation_run(args.run, args.device, args.beam)
     start = time.perf_counter()
     hyps = translate_lines(model_run, src.lines, args)
     seconds = time.perf_counter() - start

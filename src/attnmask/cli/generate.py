@@ -89,6 +89,8 @@ def run(args) -> int:
     if args.run is not None:
         if args.quantized:
             raise UserError("--quantized applies to --model (a GGUF file's weights), not to --run")
+        if args.chat:
+            raise UserError("--chat applies to --model (a chat template comes with the GGUF file), not to --run")
         from attnmask.train.rundir import load_run
 
         loaded = load_run(args.run, device=args.device)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from attnmask import masks
+from attnmask.cli.common import check_picture_path
 from attnmask.errors import UserError
 from attnmask.viz import MAX_TEXT_GRID_TOKENS, mask_grid, save_mask_png
 
@@ -82,6 +83,8 @@ def _check(kinds: list[str], toks: list[list[str]], args) -> None:
             f"a sentence has {T} tokens, too many for a text grid (at most {MAX_TEXT_GRID_TOKENS}); "
             "add --png FILE for a picture"
         )
+    if args.png:
+        check_picture_path("--png", args.png)
     if "window" in kinds and args.window < 1:
         raise UserError(f"--window must be >= 1, got {args.window}")
     if "prefix" in kinds and not 0 <= args.prefix <= T:

@@ -13,11 +13,13 @@ saved first), 2 for a user mistake (one line on stderr, from rank 0 alone under 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
 from dataclasses import MISSING, fields
 
+from attnmask.cli.common import is_user_mistake
 from attnmask.errors import UserError
 from attnmask.model import ACTIVATIONS, NORM_POSITIONS, NORMS, POSITIONS
 
@@ -151,9 +153,16 @@ def add_parser(sub) -> None:
 
 
 def given_settings(args: argparse.Namespace) -> dict:
-    """The TrainConfig fields set on the command line (flags default to None = not given)."""
+    """The TrainConfig fields set on the command line (flags default to None = not given).
+
+    Raises:
+        ValueError: a number flag given ``nan`` or ``inf`` (argparse's ``float`` accepts both).
+    """
     names = [name for _, name, _, _ in _FLAGS if name is not None]
     given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    for flag, name, kind, _ in _FLAGS:
+        if kind is float and name in given and not math.isfinite(given[name]):
+            raise UserError(f"{flag} {given[name]}: expected a finite number")
     if given.get("max_steps") == 0:
         given["max_steps"] = None
     return given
@@ -187,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
         result = train(cfg)
-    except (ValueError, OSError):
-        if rank != 0:  # under torchrun every rank fails alike; rank 0 alone says why
+    except Exception as err:
+        if rank != 0 and is_user_mistake(err):  # under torchrun every rank fails alike; rank 0 alone says why
             sys.exit(2)
         raise
     if result.rank != 0:

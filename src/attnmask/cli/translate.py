@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from attnmask.cli.common import check_args
 from attnmask.cli.generate import add_compile_flag, compiled_step
+from attnmask.data.files import read_all_lines
 from attnmask.decode import translate
 from attnmask.errors import UserError
 
@@ -40,9 +42,12 @@ def read_sentences(sentences: list[str], input_path: str | None) -> list[str]:
     if sentences:
         lines = list(sentences)
     elif input_path:
-        lines = Path(input_path).read_text(encoding="utf-8").splitlines()
+        lines = read_all_lines(input_path)  # DataError naming the line that is not UTF-8
     else:
-        lines = sys.stdin.read().splitlines()
+        try:
+            lines = sys.stdin.read().splitlines()
+        except UnicodeDecodeError as err:
+            raise UserError(f"stdin is not UTF-8 text ({err}); expected one UTF-8 sentence a line") from err
     if not any(line.strip() for line in lines):
         where = f"{input_path} has no text" if input_path else "no sentences given"
         raise UserError(f"empty input: {where}; expected SENTENCE arguments, --input FILE or lines on stdin")
@@ -55,14 +60,21 @@ def check_options(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_len is not None and args.max_len < 1:
         raise UserError(f"--max-len must be >= 1, got {args.max_len}")
+    if not math.isfinite(args.length_penalty):
+        raise UserError(f"--length-penalty {args.length_penalty}: expected a finite number")
 
 
-def load_translation_run(path: str, device: str):
+def load_translation_run(path: str, device: str, beam: int = 1):
+    """The translation run in ``path``; a :class:`UserError` for a language model, or for a ``beam``
+    wider than its vocabulary (the beams could not differ; each holds a KV cache)."""
     from attnmask.train.rundir import load_run
 
     run = load_run(path, device=device)
     if run.task != "translation":
         raise UserError(f"{path} is a {run.task!r} run; translation needs a run trained with task 'translation'")
+    vocab = run.model.config.vocab_size
+    if beam > vocab:
+        raise UserError(f"--beam {beam} is wider than the run's vocabulary of {vocab} tokens; expected 1..{vocab}")
     return run
 
 
@@ -91,7 +103,7 @@ def run(args) -> int:
     check_args(args)  # --device and --run, before anything loads
     check_options(args)
     lines = read_sentences(args.sentences, args.input)
-    model_run = load_translation_run(args.run, args.device)
+    model_run = load_translation_run(args.run, args.device, args.beam)
     out = translate_lines(model_run, lines, args)
     text = "".join(line + "\n" for line in out)
     if args.output:

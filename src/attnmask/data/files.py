@@ -102,6 +102,18 @@ def _read_all_lines(path: str | Path) -> tuple[Path, list[str]]:
     return path, lines
 
 
+def read_all_lines(path: str | Path) -> list[str]:
+    """Every line of a UTF-8 (optionally gzipped) text file, empty ones included, without
+    terminators or a leading byte order mark: line i of the result is line i + 1 of the file.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (IsADirectoryError: it is a directory).
+        DataError: a byte sequence is not UTF-8 (line number and byte offset are named), or a
+            ``.gz`` file is not valid gzip.
+    """
+    return _read_all_lines(path)[1]
+
+
 def read_lines(path: str | Path) -> LinesResult:
     """Read a UTF-8 (optionally gzipped) text file as a list of non-empty lines.
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from safetensors import safe_open
@@ -112,12 +112,59 @@ def read_config(path: str | Path) -> dict:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{file}: not valid JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise UserError(f"{file}: holds a JSON {type(config).__name__}; expected an object written by `attnmask train`")
     missing = [k for k in ("task", "model", "tokenizers") if k not in config]
     if missing:
         raise UserError(f"{file}: missing keys {missing}; expected a config written by `attnmask train`")
     if config["task"] not in TASKS:
         raise UserError(f"{file}: task={config['task']!r}; expected one of {TASKS}")
+    _check_model_section(file, config["model"])
+    names = config["tokenizers"]
+    if (
+        not isinstance(names, dict)
+        or not isinstance(names.get("tgt"), str)
+        or not isinstance(names.get("src"), str | None)
+    ):
+        raise UserError(
+            f'{file}: tokenizers={names!r}; expected {{"tgt": FILE, "src": FILE or null}} (file names in the run)'
+        )
+    if not isinstance(config.get("train", {}), dict):
+        raise UserError(f"{file}: train={config['train']!r}; expected an object of training settings")
     return config
+
+
+# JSON value types each ModelConfig annotation accepts (an int is a float; a bool is no int)
+_JSON_TYPES = {
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "bool": (bool,),
+    "dict": (dict,),
+    "None": (type(None),),
+}
+
+
+def _check_model_section(file: Path, model) -> None:
+    """``config.json``'s ``model`` is an object of :class:`ModelConfig` fields of the right JSON types,
+    so that a hand-edited or damaged file is named here rather than failing inside the model."""
+    if not isinstance(model, dict):
+        raise UserError(f"{file}: model={model!r}; expected an object of ModelConfig fields")
+    declared = {f.name: f for f in fields(ModelConfig)}
+    required = [n for n, f in declared.items() if f.default is MISSING and f.default_factory is MISSING]
+    missing = [n for n in required if n not in model]
+    if missing:
+        raise UserError(f"{file}: model lacks {missing}; expected a config written by `attnmask train`")
+    for key, value in model.items():
+        f = declared.get(key)
+        if f is None or not isinstance(f.type, str):
+            continue  # unknown names: ModelConfig.from_dict lists them
+        parts = [part.strip() for part in f.type.split("|")]
+        if any(part not in _JSON_TYPES for part in parts):
+            continue
+        allowed = tuple(t for part in parts for t in _JSON_TYPES[part])
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise UserError(f"{file}: model.{key}={value!r}; expected {f.type}")
 
 
 def load_tokenizers(path: str | Path, config: dict) -> tuple[Tokenizer, Tokenizer | None]:
@@ -147,10 +194,16 @@ def load_run(path: str | Path, *, device: str = "cpu") -> Run:
     if not (path / WEIGHTS).is_file():
         raise UserError(f"{path}: run directory is missing {WEIGHTS} (training has not saved a checkpoint yet)")
     tokenizer, src_tokenizer = load_tokenizers(path, config)
-    model = Transformer(ModelConfig.from_dict(config["model"]))
+    try:
+        model_config = ModelConfig.from_dict(config["model"])
+    except UserError as err:
+        raise UserError(f"{path / CONFIG}: {err}") from err
+    model = Transformer(model_config)
     load_weights(path / WEIGHTS, model)
     with safe_open(str(path / WEIGHTS), framework="pt") as f:
         step = (f.metadata() or {}).get("step")
+    if step is not None and not step.isdigit():
+        raise UserError(f"{path / WEIGHTS}: metadata step={step!r}; expected a step number")
     model.to(device).eval()
     return Run(
         path=path,
