@@ -28,6 +28,7 @@ import io
 import os
 import resource
 import signal
+import string
 import sys
 from pathlib import Path
 
@@ -36,7 +37,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnmask.cli import EX_INTERNAL, INTERNAL_BANNER, build_parser, main
-from attnmask.train.rundir import CONFIG, WEIGHTS
+from attnmask.data.tokenizer import Tokenizer
+from attnmask.train.rundir import CONFIG, TOKENIZER, WEIGHTS
 from tests.cli.test_decode_commands import make_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,6 +71,9 @@ def build_world(root: Path) -> dict[str, Path]:
     cfg = (wrong_model / CONFIG).read_text(encoding="utf-8").replace('"dim": 32', '"dim": 48')
     (wrong_model / CONFIG).write_text(cfg, encoding="utf-8")
     w["wrongmodel_run"] = wrong_model
+    big_vocab = make_run(_mkdir(root / "bigvocab_run"), "lm")  # a tokenizer with ids past the embedding
+    Tokenizer.train_chars(["a man rides a horse zwei Hunde " + string.ascii_letters]).save(big_vocab / TOKENIZER)
+    w["bigvocab_run"] = big_vocab
     w["empty_dir"] = _mkdir(root / "empty_dir")
     w["text"] = _write(root / "text.txt", "a man rides a horse\nzwei Hunde\n")
     w["empty_file"] = _write(root / "empty.txt", "")
@@ -95,7 +100,7 @@ def _write(path: Path, content: str | bytes) -> Path:
     return path
 
 
-RUN_KEYS = ("mt_run", "lm_run", "truncated_run", "bitflip_run", "badjson_run", "wrongmodel_run")
+RUN_KEYS = ("mt_run", "lm_run", "truncated_run", "bitflip_run", "badjson_run", "wrongmodel_run", "bigvocab_run")
 
 
 def snapshot(paths: list[Path]) -> dict[str, str]:
@@ -300,7 +305,9 @@ def test_random_argv_many(world, command):
 # ---------------------------------------------------------------------------------------------
 # Each corrupted input, on every command that reads it: fixed cases, always run
 # ---------------------------------------------------------------------------------------------
-CORRUPT_RUNS = ["truncated_run", "bitflip_run", "badjson_run", "wrongmodel_run", "empty_dir", "text", "missing"]
+CORRUPT_RUNS = [
+    "truncated_run", "bitflip_run", "badjson_run", "wrongmodel_run", "bigvocab_run", "empty_dir", "text", "missing"
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("bad", CORRUPT_RUNS)

@@ -198,6 +198,16 @@ def load_run(path: str | Path, *, device: str = "cpu") -> Run:
         model_config = ModelConfig.from_dict(config["model"])
     except UserError as err:
         raise UserError(f"{path / CONFIG}: {err}") from err
+    # a token id past the embedding table would fail deep inside the model (an IndexError)
+    pairs = [("tokenizer", tokenizer, model_config.vocab_size)]
+    if src_tokenizer is not None and src_tokenizer is not tokenizer:
+        pairs.append(("source tokenizer", src_tokenizer, model_config.src_vocab_size or model_config.vocab_size))
+    for name, tok, vocab in pairs:
+        if tok.vocab_size > vocab:
+            raise UserError(
+                f"{path}: the {name} has {tok.vocab_size} tokens but the model's vocabulary has {vocab}; "
+                "expected the tokenizer the run was trained with"
+            )
     model = Transformer(model_config)
     load_weights(path / WEIGHTS, model)
     with safe_open(str(path / WEIGHTS), framework="pt") as f:
