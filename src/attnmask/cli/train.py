@@ -7,7 +7,8 @@ to the saved values are accepted, so the same command works with ``--resume`` ad
 budget and logging flags may change.
 
 Exit status: 0 when the budget ended, 130 after SIGINT and 143 after SIGTERM (the checkpoint is
-saved first), 2 for a user mistake (one line on stderr, from rank 0 alone under torchrun).
+saved first), 2 for a user mistake (one line on stderr, from rank 0 alone under torchrun), 70 for an
+internal error (a bug: its traceback, from every rank).
 """
 
 from __future__ import annotations
