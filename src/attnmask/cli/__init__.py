@@ -34,6 +34,7 @@ SUBCOMMANDS = (
     "train",
     "translate",
     "generate",
+    "serve",
     "eval",
     "mask",
     "attention",

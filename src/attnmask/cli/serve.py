@@ -1,0 +1,217 @@
+"""``attnmask serve``: an OpenAI-compatible HTTP server for a language model (:mod:`attnmask.serve`).
+
+The process is the server's owner, so the process-wide choices are made here: torch's thread count
+(``--threads``) and the signals. SIGTERM or SIGINT (Ctrl-C) stops admitting requests (new ones get
+503), lets the running ones finish for up to ``--shutdown-timeout`` seconds, cancels the rest and
+exits 0; a second Ctrl-C quits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from attnmask.cli.common import check_run_dir
+from attnmask.errors import UserError
+
+DEFAULTS = {
+    "host": "127.0.0.1",
+    "port": 8000,
+    "kv_cache_mib": 256.0,
+    "max_batch_tokens": 256,
+    "max_seqs": 64,
+    "block_size": 16,
+    "shutdown_timeout": 10.0,
+}
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a language model over HTTP (OpenAI-compatible API)",
+        description="Serve a decoder-only model from a pretrained name (--model) or a run directory (--run) "
+        "with an OpenAI-compatible API: POST /v1/completions, POST /v1/chat/completions (streaming as "
+        "server-sent events), GET /v1/models, /health and /metrics (Prometheus). Requests are batched "
+        "continuously over a paged KV cache of --kv-cache-mib; when it is full, new requests wait. "
+        "Needs the serve extra: pip install 'attnmask[serve]'.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group()  # one is required: checked in run(), so a mistake is one line
+    src.add_argument("--model", metavar="NAME", help="a pretrained model known to attnmask.pretrained (e.g. smollm2)")
+    src.add_argument("--run", metavar="DIR", help="a run directory written by `attnmask train` (task lm)")
+    p.add_argument(
+        "--quantized", action="store_true", help="--model: keep the GGUF file's quantized blocks (faster on CPU)"
+    )
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the name clients use in 'model'; none given: the --model name or the run's folder name",
+    )
+    p.add_argument("--host", default=DEFAULTS["host"], help="address to listen on")
+    p.add_argument("--port", type=int, default=DEFAULTS["port"], help="port to listen on (0: any free port)")
+    p.add_argument(
+        "--kv-cache-mib", type=float, default=DEFAULTS["kv_cache_mib"], help="MiB of memory for the KV cache"
+    )
+    p.add_argument(
+        "--max-batch-tokens", type=int, default=DEFAULTS["max_batch_tokens"], help="tokens computed per step at most"
+    )
+    p.add_argument("--max-seqs", type=int, default=DEFAULTS["max_seqs"], help="requests decoded at once at most")
+    p.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="positions per KV cache block")
+    p.add_argument("--threads", type=int, default=None, help="torch threads; none given: torch's own choice")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULTS["shutdown_timeout"],
+        help="on SIGTERM/SIGINT, seconds the running requests may take to finish before they are cancelled",
+    )
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="the server's log level")
+    p.set_defaults(func=run)
+
+
+def check_flags(args) -> None:
+    """Every flag, before anything is loaded."""
+    if args.model is None and args.run is None:
+        raise UserError("give the model to serve: --model NAME (e.g. smollm2) or --run DIR")
+    if args.run is not None:
+        check_run_dir(args.run)
+        if args.quantized:
+            raise UserError("--quantized applies to --model (a GGUF file's weights), not to --run")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if not 0 < args.kv_cache_mib < math.inf:
+        raise UserError(f"--kv-cache-mib must be > 0, got {args.kv_cache_mib}")
+    for flag in ("max_batch_tokens", "max_seqs", "block_size"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    if not args.shutdown_timeout >= 0:
+        raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UserError("--served-model-name must not be empty")
+    missing = [m for m in ("starlette", "uvicorn", "prometheus_client") if not _importable(m)]
+    if missing:
+        raise UserError(f"attnmask serve needs {', '.join(missing)}: pip install 'attnmask[serve]'")
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def load_model(args):
+    """``(model, tokenizer, chat_template or None, served name)`` of ``--model`` or ``--run``."""
+    if args.run is not None:
+        from attnmask.train.rundir import load_run
+
+        run = load_run(args.run)
+        if run.task != "lm" or run.model.is_encoder_decoder:
+            raise UserError(
+                f"--run {args.run} is a {run.task!r} run; serve needs a decoder-only language model (task 'lm')"
+            )
+        name = args.served_model_name or Path(args.run).resolve().name
+        return run.model, run.tokenizer, None, name
+    from attnmask.pretrained import load
+
+    model, tokenizer, chat_template = load(args.model, quantized=args.quantized)
+    return model, tokenizer, chat_template, args.served_model_name or str(args.model)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (listening starts with the server); one line if it cannot be."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as err:
+        raise UserError(f"--host {host!r}: {err.strerror}") from err
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {err.strerror}") from err
+    return sock
+
+
+def make_server(app, loop, *, log_level: str, shutdown_timeout: float):
+    """A uvicorn server whose SIGTERM/SIGINT stop the loop's admissions and end the process with 0
+    (uvicorn re-raises the signal after its graceful shutdown, which would kill it with -15 or 130)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            before = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in before.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame) -> None:
+            loop.stop_admitting()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, access_log=False)
+    return Server(config)
+
+
+def run(args) -> int:
+    check_flags(args)
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # the process is ours: the CLI owns its thread count
+    sock = bind(args.host, args.port)  # before loading: a busy port is reported at once
+    try:
+        return serve(args, sock)
+    finally:
+        sock.close()
+
+
+def serve(args, sock: socket.socket) -> int:
+    from attnmask import ops
+    from attnmask.engine import Engine
+    from attnmask.serve import EngineLoop, create_app
+
+    model, tokenizer, chat_template, name = load_model(args)
+    engine = Engine(
+        model,
+        kv_cache_mib=args.kv_cache_mib,
+        block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_seqs=args.max_seqs,
+        eos_ids=getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,),
+        detokenize=tokenizer.decode,
+    )
+    ops.available()  # build the native kernels now (once, about a minute) rather than in the first request
+    loop = EngineLoop(engine).start()
+    app = create_app(loop, tokenizer, chat_template, name)
+    server = make_server(app, loop, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+    logging.getLogger("attnmask.serve").setLevel(args.log_level.upper())
+    host, port = sock.getsockname()[:2]
+    print(
+        f"attnmask serve: {name!r} on http://{host}:{port}/v1 — KV cache {engine.stats().blocks_total} blocks of "
+        f"{args.block_size} positions, at most {engine.capacity} per request",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        loop.shutdown()  # what the graceful shutdown left running is cancelled
+    return 0

@@ -1,0 +1,249 @@
+"""The HTTP layer: OpenAI-compatible endpoints over an :class:`~attnmask.serve.loop.EngineLoop`.
+
+>>> app = create_app(EngineLoop(engine), tokenizer, chat_template, "smollm2")
+>>> uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as
+server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``,
+``GET /health``, ``GET /metrics`` (Prometheus). The app only translates: text in and out through
+the tokenizer and chat template, requests to the engine loop, events to OpenAI's JSON; it never
+touches a tensor. A client's mistake is a 4xx with OpenAI's error object, never a 500; a client
+that goes away (streaming or not) has its request cancelled, which frees its cache blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from attnmask.errors import UserError
+from attnmask.serve.loop import EngineFailed, EngineLoop, RequestStream, ServerClosed
+from attnmask.serve.metrics import CONTENT_TYPE, ServerMetrics
+from attnmask.serve.protocol import ApiError, Generation, check_model, parse_chat, parse_completion
+from attnmask.serve.responses import Piece, Shape
+from attnmask.serve.text import TextStream
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("attnmask.serve")
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose request is cancelled however the response ends (the client gone
+    mid-stream, or before the first byte)."""
+
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream, on_cancel):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.stream, self.on_cancel = stream, on_cancel
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            if not self.stream.finished:
+                self.on_cancel()
+            self.stream.close()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class _Service:
+    """The endpoints' shared state: the loop, the tokenizer, the metrics, the model's name."""
+
+    def __init__(self, loop: EngineLoop, tokenizer, chat_template, model_name: str):
+        self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
+        has_template = chat_template is not None and getattr(chat_template, "source", "") is not None
+        self.render = chat_template if has_template else None
+        self.metrics = ServerMetrics(loop)
+        self.created = int(time.time())
+
+    # ---- endpoints ---------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            check_model({"model": request.path_params["model"]}, self.model_name)
+        except ApiError as err:
+            return self._reject(err)
+        return JSONResponse(self._model_card())
+
+    async def health(self, request: Request) -> Response:
+        if self.loop.alive and self.loop.admitting:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "attnmask"}
+
+    # ---- generation --------------------------------------------------------------------------
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        try:
+            body = await self._json(request)
+            check_model(body, self.model_name)
+            capacity = self.loop.engine.capacity
+            if chat:
+                gen = parse_chat(body, encode=self.tokenizer.encode, render=self.render, capacity=capacity)
+            else:
+                gen = parse_completion(body, encode=self.tokenizer.encode, capacity=capacity)
+            stream = self.loop.submit(gen.prompt, gen.params)
+        except ApiError as err:
+            return self._reject(err)
+        except UserError as err:  # the engine's own checks (token ids, what can never fit)
+            return self._reject(ApiError(400, str(err)))
+        except ServerClosed as err:
+            return self._reject(ApiError(503, str(err), type="server_unavailable"))
+        shape = Shape(chat=chat, model=self.model_name, logprobs=gen.logprobs)
+        if gen.stream:
+            return _EventStream(self._sse(stream, gen, shape), stream, self._count_cancelled)
+        async with stream:
+            pieces = asyncio.ensure_future(self._collect(stream, gen))
+            gone = asyncio.ensure_future(_disconnected(request))
+            try:
+                await asyncio.wait({pieces, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                pieces.cancel()
+            if not pieces.done() or pieces.cancelled():  # the client went away: nobody to answer
+                self._count_cancelled()
+                return Response(status_code=499)
+            try:
+                collected = pieces.result()
+            except EngineFailed as err:
+                return JSONResponse(ApiError(500, str(err), type="server_error").body(), status_code=500)
+        return JSONResponse(shape.response(collected, prompt_tokens=len(gen.prompt)))
+
+    async def _json(self, request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ApiError(400, f"the request body is not valid JSON: {err}") from err
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
+        return body
+
+    def _count_cancelled(self) -> None:
+        self.metrics.finished.labels("cancelled").inc()
+
+    def _reject(self, err: ApiError) -> JSONResponse:
+        self.metrics.rejected.labels(str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def _pieces(self, stream: RequestStream, gen: Generation) -> AsyncIterator[Piece]:
+        """The request's answer, one :class:`Piece` per engine event; latencies observed."""
+        text = TextStream(self.tokenizer.decode, gen.params.stop)
+        last = None
+        async for timed in stream:
+            event = timed.event
+            if event.token is not None:
+                latency = self.metrics.ttft if last is None else self.metrics.itl
+                latency.observe(timed.time - (stream.created if last is None else last))
+                last = timed.time
+            piece = Piece("", generated=int(event.token is not None))
+            if event.token is not None:
+                offset = len(text.text)
+                piece.text = text.push(event.token)
+                if gen.logprobs:
+                    piece.tokens.append((self._token_text(event.token), event.logprob, offset))
+            if event.finished:
+                piece.text += text.finish()
+                piece.finish_reason = "stop" if text.stopped else event.finish_reason
+                self.metrics.finished.labels(piece.finish_reason).inc()
+            yield piece
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special=False)
+
+    async def _collect(self, stream: RequestStream, gen: Generation) -> list[Piece]:
+        return [piece async for piece in self._pieces(stream, gen)]
+
+    async def _sse(self, stream: RequestStream, gen: Generation, shape: Shape) -> AsyncIterator[str]:
+        completion_tokens = 0
+        try:
+            if shape.chat:
+                yield _sse(shape.chunk(Piece(""), role=True))
+            async for piece in self._pieces(stream, gen):
+                completion_tokens += piece.generated
+                if piece.text or piece.tokens or piece.finish_reason:
+                    yield _sse(shape.chunk(piece))
+        except EngineFailed as err:
+            self.metrics.finished.labels("error").inc()
+            yield _sse(ApiError(500, str(err), type="server_error").body())
+        if gen.include_usage:
+            yield _sse(shape.usage_chunk(len(gen.prompt), completion_tokens))
+        yield "data: [DONE]\n\n"
+
+
+def create_app(engine_loop: EngineLoop, tokenizer, chat_template, model_name: str) -> Starlette:
+    """An ASGI app serving ``engine_loop``'s model under ``model_name``.
+
+    Args:
+        engine_loop: the :class:`EngineLoop` (started with the app if it is not running; its owner
+            shuts it down).
+        tokenizer: ``encode(text) -> ids`` and ``decode(ids, skip_special=True) -> text``.
+        chat_template: ``chat_template(messages, add_generation_prompt=True) -> str``, or None when the
+            model has none (chat requests are then answered 400).
+        model_name: the name clients put in ``model``; others are answered 404.
+    """
+    service = _Service(engine_loop, tokenizer, chat_template, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine_loop.start()
+        yield
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            ApiError(exc.status_code, str(exc.detail), type=kind).body(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("internal error answering %s %s", request.method, request.url.path, exc_info=exc)
+        body = ApiError(500, "internal server error (a bug in attnmask; see the server's log)", type="server_error")
+        return JSONResponse(body.body(), status_code=500)
+
+    routes = [
+        Route("/v1/completions", service.completions, methods=["POST"]),
+        Route("/v1/chat/completions", service.chat, methods=["POST"]),
+        Route("/v1/models", service.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", service.model, methods=["GET"]),
+        Route("/health", service.health, methods=["GET"]),
+        Route("/metrics", service.prometheus, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: internal_error}
+    )
+    app.state.service = service
+    return app

@@ -1,0 +1,216 @@
+"""The engine loop: one background thread steps the engine; asyncio handlers await their tokens.
+
+The :class:`~attnmask.engine.Engine` is stepped from one thread only. :class:`EngineLoop` owns that
+thread: it runs ``engine.step()`` while the engine has work and sleeps on a condition when it has
+none. A handler :meth:`~EngineLoop.submit`\\ s a request and gets a :class:`RequestStream`: every
+:class:`~attnmask.engine.TokenEvent` of that request is put on the stream's asyncio queue through
+``loop.call_soon_threadsafe``, stamped with the time the step ended (for time-to-first-token and
+inter-token latency). Leaving the stream before the request has finished (the client went away, the
+handler was cancelled) cancels the request, so its cache blocks are freed at the next step.
+
+``engine.stats()`` reads the scheduler's lists, which only the loop thread may touch, so the loop
+keeps a snapshot, taken after every step (:meth:`EngineLoop.stats`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from attnmask.engine import Engine, EngineStats, RequestParams, TokenEvent
+
+__all__ = ["EngineFailed", "EngineLoop", "RequestStream", "ServerClosed", "Timed"]
+
+log = logging.getLogger("attnmask.serve")
+
+
+class ServerClosed(RuntimeError):
+    """The loop is shutting down (or its engine failed): no new requests (HTTP 503)."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised inside ``step``: a bug, delivered to every request that was running."""
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A token event and when its step ended (``time.perf_counter()``)."""
+
+    event: TokenEvent | None  # None: the engine failed (``error`` says how)
+    time: float
+    error: BaseException | None = None
+
+
+class RequestStream:
+    """One request's events, as an async iterator of :class:`Timed`; an async context manager that
+    cancels the request when left before it finished."""
+
+    def __init__(self, owner: EngineLoop, request_id: str, prompt_len: int, loop: asyncio.AbstractEventLoop):
+        self.owner, self.request_id, self.prompt_len = owner, request_id, prompt_len
+        self.loop = loop
+        self.queue: asyncio.Queue[Timed] = asyncio.Queue()
+        self.created = time.perf_counter()
+        self.finished = False
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening; cancel the request unless it has finished."""
+        self.owner._release(self.request_id, cancel=not self.finished)
+        self.finished = True
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Timed:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item.error is not None:
+            self.finished = True
+            raise EngineFailed(f"the engine failed: {item.error!r}") from item.error
+        if item.event.finished:
+            self.finished = True
+        return item
+
+
+class EngineLoop:
+    """Steps ``engine`` on a background thread (started by :meth:`start`) and routes its events.
+
+    Args:
+        engine: the :class:`~attnmask.engine.Engine`; nothing else may call its ``step``.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._streams: dict[str, RequestStream] = {}
+        self._streams_lock = threading.Lock()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._admitting = True
+        self._stopping = False
+        self._failed: BaseException | None = None
+        self._stats = engine.stats()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> EngineLoop:
+        """Start the thread (once; later calls do nothing)."""
+        with self._wake:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="attnmask-engine", daemon=True)
+                self._thread.start()
+        return self
+
+    @property
+    def admitting(self) -> bool:
+        return self._admitting and self._failed is None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._failed is None
+
+    def stop_admitting(self) -> None:
+        """New requests are refused (:class:`ServerClosed`); running ones go on."""
+        self._admitting = False
+
+    def shutdown(self, grace: float = 0.0) -> None:
+        """Stop admitting, let running requests finish for up to ``grace`` seconds, cancel the rest,
+        and join the thread."""
+        self.stop_admitting()
+        deadline = time.monotonic() + grace
+        while self.engine.has_work() and time.monotonic() < deadline and self.alive:
+            time.sleep(0.01)
+        with self._streams_lock:
+            running = list(self._streams)
+        for rid in running:
+            self.engine.cancel(rid)
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], params: RequestParams) -> RequestStream:
+        """Queue a request from a coroutine; its events arrive on the returned stream.
+
+        Raises:
+            ServerClosed: the loop is shutting down or its engine failed.
+            ValueError: the engine's :class:`~attnmask.errors.UserError` (a request that can never fit,
+                token ids outside the vocabulary).
+        """
+        if not self.admitting:
+            raise ServerClosed("the server is shutting down" if self._failed is None else "the engine has failed")
+        rid = f"req-{uuid.uuid4().hex}"
+        stream = RequestStream(self, rid, len(prompt), asyncio.get_running_loop())
+        with self._streams_lock:  # registered first: the loop may step before add_request returns
+            self._streams[rid] = stream
+        try:
+            self.engine.add_request(prompt, params, request_id=rid)
+        except BaseException:
+            self._release(rid, cancel=False)
+            raise
+        with self._wake:
+            self._wake.notify()
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        with self._wake:
+            self._wake.notify()
+
+    def _release(self, request_id: str, *, cancel: bool) -> None:
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
+        if cancel:
+            self.cancel(request_id)
+
+    def stats(self) -> EngineStats:
+        """The engine's statistics after its latest step."""
+        return self._stats
+
+    # ---- the thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not self._stopping and not engine.has_work():
+                    self._wake.wait()
+                if self._stopping and not engine.has_work():
+                    return
+            try:
+                events = engine.step()
+            except BaseException as err:  # a bug in the engine: every waiting client hears of it
+                log.exception("the engine failed; no new requests are admitted")
+                self._failed = err
+                self._fail_all(err)
+                return
+            now = time.perf_counter()
+            self._stats = engine.stats()
+            for event in events:
+                self._deliver(event.request_id, Timed(event, now), final=event.finished)
+
+    def _deliver(self, request_id: str, item: Timed, *, final: bool) -> None:
+        with self._streams_lock:
+            stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+        if stream is None:  # the client has gone
+            return
+        with contextlib.suppress(RuntimeError):  # its event loop is closed
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._streams_lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            with contextlib.suppress(RuntimeError):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Timed(None, time.perf_counter(), err))

@@ -1,0 +1,297 @@
+"""OpenAI's wire format: request bodies checked and turned into engine requests, errors as JSON.
+
+:func:`parse_completion` (``POST /v1/completions``) and :func:`parse_chat`
+(``POST /v1/chat/completions``) read a decoded JSON body and return a :class:`Generation` (prompt
+ids, :class:`~attnmask.engine.RequestParams`, streaming options), or raise :class:`ApiError`, which
+the app answers with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` and
+a 4xx status. Every field a client can get wrong is checked here, with the field's name in
+``param``; fields this server does not implement are refused when they would change the answer
+(``n`` > 1, penalties, ``logit_bias``, ``echo``) rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from attnmask.decode.sampling import Sampling
+from attnmask.engine import RequestParams
+from attnmask.errors import UserError
+
+__all__ = ["ApiError", "Generation", "check_model", "parse_chat", "parse_completion"]
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_STOP_STRINGS = 4  # as OpenAI
+
+
+class ApiError(Exception):
+    """A request the server cannot answer, as OpenAI reports it."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002  (OpenAI's field name)
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one request asks the engine for, and how the answer is to be sent."""
+
+    prompt: list[int]
+    params: RequestParams
+    stream: bool
+    include_usage: bool  # streaming: a last chunk with ``usage`` (``stream_options.include_usage``)
+    logprobs: bool  # report each chosen token's log-probability
+
+
+# ---- fields -------------------------------------------------------------------------------------
+def _bad(param: str, expected: str, value: Any) -> ApiError:
+    return ApiError(400, f"'{param}' must be {expected}; got {value!r}", param=param)
+
+
+def _int(body: dict, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    expected = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+    expected += f" and <= {maximum}" if maximum is not None else ""
+    if isinstance(value, float) and value.is_integer():  # JSON writers may send 16.0
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(name, expected, value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise _bad(name, expected, value)
+    return value
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise _bad(name, "a number", value)
+    return float(value)
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(name, "true or false", value)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", value)
+    return tuple(stops)
+
+
+def _unsupported(body: dict) -> None:
+    """Fields that would change the answer in ways this server does not compute."""
+    if (n := _int(body, "n", minimum=1)) not in (None, 1):
+        raise ApiError(400, f"'n' must be 1 (one choice per request); got {n}", param="n")
+    if (best_of := _int(body, "best_of", minimum=1)) not in (None, 1):
+        raise ApiError(400, f"'best_of' must be 1; got {best_of}", param="best_of")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name) not in (None, 0.0):
+            raise ApiError(400, f"'{name}' is not supported by this server; leave it out or 0", param=name)
+    if body.get("logit_bias"):
+        raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
+
+
+def _sampling(body: dict) -> Sampling:
+    temperature = _number(body, "temperature")
+    temperature = 1.0 if temperature is None else temperature  # OpenAI's default
+    if temperature < 0:
+        raise _bad("temperature", "a number >= 0 (0 = greedy)", temperature)
+    top_p = _number(body, "top_p")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise _bad("top_p", "a number in (0, 1]", top_p)
+    top_k = _int(body, "top_k", minimum=-1)  # an extension; -1 and 0 switch it off, as in vLLM
+    return Sampling(temperature=temperature, top_k=top_k if top_k and top_k > 0 else None, top_p=top_p)
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise _bad("stream_options", "an object", options)
+    if not stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+    return _bool(options, "include_usage")
+
+
+def _max_tokens(
+    requested: int | None, prompt_len: int, capacity: int, *, default: int | None, param: str, prompt_param: str
+) -> int:
+    """``requested``, or the default clipped to what fits; ApiError when the prompt leaves no room."""
+    room = capacity - prompt_len
+    if room < 1:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_len} tokens; this server holds at most {capacity} tokens per request, prompt "
+            "and completion together (the model's context length or the KV cache). Shorten the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {capacity} tokens; you requested {prompt_len + requested} "
+            f"tokens ({prompt_len} in the prompt, {requested} for the completion). Shorten the prompt or "
+            f"lower '{param}'.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def check_model(body: dict, served: str) -> None:
+    """The body's ``model`` must be the served model's name (or absent); 404 otherwise."""
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise _bad("model", "a string", model)
+    if model != served:
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _params(body: dict, max_tokens: int, logprobs: bool) -> RequestParams:
+    try:
+        return RequestParams(
+            max_tokens=max_tokens,
+            sampling=_sampling(body),
+            seed=_int(body, "seed", minimum=-(2**63), maximum=2**64 - 1),  # what torch.Generator takes
+            stop=_stop(body),
+            ignore_eos=_bool(body, "ignore_eos"),  # an extension (vLLM's)
+            logprobs=logprobs,
+        )
+    except UserError as err:
+        raise ApiError(400, str(err)) from err
+
+
+# ---- endpoints ----------------------------------------------------------------------------------
+def _prompt_ids(value: Any, encode: Callable[[str], list[int]]) -> list[int]:
+    """A completion prompt: a string, a list of token ids, or a list holding one of those."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        return encode(value)
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return list(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise ApiError(400, f"'prompt' holds {len(value)} prompts; this server takes one per request", param="prompt")
+    raise _bad("prompt", "a string or a non-empty list of token ids", value)
+
+
+def parse_completion(body: dict, *, encode: Callable[[str], list[int]], capacity: int) -> Generation:
+    """``POST /v1/completions``: ``prompt``, ``max_tokens`` (default 16), sampling, ``stop``,
+    ``seed``, ``logprobs`` (an int: the chosen tokens' log-probabilities), ``stream``."""
+    _unsupported(body)
+    if _bool(body, "echo"):
+        raise ApiError(400, "'echo' is not supported by this server", param="echo")
+    if body.get("suffix"):
+        raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
+    if "prompt" not in body:
+        raise ApiError(400, "'prompt' is required", param="prompt")
+    prompt = _prompt_ids(body["prompt"], encode)
+    if not prompt:
+        raise ApiError(400, "'prompt' is empty; expected at least one token", param="prompt")
+    logprobs = _int(body, "logprobs", minimum=0, maximum=5) is not None  # any number: the chosen tokens' only
+    max_tokens = _max_tokens(
+        _int(body, "max_tokens", minimum=1),
+        len(prompt),
+        capacity,
+        default=DEFAULT_COMPLETION_TOKENS,
+        param="max_tokens",
+        prompt_param="prompt",
+    )
+    stream = _bool(body, "stream")
+    params = _params(body, max_tokens, logprobs)
+    return Generation(prompt, params, stream=stream, include_usage=_stream_options(body, stream), logprobs=logprobs)
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        texts = [p.get("text") for p in content]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise _bad(f"messages[{i}].content", "a string or a list of text parts", content)
+
+
+def messages_of(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "'messages' is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "a non-empty list of messages", messages)
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}]", "an object with a string 'role' and 'content'", m)
+        out.append({"role": m["role"], "content": _content(m, i)})
+    return out
+
+
+def parse_chat(body: dict, *, encode: Callable[[str], list[int]], render, capacity: int) -> Generation:
+    """``POST /v1/chat/completions``: ``messages`` rendered by ``render`` (the model's chat template,
+    or None when it has none), ``max_tokens`` / ``max_completion_tokens`` (default: what fits),
+    sampling, ``stop``, ``seed``, ``logprobs`` (true / false), ``stream``."""
+    _unsupported(body)
+    messages = messages_of(body)
+    if render is None:
+        raise ApiError(
+            400, "this model has no chat template; use /v1/completions with a plain prompt", param="messages"
+        )
+    try:
+        prompt = encode(render(messages, add_generation_prompt=True))
+    except UserError as err:
+        raise ApiError(400, f"the chat template could not render these messages: {err}", param="messages") from err
+    if not prompt:
+        raise ApiError(400, "the rendered conversation is empty", param="messages")
+    logprobs = _bool(body, "logprobs")
+    if (top := _int(body, "top_logprobs", minimum=0, maximum=20)) not in (None, 0):
+        raise ApiError(
+            400,
+            f"'top_logprobs' {top} is not supported: this server reports the chosen tokens' log-probabilities only",
+            param="top_logprobs",
+        )
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _max_tokens(
+        _int(body, name, minimum=1), len(prompt), capacity, default=None, param=name, prompt_param="messages"
+    )
+    stream = _bool(body, "stream")
+    params = _params(body, max_tokens, logprobs)
+    return Generation(prompt, params, stream=stream, include_usage=_stream_options(body, stream), logprobs=logprobs)

@@ -1,0 +1,330 @@
+"""The OpenAI-compatible server end to end: the official ``openai`` client against a real uvicorn server
+on 127.0.0.1, a tiny model behind it. Answers are checked against the engine run directly."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnmask.decode.sampling import GREEDY
+from attnmask.engine import Engine, RequestParams
+from tests.serve.conftest import MODEL, TEMPLATE, TIMEOUT, PacedEngine, serve, tiny_lm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CAPACITY = 512  # the tiny model's context (its cache holds more)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_lm(tokenizer, max_seq_len=CAPACITY)
+
+
+@pytest.fixture(scope="module")
+def served(model, tokenizer):
+    engine = PacedEngine(model, kv_cache_mib=4, block_size=16, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    with serve(engine, tokenizer) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=served.base_url, api_key="unused", timeout=TIMEOUT, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def http(served):
+    with httpx.Client(base_url=served.url, timeout=TIMEOUT) as h:
+        yield h
+
+
+@pytest.fixture
+def paced(served):
+    """Steps of at least 5 ms for one test: its request is still running when the test acts."""
+    served.engine.pace = 0.005
+    yield served
+    served.engine.pace = 0.0
+
+
+def direct(model, tokenizer, prompt_ids, **params):
+    """The answer of the engine itself (no server): ids, log-probabilities, finish reason."""
+    engine = Engine(model, kv_cache_mib=4, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    (c,) = engine.generate([prompt_ids], RequestParams(**params))
+    return c
+
+
+# ---- answers ---------------------------------------------------------------------------------------
+def test_completion_is_the_engines_answer(client, model, tokenizer):
+    r = client.completions.create(model=MODEL, prompt="Hello, world", max_tokens=12, temperature=0)
+    want = direct(model, tokenizer, tokenizer.encode("Hello, world"), max_tokens=12, sampling=GREEDY)
+    assert r.choices[0].text == tokenizer.decode(want.tokens)
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.model == MODEL and r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (12, len(want.tokens))
+    assert r.usage.total_tokens == 12 + len(want.tokens)
+
+
+def test_ignore_eos_runs_to_max_tokens(client):
+    r = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+
+
+def test_completion_logprobs_are_the_engines(client, model, tokenizer):
+    r = client.completions.create(model=MODEL, prompt="The cat", max_tokens=8, temperature=0, logprobs=1,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    want = direct(model, tokenizer, tokenizer.encode("The cat"), max_tokens=8, sampling=GREEDY, ignore_eos=True,
+                  logprobs=True)  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want.logprobs, abs=0)  # the same floats, sent as JSON
+    assert lp.tokens == [tokenizer.decode([t], skip_special=False) for t in want.tokens]
+    assert lp.text_offset == list(range(8)) and all(x <= 0 for x in lp.token_logprobs)
+
+
+def test_sampling_with_a_seed_is_reproducible(client):
+    def ask():
+        extra = {"ignore_eos": True, "top_k": 8}  # top_k: an extension
+        r = client.completions.create(model=MODEL, prompt="x", max_tokens=16, temperature=1.0, top_p=0.9, seed=1234,
+                                      extra_body=extra)  # fmt: skip
+        return r.choices[0].text
+
+    assert ask() == ask()
+
+
+def test_stop_string_cuts_the_answer(client):
+    full = client.completions.create(model=MODEL, prompt="Once", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text  # fmt: skip
+    stop = full[5:7]
+    cut = full[: full.find(stop)]
+    r = client.completions.create(model=MODEL, prompt="Once", max_tokens=30, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(full[: full.find(stop) + len(stop)])  # one character per token
+    streamed = client.completions.create(model=MODEL, prompt="Once", max_tokens=30, temperature=0, stop=stop,
+                                         stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == cut
+
+
+def test_chat_uses_the_template(client, model, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True)
+    prompt = tokenizer.encode(TEMPLATE(messages))
+    want = direct(model, tokenizer, prompt, max_tokens=10, sampling=GREEDY, logprobs=True)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == tokenizer.decode(want.tokens)
+    assert r.object == "chat.completion" and r.usage.prompt_tokens == len(prompt)
+    assert [c.logprob for c in choice.logprobs.content] == want.logprobs
+    assert [c.token for c in choice.logprobs.content] == [
+        tokenizer.decode([t], skip_special=False) for t in want.tokens
+    ]
+
+
+def test_streaming_completion_equals_the_whole(client):
+    kwargs = dict(model=MODEL, prompt="Stream me", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    *text_chunks, usage = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert usage.choices == [] and usage.usage.completion_tokens == 20 and usage.usage.prompt_tokens == 9
+
+
+def test_streaming_chat(client):
+    messages = [{"role": "user", "content": "Tell me"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=15, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=15, temperature=0,
+                                                 stream=True, logprobs=True))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(tokens) == whole.usage.completion_tokens
+
+
+def test_raw_sse_format(http):
+    body = {"model": MODEL, "prompt": "raw", "max_tokens": 3, "temperature": 0, "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2]) and len(events[:-2]) == 3
+    assert json.loads(events[0][len("data: ") :])["object"] == "text_completion"
+
+
+def test_models_health_metrics(client, http):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert http.get("/health").json() == {"status": "ok"}
+    client.completions.create(
+        model=MODEL, prompt="count me", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = http.get("/metrics").text
+    for name in [
+        "attnmask_requests_running", "attnmask_requests_waiting", "attnmask_cache_blocks_used",
+        "attnmask_cache_blocks_total", "attnmask_prompt_tokens_total", "attnmask_generation_tokens_total",
+        "attnmask_time_to_first_token_seconds_bucket", "attnmask_inter_token_latency_seconds_bucket",
+        "attnmask_preemptions",
+    ]:  # fmt: skip
+        assert f"\n{name}" in text, name
+    m = {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines() if line[:1] != "#"}
+    assert m["attnmask_generation_tokens_total"] >= 5 and m["attnmask_time_to_first_token_seconds_count"] >= 1
+    assert m["attnmask_inter_token_latency_seconds_count"] >= 4 and m["attnmask_cache_blocks_total"] > 0
+
+
+# ---- client mistakes: 4xx with OpenAI's error object, never a 500 ---------------------------------
+ERRORS = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b"\xff\xfe\x00", 400, None),
+    (b"[" * 100_000, 400, None),
+    ({"model": "gpt-4", "prompt": "a"}, 404, "model"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "a" * CAPACITY}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "a" * 100, "max_tokens": CAPACITY}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": [10_000]}, 400, None),  # a token id outside the vocabulary
+    ({"model": MODEL, "prompt": {"text": "a"}}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "a", "temperature": "warm"}, 400, "temperature"),
+]
+
+
+@pytest.mark.parametrize("body, status, param", ERRORS)
+def test_completion_mistakes(http, body, status, param):
+    r = http.post("/v1/completions", **({"content": body} if isinstance(body, bytes) else {"json": body}))
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"] == param
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": MODEL}, 400, "messages"),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user"}], "n": 2}, 400, "n"),
+        ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi" * CAPACITY}]}, 400, "messages"),
+    ],
+)
+def test_chat_mistakes(http, body, status, param):
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
+def test_mistakes_through_the_openai_client(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="a")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="a", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], n=2)
+
+
+def test_routes_and_methods_answer_json(http):
+    r = http.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_chat_without_a_template_is_400(model, tokenizer):
+    engine = Engine(model, kv_cache_mib=1, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    with serve(engine, tokenizer, chat_template=None) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as h:
+        r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        assert h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 8) | st.integers() | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "stop", "n", "seed",
+          "logprobs", "stream", "stream_options"]  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6))  # fmt: skip
+def test_no_body_makes_a_500(http, path, body):
+    body.setdefault("max_tokens", 3)
+    r = http.post(path, content=json.dumps(body))
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text)
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ---- a client that goes away -----------------------------------------------------------------------
+def test_a_streaming_client_that_leaves_cancels_its_request(paced, client):
+    before = paced.metrics()
+    stream = client.completions.create(model=MODEL, prompt="long story", max_tokens=400, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    after = paced.wait_idle()
+    cancelled = 'attnmask_requests_finished_total{finish_reason="cancelled"}'
+    assert after[cancelled] == before.get(cancelled, 0) + 1
+    generated = after["attnmask_generation_tokens_total"] - before["attnmask_generation_tokens_total"]
+    assert 4 <= generated < 400  # stopped well before max_tokens
+
+
+def test_a_non_streaming_client_that_leaves_cancels_its_request(paced):
+    before = paced.metrics()
+    body = {"model": MODEL, "prompt": "long story", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{paced.url}/v1/completions", json=body, timeout=0.3)  # the client gives up, closing the socket
+    after = paced.wait_idle()
+    cancelled = 'attnmask_requests_finished_total{finish_reason="cancelled"}'
+    assert after[cancelled] == before.get(cancelled, 0) + 1
+    assert after["attnmask_generation_tokens_total"] - before["attnmask_generation_tokens_total"] < 400
+
+
+def test_shutdown_refuses_new_requests_and_cancels_running_ones(model, tokenizer):
+    engine = PacedEngine(model, kv_cache_mib=1, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    engine.pace = 0.005
+    with serve(engine, tokenizer) as s, openai.OpenAI(base_url=s.base_url, api_key="-", max_retries=0,
+                                                      timeout=TIMEOUT) as c:  # fmt: skip
+        stream = c.completions.create(model=MODEL, prompt="abc", max_tokens=400, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+        next(iter(stream))
+        s.loop.stop_admitting()
+        with pytest.raises(openai.InternalServerError) as err:  # 503
+            c.completions.create(model=MODEL, prompt="abc", max_tokens=2)
+        assert err.value.status_code == 503
+        assert httpx.get(f"{s.url}/health").status_code == 503
+        start = time.monotonic()
+        s.loop.shutdown()  # cancels what is running
+        reasons = [chunk.choices[0].finish_reason for chunk in stream]
+        assert reasons[-1] == "cancelled" and time.monotonic() - start < 5
+        assert engine.stats().blocks_used == 0 and not engine.has_work()
+
+
+class FailingEngine(Engine):
+    """An engine with a bug: its first step raises."""
+
+    def step(self):
+        raise RuntimeError("boom")
+
+
+def test_an_engine_failure_is_a_500_and_the_server_stops_admitting(model, tokenizer):
+    engine = FailingEngine(model, kv_cache_mib=1, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    with serve(engine, tokenizer) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as h:
+        r = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        assert h.get("/health").status_code == 503
+        assert h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 503

@@ -1,0 +1,148 @@
+"""Tests for attnmask.serve.protocol: OpenAI request bodies into engine requests, or a 4xx ApiError
+naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnmask.decode.sampling import Sampling
+from attnmask.serve.protocol import ApiError, check_model, parse_chat, parse_completion
+
+
+def encode(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def render(messages, add_generation_prompt=True):
+    return "".join(f"[{m['role']}]{m['content']}" for m in messages) + ("[assistant]" if add_generation_prompt else "")
+
+
+def completion(capacity=64, **body):
+    return parse_completion(body, encode=encode, capacity=capacity)
+
+
+def chat(capacity=64, render=render, **body):
+    return parse_chat(body, encode=encode, render=render, capacity=capacity)
+
+
+def test_a_completion_request():
+    g = completion(prompt="abc", max_tokens=5, temperature=0, stop="x", seed=3, logprobs=1, stream=True,
+                   stream_options={"include_usage": True})  # fmt: skip
+    assert g.prompt == [97, 98, 99] and g.stream and g.include_usage and g.logprobs
+    p = g.params
+    assert (p.max_tokens, p.sampling, p.stop, p.seed, p.logprobs) == (5, Sampling(0.0), ("x",), 3, True)
+
+
+def test_openai_defaults():
+    g = completion(prompt="abc")
+    assert g.params.max_tokens == 16 and g.params.sampling == Sampling(1.0)  # OpenAI's defaults
+    assert not g.stream and not g.logprobs and g.params.stop == ()
+    assert completion(capacity=10, prompt="abcdefgh").params.max_tokens == 2  # the default clipped to what fits
+    assert chat(capacity=40, messages=[{"role": "user", "content": "hi"}]).params.max_tokens == 40 - 19
+
+
+@pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]], ["\x05\x06\x07"]])
+def test_prompt_as_token_ids_or_a_batch_of_one(prompt):
+    assert completion(prompt=prompt).prompt == [5, 6, 7]
+
+
+def test_top_k_extension_and_its_off_values():
+    assert completion(prompt="a", top_k=5).params.sampling.top_k == 5
+    assert completion(prompt="a", top_k=-1).params.sampling.top_k is None
+    assert completion(prompt="a", top_k=0).params.sampling.top_k is None
+
+
+def test_chat_renders_messages_and_text_parts():
+    parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    g = chat(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": parts}], logprobs=True,
+             max_completion_tokens=4)  # fmt: skip
+    assert g.prompt == encode("[system]s[user]hi[assistant]") and g.logprobs and g.params.max_tokens == 4
+
+
+# ---- mistakes: status and the field named --------------------------------------------------------
+BAD_COMPLETIONS = [
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": 7}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [True]}, "prompt"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 64}, "max_tokens"),  # 1 + 64 > capacity 64
+    ({"prompt": "a" * 64}, "prompt"),  # leaves no room at all
+    ({"prompt": "a", "temperature": -0.1}, "temperature"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"prompt": "a", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "top_k": -2}, "top_k"),
+    ({"prompt": "a", "top_k": 2.5}, "top_k"),
+    ({"prompt": "a", "seed": "x"}, "seed"),
+    ({"prompt": "a", "seed": 2**64}, "seed"),
+    ({"prompt": "a", "stop": ""}, "stop"),
+    ({"prompt": "a", "stop": ["a", 1]}, "stop"),
+    ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "logprobs": 6}, "logprobs"),
+    ({"prompt": "a", "logprobs": True}, "logprobs"),
+    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "a", "ignore_eos": 1}, "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_COMPLETIONS)
+def test_completion_mistakes_are_400_naming_the_field(body, param):
+    with pytest.raises(ApiError) as err:
+        completion(**body)
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+    assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+BAD_CHATS = [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages[0]"),
+    ({"messages": ["hi"]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x" * 64}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_CHATS)
+def test_chat_mistakes_are_400_naming_the_field(body, param):
+    with pytest.raises(ApiError) as err:
+        chat(**body)
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+def test_chat_without_a_template_is_400():
+    with pytest.raises(ApiError, match="no chat template") as err:
+        chat(render=None, messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status == 400
+
+
+def test_the_model_name():
+    check_model({}, "m")
+    check_model({"model": "m"}, "m")
+    with pytest.raises(ApiError) as err:
+        check_model({"model": "gpt-4"}, "m")
+    assert err.value.status == 404 and err.value.code == "model_not_found" and "'gpt-4'" in err.value.message
+    with pytest.raises(ApiError) as err:
+        check_model({"model": 3}, "m")
+    assert err.value.status == 400
