@@ -212,6 +212,8 @@ class Engine:
         return bool(self._inbox or self.scheduler.running or self.scheduler.waiting)
 
     def stats(self) -> EngineStats:
+        """Counts of now (running, waiting, blocks) and since the start (steps, tokens, preemptions).
+        Reads the scheduler's state: call it on the thread that steps (a server snapshots it there)."""
         pool = self.cache.pool
         preempted = self.scheduler.preemptions
         return EngineStats(
@@ -289,6 +291,13 @@ class Engine:
             self.scheduler.finish(seq)
             del self._requests[seq.request_id]
         return TokenEvent(seq.request_id, token, seq.generated - 1, logprob, reason)
+
+    def _tail_text(self, seq: SeqState, stops: tuple[str, ...]) -> str:
+        """The text of the last tokens, enough to hold any stop string that the newest token completes
+        (each token gives at least one character but for a few bytes of a split character, hence the
+        margin): decoding all the generated text at every token would cost O(n^2)."""
+        tail = max(len(s) for s in stops) + 8
+        return self.detokenize(seq.tokens[max(seq.prompt_len, len(seq.tokens) - tail) :])
 
     # ---- conveniences ------------------------------------------------------------------------
     def run(self) -> Iterator[TokenEvent]:

@@ -39,7 +39,6 @@ class _EngineCollector:
             ("attnmask_requests_waiting", "Requests queued for admission (waiting for cache blocks)", s.waiting),
             ("attnmask_cache_blocks_used", "KV cache blocks in use", s.blocks_used),
             ("attnmask_cache_blocks_total", "KV cache blocks in the pool", s.blocks_total),
-            ("attnmask_preemptions", "Preemptions of the requests now in the engine", s.preemptions),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -47,6 +46,7 @@ class _EngineCollector:
             ("attnmask_prompt_tokens", "Prompt tokens computed (recomputation after preemption included)", s.tokens_in),
             ("attnmask_generation_tokens", "Tokens generated", s.tokens_out),
             ("attnmask_engine_steps", "Engine steps run", s.steps),
+            ("attnmask_preemptions", "Requests preempted (blocks freed, recomputed later)", s.preemptions),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
