@@ -20,7 +20,8 @@ SRC = Path(attnmask.__file__).resolve().parent
 # Each package may import only packages on lower layers (and itself). A newcomer reads the tree
 # bottom-up: masks, data (text, tokens, batches), viz, ops (native kernels as PyTorch operators),
 # linear (float32 CPU products), allocator, errors ->
-# attention -> model -> decode -> pretrained -> train -> audit -> cli.
+# attention -> model -> decode -> pretrained, engine (serving's packed step and scheduler) ->
+# train, serve (the HTTP layer over the engine) -> audit -> cli.
 LAYERS = {
     "masks": 0,
     "data": 0,
@@ -35,6 +36,7 @@ LAYERS = {
     "pretrained": 4,
     "engine": 4,
     "train": 5,
+    "serve": 5,
     "audit": 6,
     "cli": 7,
 }
