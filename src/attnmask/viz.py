@@ -255,6 +255,8 @@ def _save(fig, path: str | Path) -> Path:
     if max(width, height) > MAX_FIGURE_PX:  # the layouts above keep within; this guards any other
         raise UserError(f"picture would be {width:.0f} x {height:.0f} px; expected at most {MAX_FIGURE_PX} px a side")
     path = Path(path)
+    if not path.suffix:
+        path = path.with_suffix(".png")  # what matplotlib writes for a name without a suffix: say so
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fig.savefig(path, dpi=DPI)

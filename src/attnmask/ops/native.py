@@ -93,7 +93,10 @@ def load(*, notice=None) -> Status:
     with _lock:
         if _status.state != "unloaded":
             return _status
-        if os.environ.get("ATTNMASK_KERNELS", "1").strip() == "0":
+        setting = os.environ.get("ATTNMASK_KERNELS", "1").strip()
+        if setting not in ("0", "1", ""):
+            warnings.warn(f"ATTNMASK_KERNELS={setting!r}: expected 1 (the default) or 0; taking 1", stacklevel=3)
+        if setting == "0":
             _status = Status("disabled", "disabled by ATTNMASK_KERNELS=0: every operator runs its PyTorch definition")
             return _status
         try:

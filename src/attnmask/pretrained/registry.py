@@ -63,6 +63,8 @@ def locate(name: str | os.PathLike) -> Path:
     if key not in MODELS:
         path = Path(key)
         if path.suffix == ".gguf":
+            if path.is_dir():
+                raise UserError(f"{path} is a directory; expected a .gguf file")
             if not path.is_file():
                 raise FileNotFoundError(f"GGUF file {path} not found")
             return path

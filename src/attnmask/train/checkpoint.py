@@ -98,7 +98,7 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
     try:
         load_model(model, str(path), strict=True)
     except Exception as err:  # safetensors raises several types for a bad file or mismatch
-        raise UserError(f"{path}: cannot load weights into the model: {err}") from err
+        raise UserError(f"{path}: cannot load weights into the model: {' '.join(str(err).split())}") from err
 
 
 def load_torch(path: str | Path) -> dict:

@@ -11,6 +11,7 @@ generated from :data:`FLAGS` below. ``config.json["train"]`` stores the sections
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -160,10 +161,14 @@ class OptimConfig:
         _positive(self, ("warmup",), allow_zero=True)
         if self.max_steps is None and self.max_minutes is None:
             raise UserError("no budget: set max_steps, max_minutes, or both")
-        if self.max_minutes is not None and self.max_minutes <= 0:
-            raise UserError(f"max_minutes={self.max_minutes}; expected a positive number")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise UserError(f"lr={self.lr}, min_lr_ratio={self.min_lr_ratio}; expected lr > 0, 0 <= ratio <= 1")
+        if self.max_minutes is not None and not 0 < self.max_minutes < math.inf:  # NaN fails both
+            raise UserError(f"max_minutes={self.max_minutes}; expected a positive finite number")
+        if not 0 < self.lr < math.inf or not 0 <= self.min_lr_ratio <= 1:
+            raise UserError(f"lr={self.lr}, min_lr_ratio={self.min_lr_ratio}; expected 0 < lr < inf, 0 <= ratio <= 1")
+        for name in ("weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise UserError(f"{name}={value}; expected a finite number >= 0")
         if self.label_smoothing is not None and not 0.0 <= self.label_smoothing < 1.0:
             raise UserError(f"label_smoothing={self.label_smoothing}; expected a number in [0, 1)")
 

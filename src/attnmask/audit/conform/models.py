@@ -143,9 +143,16 @@ def load_model(spec: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.fl
         )
     if not (path / "config.json").is_file():
         raise UserError(f"{path} holds no config.json: expected a Hugging Face checkpoint directory")
-    cfg = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    auto = tf.AutoModelForSeq2SeqLM if getattr(cfg, "is_encoder_decoder", False) else tf.AutoModelForCausalLM
-    model = auto.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    try:
+        cfg = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        auto = tf.AutoModelForSeq2SeqLM if getattr(cfg, "is_encoder_decoder", False) else tf.AutoModelForCausalLM
+        model = auto.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    except Exception as err:  # transformers and safetensors raise ValueError, OSError, SafetensorError...
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(
+            f"{path}: not a loadable Hugging Face checkpoint ({first}); expected the config.json of a model type "
+            "transformers knows, and its weights"
+        ) from err
     return model.eval(), f"{type(model).__name__} from {path}"
 
 
