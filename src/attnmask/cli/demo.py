@@ -29,7 +29,7 @@ EVERYDAY_SHOWN = ("1 Feb 2000", "2 Feb 2002", "1/2/2000", "Feb 2 2002", "25/12/2
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="train a Transformer to read dates (about 3 minutes on 2 CPU cores), then show what it learned",
+        help="train a Transformer to read dates (about 4 minutes on 2 CPU cores), then show what it learned",
         description="The built-in main job: generate a dates -> ISO 8601 translation task, train a small "
         "encoder-decoder Transformer on it, score held-out examples (exact match) and 50 everyday forms, print a "
         "few translations and the attention masks of one example, and draw the loss curve. Dates written in "
@@ -67,11 +67,11 @@ def demo_config(out: str, *, seed: int = 0, device: str = "auto", quick: bool = 
             batch_tokens=1024, eval_every=0, eval_sentences=50, log_every=5,
         )  # fmt: skip
     # Bounded by steps, never by time: the same command and seed give the same model on a busy machine.
-    # 1,400 steps: >= 99% held-out and 50/50 everyday forms with either float32 library, every seed
-    # tried; 700 fell short with the BLAS (docs/benchmarks.md, "2026-11-25 — Ops").
+    # 2,000 steps: >= 99% held-out and 50/50 everyday forms with either float32 library (oneDNN or
+    # the BLAS), every seed tried; 700 and 1,400 fell short (docs/benchmarks.md, "2026-11-25 — Ops").
     return TrainConfig.of(
         **common, model="small", dim=128, n_layers=2, n_heads=4, ffn_dim=512, train_size=60000, valid_size=500,
-        max_steps=1400, warmup=100, lr=2e-3, batch_tokens=2048, eval_every=700, eval_sentences=500, log_every=25,
+        max_steps=2000, warmup=100, lr=2e-3, batch_tokens=2048, eval_every=1000, eval_sentences=500, log_every=25,
     )  # fmt: skip
 
 
