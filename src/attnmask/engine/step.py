@@ -124,7 +124,9 @@ def _attention(attn, h: Tensor, rope, cache: PagedKVCache, layer: int, slots, ta
     k_pool.view(-1, Hkv, D).index_copy_(0, slots, k.to(k_pool.dtype))  # each row's key into its slot
     v_pool.view(-1, Hkv, D).index_copy_(0, slots, v.to(v_pool.dtype))
     q = q.reshape(N, H * D).contiguous()
-    out = decoding.paged_attend(q, k_pool, v_pool, tables, row_seq, row_pos, window, H, D**-0.5)  # (N, H D)
+    # the native kernel reads float32 CPU tensors; other dtypes take the operator's PyTorch definition
+    attend = decoding.paged_attend if _native(q) and k_pool.dtype == torch.float32 else decoding.paged_attend_reference
+    out = attend(q, k_pool, v_pool, tables, row_seq, row_pos, window, H, D**-0.5)  # (N, H D)
     return _product(attn.o_proj, out)
 
 
