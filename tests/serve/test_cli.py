@@ -35,10 +35,14 @@ def mt_run(tmp_path_factory):
     return make_run(tmp_path_factory.mktemp("mt"), "translation")
 
 
-def one_line_error(capsys, argv: list[str], match: str) -> None:
-    assert main(["serve", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("attnmask serve: error: ") and re.search(match, err), err
+def run_serve(capsys, argv: list[str]) -> tuple[int, str]:
+    """``attnmask serve ARGV``'s exit code and stderr."""
+    code = main(["serve", *argv])
+    return code, capsys.readouterr().err
+
+
+def is_one_line(err: str, match: str) -> bool:
+    return err.count("\n") == 1 and err.startswith("attnmask serve: error: ") and re.search(match, err) is not None
 
 
 @pytest.mark.parametrize(
@@ -61,15 +65,16 @@ def one_line_error(capsys, argv: list[str], match: str) -> None:
     ],
 )
 def test_mistakes_are_one_line(capsys, lm_run, mt_run, argv, match):
-    argv = [a.format(lm=lm_run, mt=mt_run) for a in argv]
-    one_line_error(capsys, argv, match)
+    code, err = run_serve(capsys, [a.format(lm=lm_run, mt=mt_run) for a in argv])
+    assert code == 2 and is_one_line(err, match), err
 
 
 def test_a_busy_port_is_one_line(capsys, lm_run):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        one_line_error(capsys, ["--run", str(lm_run), "--port", str(busy.getsockname()[1])], "cannot listen on")
+        code, err = run_serve(capsys, ["--run", str(lm_run), "--port", str(busy.getsockname()[1])])
+    assert code == 2 and is_one_line(err, "cannot listen on"), err
 
 
 class Server:
