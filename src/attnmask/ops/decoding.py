@@ -119,6 +119,23 @@ def rope_attend_reference(
     return out.reshape(B, heads * D)
 
 
+def _projector(products: list[Tensor], kinds: list[int]):
+    """``project(i, h)``: product ``i`` of a step's list (``kinds[i]``: DENSE weight and bias, or a
+    block layer's codes, d (and m)), as ``decoder_step`` and ``packed_step`` make it."""
+    first = [0]  # where each product's tensors start
+    for kind in kinds:
+        first.append(first[-1] + (3 if kind == Q4_1 else 2))
+
+    def project(i: int, h: Tensor) -> Tensor:
+        t = products[first[i] : first[i + 1]]
+        if kinds[i] == DENSE:
+            return linear_rows(h, t[0], t[1] if t[1].numel() else None)
+        m = t[2] if kinds[i] == Q4_1 else None
+        return blocks.block_matmul(t[0], t[1], m, h, "Q4_1" if kinds[i] == Q4_1 else "Q8_0", h.shape[1])
+
+    return project
+
+
 def paged_attend_reference(
     q: Tensor,
     k_pool: Tensor,
@@ -169,16 +186,7 @@ def decoder_step_reference(
 ) -> Tensor:
     """``decoder_step`` as the same operator calls from Python, in the same order."""
     L = len(k_caches)
-    first = [0]  # where each product's tensors start
-    for kind in kinds:
-        first.append(first[-1] + (3 if kind == Q4_1 else 2))
-
-    def project(i: int, h: Tensor) -> Tensor:
-        t = products[first[i] : first[i + 1]]
-        if kinds[i] == DENSE:
-            return linear_rows(h, t[0], t[1] if t[1].numel() else None)
-        m = t[2] if kinds[i] == Q4_1 else None
-        return blocks.block_matmul(t[0], t[1], m, h, "Q4_1" if kinds[i] == Q4_1 else "Q8_0", h.shape[1])
+    project = _projector(products, kinds)
 
     h = rms_norm(x, norms[0], eps[0])
     for layer in range(L):
@@ -216,16 +224,7 @@ def packed_step_reference(
     over the paged cache and the head on ``logit_rows`` only."""
     L, N = len(k_pools), x.shape[0]
     _, _, Hkv, D = k_pools[0].shape
-    first = [0]
-    for kind in kinds:
-        first.append(first[-1] + (3 if kind == Q4_1 else 2))
-
-    def project(i: int, h: Tensor) -> Tensor:
-        t = products[first[i] : first[i + 1]]
-        if kinds[i] == DENSE:
-            return linear_rows(h, t[0], t[1] if t[1].numel() else None)
-        m = t[2] if kinds[i] == Q4_1 else None
-        return blocks.block_matmul(t[0], t[1], m, h, "Q4_1" if kinds[i] == Q4_1 else "Q8_0", h.shape[1])
+    project = _projector(products, kinds)
 
     h = rms_norm(x, norms[0], eps[0])
     for layer in range(L):

@@ -145,6 +145,17 @@ at::Tensor silu_mul(const at::Tensor &gate_up) {
     return out;
 }
 
+// One head of one row rotated: y = x cos + roll(x, D/2) signed_sin (rotate-half layout), or copied
+// where there is no rotary (c null). Shared by rope_attend and packed_step, so they rotate alike.
+inline void rotate_row(const float *x, const float *c, const float *s, float *y, int64_t D) {
+    if (c == nullptr) {
+        for (int64_t d = 0; d < D; d++) y[d] = x[d];
+        return;
+    }
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < D; d++) y[d] = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
+}
+
 // qkv (B, (H + 2 Hkv) D): each row's new query, key and value heads, as the fused projection gives them;
 // cos, signed_sin (B, D): the rows' rotary factors (signed_sin: sin with its first half negated), or
 // empty tensors for no rotary; k_cache, v_cache (B, Hkv, Tmax, D) written at column `col`; the query
@@ -190,7 +201,7 @@ at::Tensor rope_attend(const at::Tensor &qkv, const at::Tensor &cos, const at::T
         mask = m.const_data_ptr<float>();
         mask_stride = m.size(0) == 1 ? 0 : m.stride(0);
     }
-    const int64_t H = heads, G = H / Hkv, row = (H + 2 * Hkv) * D, half = D / 2;
+    const int64_t H = heads, G = H / Hkv, row = (H + 2 * Hkv) * D;
     const float *src = qkv.const_data_ptr<float>();
     float *kc = k_cache.mutable_data_ptr<float>(), *vc = v_cache.mutable_data_ptr<float>();
     const int64_t kb = k_cache.stride(0), vb = v_cache.stride(0);
@@ -204,12 +215,7 @@ at::Tensor rope_attend(const at::Tensor &qkv, const at::Tensor &cos, const at::T
         for (int64_t h = 0; h < H + Hkv; h++) {
             const float *x = src + b * row + h * D;
             float *y = h < H ? qp + (b * H + h) * D : kc + b * kb + ((h - H) * T + col) * D;
-            if (!rotary) {
-                for (int64_t d = 0; d < D; d++) y[d] = x[d];
-                continue;
-            }
-            const float *c = cp + b * D, *s = sp + b * D;
-            for (int64_t d = 0; d < D; d++) y[d] = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
+            rotate_row(x, rotary ? cp + b * D : nullptr, rotary ? sp + b * D : nullptr, y, D);
         }
         for (int64_t g = 0; g < Hkv; g++) {
             const float *x = src + b * row + (H + Hkv + g) * D;
@@ -413,7 +419,7 @@ at::Tensor decoder_step(const at::Tensor &x0, const at::Tensor &cos, const at::T
 at::Tensor rope_write(const at::Tensor &qkv, const at::Tensor &cos, const at::Tensor &signed_sin,
                       const at::Tensor &k_pool, const at::Tensor &v_pool, const int64_t *slots, int64_t heads) {
     const int64_t N = qkv.size(0), Hkv = k_pool.size(2), D = k_pool.size(3), H = heads;
-    const int64_t row = (H + 2 * Hkv) * D, half = D / 2, cells = k_pool.size(0) * k_pool.size(1);
+    const int64_t row = (H + 2 * Hkv) * D, cells = k_pool.size(0) * k_pool.size(1);
     const bool rotary = cos.numel() > 0;
     at::Tensor q = at::empty({N, H * D}, qkv.options());
     const float *src = qkv.const_data_ptr<float>();
@@ -427,12 +433,7 @@ at::Tensor rope_write(const at::Tensor &qkv, const at::Tensor &cos, const at::Te
         for (int64_t h = 0; h < H + Hkv; h++) {
             const float *x = src + r * row + h * D;
             float *y = h < H ? qp + (r * H + h) * D : kc + (slots[r] * Hkv + (h - H)) * D;
-            if (!rotary) {
-                for (int64_t d = 0; d < D; d++) y[d] = x[d];
-                continue;
-            }
-            const float *c = cp + r * D, *s = sp + r * D;
-            for (int64_t d = 0; d < D; d++) y[d] = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
+            rotate_row(x, rotary ? cp + r * D : nullptr, rotary ? sp + r * D : nullptr, y, D);
         }
         for (int64_t g = 0; g < Hkv; g++) {
             const float *x = src + r * row + (H + Hkv + g) * D;
