@@ -374,6 +374,26 @@ at::Tensor product(int64_t kind, const at::Tensor *t, const at::Tensor &x) {
 
 int64_t product_tensors(int64_t kind) { return kind == Q4_1 ? 3 : 2; }
 
+// The checks decoder_step and packed_step share: 2 L + 1 norms (and eps), 4 L + 1 products of known
+// kinds whose tensors add up; returns where each product's tensors start.
+std::vector<int64_t> product_offsets(const char *op, int64_t L, at::TensorList norms, at::ArrayRef<double> eps,
+                                     at::TensorList products, at::IntArrayRef kinds) {
+    TORCH_CHECK_VALUE(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), op, ": ",
+                      norms.size(), " norm weights and ", eps.size(), " eps for ", L, " layers; expected ", 2 * L + 1,
+                      " of each");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(kinds.size()) == 4 * L + 1, op, ": ", kinds.size(), " products for ", L,
+                      " layers; expected ", 4 * L + 1);
+    std::vector<int64_t> first(kinds.size() + 1, 0);
+    for (size_t i = 0; i < kinds.size(); i++) {
+        TORCH_CHECK_VALUE(kinds[i] == DENSE || kinds[i] == Q4_1 || kinds[i] == Q8_0, op, ": product kind ", kinds[i],
+                          " is not one of 0 (float32), 1 (Q4_1), 2 (Q8_0)");
+        first[i + 1] = first[i] + product_tensors(kinds[i]);
+    }
+    TORCH_CHECK_VALUE(first.back() == static_cast<int64_t>(products.size()), op, ": ", products.size(),
+                      " product tensors; the kinds name ", first.back());
+    return first;
+}
+
 // A whole one-token step of a pre-norm RMSNorm / rotary / SwiGLU decoder, the same calls in the same order
 // as attnmask.decode.static._fused_step makes them from Python (so the same bits), without ~210 trips
 // through Python and the dispatcher. x (B, C): the embedded tokens; norms: each layer's two norm weights,
@@ -388,19 +408,7 @@ at::Tensor decoder_step(const at::Tensor &x0, const at::Tensor &cos, const at::T
     const int64_t L = static_cast<int64_t>(k_caches.size());
     TORCH_CHECK_VALUE(L > 0 && static_cast<int64_t>(v_caches.size()) == L, op, ": ", L, " key caches and ",
                       v_caches.size(), " value caches; expected one of each per layer");
-    TORCH_CHECK_VALUE(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), op, ": ",
-                      norms.size(), " norm weights and ", eps.size(), " eps for ", L, " layers; expected ", 2 * L + 1,
-                      " of each");
-    TORCH_CHECK_VALUE(static_cast<int64_t>(kinds.size()) == 4 * L + 1, op, ": ", kinds.size(), " products for ", L,
-                      " layers; expected ", 4 * L + 1);
-    std::vector<int64_t> first(kinds.size() + 1, 0);  // where each product's tensors start
-    for (size_t i = 0; i < kinds.size(); i++) {
-        TORCH_CHECK_VALUE(kinds[i] == DENSE || kinds[i] == Q4_1 || kinds[i] == Q8_0, op, ": product kind ", kinds[i],
-                          " is not one of 0 (float32), 1 (Q4_1), 2 (Q8_0)");
-        first[i + 1] = first[i] + product_tensors(kinds[i]);
-    }
-    TORCH_CHECK_VALUE(first.back() == static_cast<int64_t>(products.size()), op, ": ", products.size(),
-                      " product tensors; the kinds name ", first.back());
+    const std::vector<int64_t> first = product_offsets(op, L, norms, eps, products, kinds);
     auto project = [&](int64_t i, const at::Tensor &h) { return product(kinds[i], products.data() + first[i], h); };
     at::Tensor x = x0, h = rms_norm(x0, norms[0], eps[0]);
     for (int64_t l = 0; l < L; l++) {
@@ -460,11 +468,6 @@ at::Tensor packed_step(const at::Tensor &x0, const at::Tensor &cos, const at::Te
     check_rows(x0, op, "x");
     TORCH_CHECK_VALUE(L > 0 && static_cast<int64_t>(v_pools.size()) == L, op, ": ", L, " key pools and ",
                       v_pools.size(), " value pools; expected one of each per layer");
-    TORCH_CHECK_VALUE(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), op, ": ",
-                      norms.size(), " norm weights and ", eps.size(), " eps for ", L, " layers; expected ", 2 * L + 1,
-                      " of each");
-    TORCH_CHECK_VALUE(static_cast<int64_t>(kinds.size()) == 4 * L + 1, op, ": ", kinds.size(), " products for ", L,
-                      " layers; expected ", 4 * L + 1);
     const int64_t N = x0.size(0), D = k_pools[0].size(3);
     for (const at::Tensor *t : {&slots, &logit_rows}) {
         TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
@@ -487,14 +490,7 @@ at::Tensor packed_step(const at::Tensor &x0, const at::Tensor &cos, const at::Te
                               ": pools must all be (P, S, Hkv, D) = ", k_pools[0].sizes(), " with Hkv = ", kv_heads);
         }
     }
-    std::vector<int64_t> first(kinds.size() + 1, 0);
-    for (size_t i = 0; i < kinds.size(); i++) {
-        TORCH_CHECK_VALUE(kinds[i] == DENSE || kinds[i] == Q4_1 || kinds[i] == Q8_0, op, ": product kind ", kinds[i],
-                          " is not one of 0 (float32), 1 (Q4_1), 2 (Q8_0)");
-        first[i + 1] = first[i] + product_tensors(kinds[i]);
-    }
-    TORCH_CHECK_VALUE(first.back() == static_cast<int64_t>(products.size()), op, ": ", products.size(),
-                      " product tensors; the kinds name ", first.back());
+    const std::vector<int64_t> first = product_offsets(op, L, norms, eps, products, kinds);
     auto project = [&](int64_t i, const at::Tensor &h) { return product(kinds[i], products.data() + first[i], h); };
     const int64_t *sl = slots.const_data_ptr<int64_t>();
     at::Tensor x = x0, h = rms_norm(x0, norms[0], eps[0]);
