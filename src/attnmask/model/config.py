@@ -51,6 +51,11 @@ class ModelConfig:
     lm_head_bias: bool = False  # a bias on the logits (Marian's final_logits_bias)
     pad_id: int | None = 0  # None: no padding id (pretrained LMs whose every id is a real token)
     attn_backend: str = "auto"
+    # self-attention reach per layer: 0 = every earlier position; w > 0 = the last w positions
+    # (``causal() & sliding_window(w)``) on the layers whose ``layer_types`` entry is "sliding"
+    # (None: every layer, when sliding_window > 0). Gemma 3: w = 512 on five layers of six.
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] | None = None  # per decoder layer: "sliding" | "full"
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where weights came from)
 
     def __post_init__(self):
@@ -91,6 +96,24 @@ class ModelConfig:
             raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)
+        if self.sliding_window < 0:
+            raise UserError(f"sliding_window must be >= 0 (0: none), got {self.sliding_window}")
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if bad or len(self.layer_types) != self.n_layers:
+                raise UserError(
+                    f"layer_types must name each of the {self.n_layers} layers as one of {LAYER_TYPES}; "
+                    f"got {list(self.layer_types)}"
+                )
+
+    def layer_window(self, layer: int) -> int:
+        """The self-attention window of decoder layer ``layer``: 0 = full causal, w = the last w keys."""
+        if self.sliding_window == 0:
+            return 0
+        if self.layer_types is None or self.layer_types[layer] == "sliding":
+            return self.sliding_window
+        return 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,6 +126,8 @@ class ModelConfig:
             raise UserError(f"unknown ModelConfig fields {sorted(unknown)}; expected some of {sorted(known)}")
         return cls(**d)
 
+
+LAYER_TYPES = ("sliding", "full")
 
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
