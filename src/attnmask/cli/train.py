@@ -27,7 +27,15 @@ from attnmask.model import ACTIVATIONS, NORM_POSITIONS, NORMS, POSITIONS
 # (flag, TrainConfig field, type / action, help); the default is appended from TrainConfig.
 _FLAGS = (
     ("Data", None, None, None),
-    ("--task", "task", ("translation", "lm"), "translation (--src/--tgt) or language model (--text)"),
+    (
+        "--task",
+        "task",
+        ("translation", "lm", "chat"),
+        "translation (--src/--tgt), language model (--text) or chat fine-tuning (--init MODEL --data FILE.jsonl; "
+        "the default with --init)",
+    ),
+    ("--data", "data", str, '--task chat: JSONL, one {"messages": [...]} or {"prompt", "completion"} a line'),
+    ("--valid-data", "valid_data", str, "--task chat: validation conversations (default: the last 5%%, at most 200)"),
     ("--src", "src", str, "source-language file, one sentence a line (.gz allowed)"),
     ("--tgt", "tgt", str, "target-language file, line i translates line i of --src"),
     ("--valid-src", "valid_src", str, "validation sources (default: hold out the last 5%%, at most 1000, of --src)"),
@@ -43,6 +51,23 @@ _FLAGS = (
     ("--max-len", "max_len", int, "longest sequence in tokens; longer training pairs are dropped"),
     ("Model", None, None, None),
     ("--model", "model", ("tiny", "small", "base"), "size preset; the flags below override it"),
+    (
+        "--init",
+        "init",
+        str,
+        "fine-tune a pretrained model: a registered name (attnmask.pretrained.MODELS, e.g. smollm2), a .gguf file "
+        "or a Hugging Face Llama checkpoint directory; sets fine-tuning defaults (--task chat, --lr 2e-5, or 2e-4 "
+        "with LoRA, --warmup 20, --weight-decay 0, --max-len 1024)",
+    ),
+    ("--lora-rank", "lora_rank", int, "with --init: train LoRA adapters of this rank (0 = every weight)"),
+    ("--lora-alpha", "lora_alpha", float, "LoRA scale alpha / rank"),
+    (
+        "--lora-targets",
+        "lora_targets",
+        str,
+        "comma-separated projections given adapters (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,"
+        "lm_head) or all",
+    ),
     ("--dim", "dim", int, "model width"),
     ("--layers", "n_layers", int, "decoder layers (and encoder layers unless --encoder-layers)"),
     ("--encoder-layers", "n_encoder_layers", int, "encoder layers"),
@@ -127,7 +152,7 @@ def add_parser(sub) -> None:
     defaults = _defaults()
     p = sub.add_parser(
         "train",
-        help="train a translator or a language model on your text",
+        help="train a translator or a language model on your text, or fine-tune a pretrained chat model",
         description="Train an encoder-decoder translator (--task translation --src F --tgt F) or a decoder-only "
         "language model (--task lm --text F) with teacher forcing. The run directory gets the config, tokenizer, "
         "weights (safetensors), resumable trainer state, metrics.jsonl, TensorBoard scalars (tb/) and loss.png. "
@@ -147,7 +172,8 @@ def add_parser(sub) -> None:
         if isinstance(kind, tuple):
             group.add_argument(flag, dest=name, choices=kind, default=None, help=help_text + shown)
         else:
-            metavar = "FILE" if name in ("src", "tgt", "valid_src", "valid_tgt", "text", "valid_text") else None
+            files = ("src", "tgt", "valid_src", "valid_tgt", "text", "valid_text", "data", "valid_data")
+            metavar = "FILE" if name in files else None
             metavar = "DIR" if name == "out" else metavar
             group.add_argument(flag, dest=name, type=kind, default=None, metavar=metavar, help=help_text + shown)
     p.set_defaults(func=run)

@@ -32,6 +32,21 @@ MODEL_PRESETS: dict[str, dict] = {
 
 # Settings a resumed run may change; any other difference from the saved config is refused,
 # because it would silently change the data, the model or the optimisation.
+# `--init MODEL` (fine-tuning a pretrained model) changes the defaults of the settings not given:
+# a chat task, a learning rate for weights that are already good (full fine-tuning; LoRA's adapters
+# start at zero and take a larger one), a short warmup, no weight decay, conversations up to 1024
+# tokens packed into rows of that length.
+FINE_TUNING_DEFAULTS: dict = {
+    "task": "chat",
+    "lr": 2e-5,
+    "warmup": 20,
+    "min_lr_ratio": 0.1,
+    "weight_decay": 0.0,
+    "max_len": 1024,
+    "pack_length": 1024,
+}
+LORA_LR = 2e-4  # --lora-rank > 0 with --init and no --lr
+
 RESUME_OVERRIDES = (
     "max_steps", "max_minutes", "device", "eval_every", "save_every", "log_every", "progress", "resume", "compile",
 )  # fmt: skip
@@ -54,7 +69,7 @@ def _positive(section, names, *, allow_zero: bool = False) -> None:
 class DataConfig:
     """Where the examples come from, how they are tokenized and batched."""
 
-    task: str = "translation"  # "translation" (encoder-decoder) or "lm" (decoder-only)
+    task: str = "translation"  # "translation" (encoder-decoder), "lm" (decoder-only) or "chat" (fine-tuning)
     src: str | None = None  # translation: source file, one sentence a line (.gz allowed)
     tgt: str | None = None  # translation: target file, line-aligned with src
     valid_src: str | None = None  # validation pairs; None = hold out the last 5% (max 1000) of src/tgt
@@ -62,6 +77,8 @@ class DataConfig:
     builtin_task: str | None = None  # a task of attnmask.data.synthetic instead of files (e.g. "dates")
     train_size: int = 20000  # built-in task: training pairs generated
     valid_size: int = 1000  # built-in task: validation pairs generated
+    data: str | None = None  # chat: JSONL file, one conversation a line (attnmask.data.chat)
+    valid_data: str | None = None  # chat: validation conversations; None = hold out the last 5% (at most 200)
     text: str | None = None  # lm: plain text file
     valid_text: str | None = None  # lm: validation text; None = the last valid_fraction of text
     valid_fraction: float = 0.1
@@ -74,7 +91,7 @@ class DataConfig:
     # translation: "pad" (length-bucketed padded batches), "pack" (several pairs per row, document
     # masks, no padding computed) or "auto" (pack only where it measured faster: train/tasks.py)
     batching: str = "auto"
-    pack_length: int = 128  # translation with packing: tokens per packed row (each side)
+    pack_length: int = 128  # translation with packing: tokens per packed row (each side); chat: per row
 
     def __post_init__(self):
         _choice("task", self.task, TASKS)
@@ -84,6 +101,10 @@ class DataConfig:
         _positive(self, sizes)
         if not 0.0 < self.valid_fraction < 1.0:
             raise UserError(f"valid_fraction={self.valid_fraction}; expected a number in (0, 1)")
+        if self.task == "chat" and self.batch_tokens < self.max_len:
+            raise UserError(
+                f"batch_tokens={self.batch_tokens} < max_len={self.max_len}; expected room for the longest conversation"
+            )
         if self.task == "lm" and self.batch_tokens < self.block_size:
             raise UserError(
                 f"batch_tokens={self.batch_tokens} < block_size={self.block_size}; expected at least one block"
@@ -103,6 +124,12 @@ class ModelSettings:
     """
 
     preset: str = "small"  # a key of MODEL_PRESETS
+    # fine-tuning: a pretrained model (registry name, .gguf file or Hugging Face directory) instead of
+    # a new one; the preset and the size fields below are then unused (attnmask.train.init)
+    init: str | None = None
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank, base weights frozen (attnmask.model.lora)
+    lora_alpha: float = 16.0  # LoRA scale = lora_alpha / lora_rank
+    lora_targets: str = "all"  # comma-separated projection names (q_proj,...,down_proj, lm_head) or "all"
     dim: int | None = None
     n_layers: int | None = None  # decoder layers (and encoder layers unless n_encoder_layers is set)
     n_encoder_layers: int | None = None
@@ -127,6 +154,15 @@ class ModelSettings:
             if getattr(self, name) is not None:
                 _choice(name, getattr(self, name), allowed)
         _positive(self, ("dim", "n_layers", "n_encoder_layers", "n_heads", "n_kv_heads", "ffn_dim"))
+        _positive(self, ("lora_rank",), allow_zero=True)
+        if self.lora_rank and not self.init:
+            raise UserError(f"lora_rank={self.lora_rank} without init; LoRA adapts a pretrained model (--init MODEL)")
+        if not 0 < self.lora_alpha < math.inf:
+            raise UserError(f"lora_alpha={self.lora_alpha}; expected a positive finite number")
+        if self.lora_rank:
+            from attnmask.model.lora import parse_targets
+
+            parse_targets(self.lora_targets)
 
     def model_config(self, *, arch: str, vocab_size: int, src_vocab_size: int | None, max_seq_len: int) -> ModelConfig:
         """The :class:`ModelConfig`: the preset, then every non-None override."""
@@ -233,6 +269,16 @@ class TrainConfig:
         unknown = sorted(set(settings) - set(FLAT))
         if unknown:
             raise UserError(f"unknown training settings {unknown}; expected some of {sorted(FLAT)}")
+        if settings.get("init"):
+            given = settings
+            lora = {"lr": LORA_LR} if settings.get("lora_rank") else {}
+            settings = {**FINE_TUNING_DEFAULTS, **lora, **settings}
+            steps = settings.get("max_steps", OptimConfig.max_steps)
+            if "warmup" not in given and steps:  # a short run still reaches its peak learning rate
+                settings["warmup"] = min(settings["warmup"], max(1, steps // 10))
+            if settings["task"] != "chat":
+                raise UserError(f"--init fine-tunes with --task chat, not --task {settings['task']}")
+            settings["pack_length"] = max(settings["pack_length"], settings["max_len"])  # a row holds any conversation
         parts: dict[str, dict] = {section: {} for section in SECTIONS}
         for name, value in settings.items():
             section, key = FLAT[name]
@@ -316,6 +362,8 @@ __all__ = [
     "RESUME_OVERRIDES",
     "SECTIONS",
     "TASKS",
+    "FINE_TUNING_DEFAULTS",
+    "LORA_LR",
     "DataConfig",
     "ModelSettings",
     "OptimConfig",

@@ -47,18 +47,28 @@ from torch import nn
 
 from attnmask import allocator, linear
 from attnmask.data.collate import IGNORE_INDEX, PAD_SEGMENT
-from attnmask.decode.static import compile_failure
 from attnmask.errors import UserError
 from attnmask.model import Transformer
+from attnmask.model.lora import add_lora, load_lora, lora_modules, lora_state_dict
 from attnmask.model.loss import head_loss
 from attnmask.train import checkpoint, distributed, precision
+from attnmask.train.chat import chat_task
 from attnmask.train.config import RESUME_OVERRIDES, OptimConfig, TrainConfig, resume_changes
 from attnmask.train.logger import TrainLogger
 from attnmask.train.prefetch import Prefetcher
-from attnmask.train.rundir import FORMAT_VERSION, TRAINER_STATE, WEIGHTS, RunDir
+from attnmask.train.rundir import ADAPTERS, FORMAT_VERSION, TRAINER_STATE, WEIGHTS, RunDir
 from attnmask.train.tasks import Batch, TrainingTask, build_task
 
 COMPILE_ROUND_TO = 16  # --compile: batch lengths rounded up to a multiple of this, so few shapes compile
+
+
+def compile_failure(err: BaseException) -> str:
+    """``"Type: first line"`` of the error under torch.compile's wrappers: what went wrong, in one line."""
+    root = err
+    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+        root = inner
+    lines = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {lines[0] if lines else ''}"
 
 
 def round_lengths(b: Batch, multiple: int, pad_id: int | None) -> Batch:
@@ -179,7 +189,8 @@ class Trainer:
                 task = self._build_task(from_dir=cfg.run.resume)
             if ctx.is_main and not cfg.run.resume:
                 created = self.dir.create()
-                self.dir.save_tokenizers(task.tokenizer, task.src_tokenizer if self._separate_source else None)
+                self.dir.save_tokenizers(task.tokenizer, task.src_tokenizer if self._separate_source else None,
+                                         getattr(task, "chat_template", None))  # fmt: skip
                 config = task.model_config(cfg.model)  # checked before config.json is written
                 self.dir.write_config(task=task.name, model=config, train=cfg.to_dict(),
                                       src_tokenizer=self._separate_source)  # fmt: skip
@@ -247,6 +258,11 @@ class Trainer:
         return state
 
     def _build_task(self, *, from_dir: bool) -> TrainingTask:
+        if self.cfg.data.task == "chat":  # the tokenizer is --init's own, loaded with the model
+            task = chat_task(self.cfg)
+            for note in task.notes:
+                self.logger.line(f"data: {note}")
+            return task
         tokenizers = self.dir.load_tokenizers(self.cfg.data.task, self._separate_source) if from_dir else None
         task = build_task(self.cfg, tokenizers)
         for note in task.notes:
@@ -257,7 +273,16 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
-        return Transformer(self.task.model_config(cfg.model)).to(self.ctx.device)
+        if cfg.model.init is None:
+            return Transformer(self.task.model_config(cfg.model)).to(self.ctx.device)
+        model = self.task.pretrained_model()
+        if cfg.model.lora_rank:  # adapters drawn from the run's seed: every rank draws the same
+            add_lora(model, rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha, targets=cfg.model.lora_targets)
+        return model.to(self.ctx.device)
+
+    def _weights_state(self) -> dict:
+        """What a checkpoint keeps of the model: the LoRA adapters alone, or every weight."""
+        return lora_state_dict(self.model) if lora_modules(self.model) else self.model.state_dict()
 
     def _autocast(self):
         self.precision, why = precision.choose(self.cfg.run.precision, self.ctx.device)
@@ -288,7 +313,10 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def _restore(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        if lora_modules(self.model):
+            load_lora(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         mine = state["ranks"][self.ctx.rank]
         self.task.load_state_dict(mine["data"])
@@ -297,11 +325,10 @@ class Trainer:
         self._resumed_engine = state.get("matmul_engine")  # absent in runs saved before it was kept
         if self.ctx.is_main:
             self.dir.truncate_metrics(self.step)  # the steps after the checkpoint run again
-            if not self.dir.weights_readable():  # e.g. cut short by a full disk after trainer_state.pt
-                checkpoint.save_weights(self.dir / WEIGHTS, self.model, {"step": str(self.step)})
-                self.logger.line(
-                    f"{self.dir / WEIGHTS} was damaged; rewrote it from {TRAINER_STATE} (step {self.step})"
-                )
+            name = ADAPTERS if lora_modules(self.model) else WEIGHTS
+            if not self.dir.weights_readable(name):  # e.g. cut short by a full disk after trainer_state.pt
+                self.dir.save_weights(self.model, self.step)
+                self.logger.line(f"{self.dir / name} was damaged; rewrote it from {TRAINER_STATE} (step {self.step})")
         self.logger.line(f"resumed {self.dir} at step {self.step}")
 
     def save(self) -> None:
@@ -314,7 +341,7 @@ class Trainer:
             "format": FORMAT_VERSION,
             "step": self.step,
             "elapsed": self.elapsed,
-            "model": self.model.state_dict(),
+            "model": self._weights_state(),
             "optimizer": self.optimizer.state_dict(),
             "ranks": ranks,
             "matmul_engine": linear.engine(),
@@ -414,11 +441,22 @@ class Trainer:
 
     def _describe(self) -> None:
         cfg, m = self.cfg, self.model.config
+        name = f"--init {cfg.model.init}" if cfg.model.init else cfg.model.preset
         what = (
-            f"{m.arch} {cfg.model.preset} (dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads, "
+            f"{m.arch} {name} (dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads, "
             f"{m.positions}, {m.norm}, {m.activation})"
         )
-        self.logger.line(f"model: {what}, {self.model.num_parameters() / 1e6:.2f}M parameters")
+        trainable = sum(p.numel() for p in {id(p): p for p in self.model.parameters() if p.requires_grad}.values())
+        total = self.model.num_parameters()
+        self.logger.line(f"model: {what}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trained")
+        if cfg.model.lora_rank:
+            self.logger.line(
+                f"LoRA: rank {cfg.model.lora_rank}, alpha {cfg.model.lora_alpha}, "
+                f"on {len(lora_modules(self.model))} layers ({cfg.model.lora_targets})"
+            )
+        o = cfg.optim
+        self.logger.line(f"optimizer: lr {o.lr:g}, warmup {o.warmup}, cosine to {o.min_lr_ratio:g} x lr, "
+                         f"weight decay {o.weight_decay:g}")  # fmt: skip
         self.logger.line(f"data: {self.task.describe()}")
         if self.ctx.enabled:
             self.logger.line(f"distributed: {self.ctx.world_size} processes ({torch.distributed.get_backend()})")

@@ -10,9 +10,13 @@ Layout of a run directory::
                                          "src": "src_tokenizer.json" | null}}
                          "tgt" is the target (translation) or only (LM) tokenizer; "src" is null
                          when the source shares it (joint vocabulary) or for language models.
-    tokenizer.json       Hugging Face tokenizers file (attnmask.data.tokenizer.Tokenizer.save)
+    tokenizer.json       Hugging Face tokenizers file (attnmask.data.tokenizer.Tokenizer.save; for a chat
+                         run, the pretrained model's own tokenizer)
+    chat.json            chat runs only: the tokenizer's special ids and the chat template
     src_tokenizer.json   only with separate source/target vocabularies
     model.safetensors    weights (tied tensors stored once); metadata {"step": "<n>"}
+    adapters.safetensors LoRA runs instead of model.safetensors: the adapters alone (the base model is
+                         --init's, loaded again; attnmask.model.lora)
     trainer_state.pt     resume state: step, weights, optimizer, RNG states of every rank, data
                          position of every rank, elapsed time (attnmask.train.checkpoint)
     metrics.jsonl        one JSON object a line: {"step", "split": "train"|"valid"|"test", ...}
@@ -35,6 +39,7 @@ from safetensors import safe_open
 from attnmask.data.tokenizer import Tokenizer
 from attnmask.errors import UserError
 from attnmask.model import ModelConfig, Transformer
+from attnmask.model.lora import add_lora, load_lora, lora_modules, lora_state_dict, merge_lora
 from attnmask.train import checkpoint
 from attnmask.train.checkpoint import atomic_write_text, load_weights
 
@@ -43,11 +48,13 @@ CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 SRC_TOKENIZER = "src_tokenizer.json"
 WEIGHTS = "model.safetensors"
+ADAPTERS = "adapters.safetensors"
+CHAT = "chat.json"
 TRAINER_STATE = "trainer_state.pt"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tb"
 LOSS_PLOT = "loss.png"
-TASKS = ("translation", "lm")
+TASKS = ("translation", "lm", "chat")
 
 
 @dataclass
@@ -61,8 +68,9 @@ class Run:
         src_tokenizer: the source tokenizer; the same object as ``tokenizer`` with a joint
             vocabulary; None for language models.
         config: the parsed ``config.json``.
-        task: ``"translation"`` or ``"lm"``.
+        task: ``"translation"``, ``"lm"`` or ``"chat"``.
         step: the training step of the saved weights (None if the file does not record it).
+        chat_template: a chat run's template (its model's own), else None.
     """
 
     path: Path
@@ -72,6 +80,7 @@ class Run:
     config: dict
     task: str
     step: int | None = None
+    chat_template: object | None = None  # attnmask.pretrained.ChatTemplate
 
     @property
     def model_config(self) -> ModelConfig:
@@ -167,9 +176,50 @@ def _check_model_section(file: Path, model) -> None:
             raise UserError(f"{file}: model.{key}={value!r}; expected {f.type}")
 
 
+def save_chat_tokenizer(path: str | Path, tokenizer, chat_template) -> None:
+    """A pretrained tokenizer (``tokenizer.json``) and its special ids and template (``chat.json``)."""
+    path = Path(path)
+    tokenizer.hf.save(str(path / TOKENIZER))
+    spec = {
+        "bos_id": tokenizer.bos_id,
+        "eos_id": tokenizer.eos_id,
+        "pad_id": tokenizer.pad_id,
+        "unk_id": tokenizer.unk_id,
+        "add_bos": tokenizer.add_bos,
+        "stop_ids": list(tokenizer.stop_ids),
+        "chat_template": None if chat_template is None else chat_template.source,
+    }
+    atomic_write_text(path / CHAT, json.dumps(spec, indent=2) + "\n")
+
+
+def load_chat_tokenizer(path: str | Path):
+    """``(PretrainedTokenizer, ChatTemplate | None)`` saved by :func:`save_chat_tokenizer`."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from attnmask.pretrained import ChatTemplate, PretrainedTokenizer
+
+    path = Path(path)
+    missing = [f for f in (TOKENIZER, CHAT) if not (path / f).is_file()]
+    if missing:
+        raise UserError(f"{path}: chat run directory is missing {', '.join(missing)}")
+    try:
+        spec = json.loads((path / CHAT).read_text(encoding="utf-8"))
+        tokenizer = PretrainedTokenizer(
+            HFTokenizer.from_file(str(path / TOKENIZER)),
+            bos_id=spec["bos_id"], eos_id=spec["eos_id"], pad_id=spec["pad_id"], unk_id=spec["unk_id"],
+            add_bos=spec["add_bos"], stop_ids=spec["stop_ids"],
+        )  # fmt: skip
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise UserError(f"{path / CHAT}: not a chat tokenizer description ({err!r})") from err
+    template = spec.get("chat_template")
+    return tokenizer, ChatTemplate.for_tokenizer(template, tokenizer) if template else None
+
+
 def load_tokenizers(path: str | Path, config: dict) -> tuple[Tokenizer, Tokenizer | None]:
     """``(tokenizer, src_tokenizer)`` of a run; see :class:`Run` for the sharing rule."""
     path = Path(path)
+    if config["task"] == "chat":
+        return load_chat_tokenizer(path)[0], None
     names = config["tokenizers"]
     files = [names["tgt"]] + ([names["src"]] if names.get("src") else [])
     missing = [f for f in files if not (path / f).is_file()]
@@ -191,6 +241,8 @@ def load_run(path: str | Path, *, device: str = "cpu") -> Run:
     """
     path = Path(path)
     config = read_config(path)
+    if config["task"] == "chat":
+        return _load_chat_run(path, config, device)
     if not (path / WEIGHTS).is_file():
         raise UserError(f"{path}: run directory is missing {WEIGHTS} (training has not saved a checkpoint yet)")
     tokenizer, src_tokenizer = load_tokenizers(path, config)
@@ -224,6 +276,47 @@ def load_run(path: str | Path, *, device: str = "cpu") -> Run:
         task=config["task"],
         step=int(step) if step is not None else None,
     )
+
+
+def _step_of(file: Path) -> int | None:
+    with safe_open(str(file), framework="pt") as f:
+        step = (f.metadata() or {}).get("step")
+    if step is not None and not step.isdigit():
+        raise UserError(f"{file}: metadata step={step!r}; expected a step number")
+    return int(step) if step is not None else None
+
+
+def _load_chat_run(path: Path, config: dict, device: str) -> Run:
+    """A fine-tuned model: its full weights, or --init's model with the saved LoRA adapters merged in."""
+    tokenizer, template = load_chat_tokenizer(path)
+    settings = config.get("train", {}).get("model", {})
+    if (path / ADAPTERS).is_file():
+        from safetensors.torch import load_file
+
+        from attnmask.train.init import load_init
+
+        if not settings.get("init") or not settings.get("lora_rank"):
+            raise UserError(f"{path / CONFIG}: {ADAPTERS} needs train.model.init and lora_rank; expected a LoRA run")
+        model = load_init(settings["init"]).model
+        add_lora(model, rank=settings["lora_rank"], alpha=settings["lora_alpha"], targets=settings["lora_targets"])
+        load_lora(model, load_file(path / ADAPTERS))
+        merge_lora(model)
+        file = path / ADAPTERS
+    elif (path / WEIGHTS).is_file():
+        try:
+            model = Transformer(ModelConfig.from_dict(config["model"]))
+        except UserError as err:
+            raise UserError(f"{path / CONFIG}: {err}") from err
+        load_weights(path / WEIGHTS, model)
+        file = path / WEIGHTS
+    else:
+        raise UserError(f"{path}: run directory has neither {WEIGHTS} nor {ADAPTERS} (no checkpoint saved yet)")
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}")
+    model.requires_grad_(False)
+    model.to(device).eval()
+    return Run(path=path, model=model, tokenizer=tokenizer, src_tokenizer=None, config=config, task="chat",
+               step=_step_of(file), chat_template=template)  # fmt: skip
 
 
 class RunDir:
@@ -265,7 +358,10 @@ class RunDir:
     def tokenizer_names(self, task: str, separate_source: bool) -> dict:
         return {"task": task, "tokenizers": {"tgt": TOKENIZER, "src": SRC_TOKENIZER if separate_source else None}}
 
-    def save_tokenizers(self, tokenizer: Tokenizer, src_tokenizer: Tokenizer | None) -> None:
+    def save_tokenizers(self, tokenizer: Tokenizer, src_tokenizer: Tokenizer | None, chat_template=None) -> None:
+        if not isinstance(tokenizer, Tokenizer):  # a pretrained model's own (chat runs)
+            save_chat_tokenizer(self.path, tokenizer, chat_template)
+            return
         tokenizer.save(self.path / TOKENIZER)
         if src_tokenizer is not None and src_tokenizer is not tokenizer:
             src_tokenizer.save(self.path / SRC_TOKENIZER)
@@ -280,10 +376,10 @@ class RunDir:
         """The resume state; ValueError naming the file when it cannot be read."""
         return checkpoint.load_torch(self.path / TRAINER_STATE)
 
-    def weights_readable(self) -> bool:
-        """Whether ``model.safetensors`` opens and lists its tensors (a truncated file does not)."""
+    def weights_readable(self, name: str = WEIGHTS) -> bool:
+        """Whether ``model.safetensors`` (or ``name``) opens and lists its tensors (a truncated file does not)."""
         try:
-            with safe_open(str(self.path / WEIGHTS), framework="pt") as f:
+            with safe_open(str(self.path / name), framework="pt") as f:
                 f.keys()
         except Exception:  # safetensors raises its own error types for every kind of damage
             return False
@@ -295,9 +391,22 @@ class RunDir:
         ``trainer_state.pt`` goes first: it alone is read on resume, and it holds the weights too.
         """
         checkpoint.save_torch(self.path / TRAINER_STATE, state)
-        checkpoint.save_weights(self.path / WEIGHTS, model, {"step": str(state["step"])})
-        if not self.weights_readable():
-            raise UserError(f"{self.path / WEIGHTS}: written but does not read back; the disk may be full")
+        name = self.save_weights(model, state["step"])
+        if not self.weights_readable(name):
+            raise UserError(f"{self.path / name}: written but does not read back; the disk may be full")
+
+    def save_weights(self, model: Transformer, step: int) -> str:
+        """``model.safetensors``, or for a model with LoRA adapters ``adapters.safetensors`` alone;
+        returns the file's name."""
+        metadata = {"step": str(step)}
+        if lora_modules(model):
+            from safetensors.torch import save_file
+
+            adapters = {k: v.contiguous() for k, v in lora_state_dict(model).items()}
+            checkpoint.atomic_write(self.path / ADAPTERS, lambda tmp: save_file(adapters, str(tmp), metadata=metadata))
+            return ADAPTERS
+        checkpoint.save_weights(self.path / WEIGHTS, model, metadata)
+        return WEIGHTS
 
     def truncate_metrics(self, step: int) -> None:
         truncate_metrics(self.path, step)
