@@ -32,6 +32,7 @@ __all__ = ["COMPUTE_SUBCOMMANDS", "EX_INTERNAL", "EX_USAGE", "SUBCOMMANDS", "Use
 SUBCOMMANDS = (
     "demo",
     "train",
+    "export",
     "translate",
     "generate",
     "serve",
