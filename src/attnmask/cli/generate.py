@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--chat",
         action="store_true",
-        help="--model: treat the prompt as an instruction and wrap it in the model's chat template",
+        help="treat the prompt as an instruction and wrap it in the chat template (of --model, or of a chat --run)",
     )
     p.add_argument(
         "--quantized",
@@ -89,14 +89,17 @@ def run(args) -> int:
     if args.run is not None:
         if args.quantized:
             raise UserError("--quantized applies to --model (a GGUF file's weights), not to --run")
-        if args.chat:
-            raise UserError("--chat applies to --model (a chat template comes with the GGUF file), not to --run")
         from attnmask.train.rundir import load_run
 
         loaded = load_run(args.run, device=args.device)
-        if loaded.task != "lm":
-            raise UserError(f"{args.run} is a {loaded.task!r} run; generate needs a language model (task 'lm')")
+        if loaded.task not in ("lm", "chat"):
+            raise UserError(f"{args.run} is a {loaded.task!r} run; generate needs a language model (task lm or chat)")
         model, tokenizer = loaded.model, loaded.tokenizer
+        if args.chat:
+            if loaded.chat_template is None:
+                raise UserError(f"--chat applies to --model or a chat run; {args.run} has no chat template")
+            prompt = loaded.chat_template(prompt)
+            echo = False  # a chat reply: the templated prompt is not part of it
     else:
         if args.quantized and args.device != "cpu":
             raise UserError(f"--quantized runs on the CPU; got --device {args.device}")
