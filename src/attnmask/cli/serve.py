@@ -9,7 +9,6 @@ exits 0; a second Ctrl-C quits at once.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import math
 import signal
@@ -145,29 +144,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def make_server(app, loop, *, log_level: str, shutdown_timeout: float):
-    """A uvicorn server whose SIGTERM/SIGINT stop the loop's admissions and end the process with 0
-    (uvicorn re-raises the signal after its graceful shutdown, which would kill it with -15 or 130)."""
+    """A uvicorn server for a background thread (it installs no signal handlers there: the CLI's main
+    thread does, see :func:`serve`)."""
     import uvicorn
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            before = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in before.items():
-                    signal.signal(sig, handler)
-
-        def handle_exit(self, sig, frame) -> None:
-            loop.stop_admitting()
-            super().handle_exit(sig, frame)
-
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, access_log=False)
-    return Server(config)
+    return uvicorn.Server(config)
 
 
 def run(args) -> int:
@@ -199,10 +181,11 @@ def serve(args, sock: socket.socket) -> int:
         detokenize=tokenizer.decode,
     )
     ops.available()  # build the native kernels now (once, about a minute) rather than in the first request
-    loop = EngineLoop(engine).start()
+    loop = EngineLoop(engine)  # stepped on this thread below (run_here)
     app = create_app(loop, tokenizer, chat_template, name)
     server = make_server(app, loop, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     logging.getLogger("attnmask.serve").setLevel(args.log_level.upper())
+    sock.listen(2048)  # before the address is announced: a client that connects at once is queued, not refused
     host, port = sock.getsockname()[:2]
     print(
         f"attnmask serve: {name!r} on http://{host}:{port}/v1 — KV cache {engine.stats().blocks_total} blocks of "
@@ -210,8 +193,25 @@ def serve(args, sock: socket.socket) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # The engine steps on this (the main) thread, the HTTP server runs on another: see
+    # attnmask.serve.loop for why. SIGTERM/SIGINT stop admissions and start uvicorn's graceful
+    # shutdown (running requests finish within --shutdown-timeout, the rest are cancelled); the
+    # process then exits with 0. A second signal exits at once.
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="attnmask-http", daemon=True)
+
+    def stop(sig, frame) -> None:
+        loop.stop_admitting()
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http.start()
     try:
-        server.run(sockets=[sock])
+        loop.run_here(until=lambda: not http.is_alive())
     finally:
-        loop.shutdown()  # what the graceful shutdown left running is cancelled
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        server.should_exit = True
+        http.join(timeout=max(args.shutdown_timeout, 0) + 5)
     return 0

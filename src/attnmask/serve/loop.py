@@ -1,8 +1,21 @@
-"""The engine loop: one background thread steps the engine; asyncio handlers await their tokens.
+"""The engine loop: one thread steps the engine; asyncio handlers await their tokens.
 
 The :class:`~attnmask.engine.Engine` is stepped from one thread only. :class:`EngineLoop` owns that
 thread: it runs ``engine.step()`` while the engine has work and sleeps on a condition when it has
-none. A handler :meth:`~EngineLoop.submit`\\ s a request and gets a :class:`RequestStream`: every
+none. The thread is either a background one (:meth:`EngineLoop.start`, what tests and embedding
+applications use) or the caller's (:meth:`EngineLoop.run_here`, what ``attnmask serve`` does with
+its main thread, the HTTP server running on a background thread).
+
+Why the main thread: the native kernels split their work with OpenMP, whose threads spin for a
+while at the end of each parallel region before they sleep, so that the next region starts at
+once. GNU OpenMP stops spinning almost at once when it manages more threads than there are CPUs,
+and it counts every thread that has ever started a parallel region, with its team: the main thread
+loaded the model (parallel regions), so a background engine thread with its own team makes it
+manage twice the threads, and every region of every step then pays a sleep and a wake-up. On
+2 cores SmolLM2's one-token step measured about 2.2× slower on a background thread than on the main
+thread (docs/benchmarks.md, serving).
+
+A handler :meth:`~EngineLoop.submit`\\ s a request and gets a :class:`RequestStream`: every
 :class:`~attnmask.engine.TokenEvent` of that request is put on the stream's asyncio queue through
 ``loop.call_soon_threadsafe``, stamped with the time the step ended (for time-to-first-token and
 inter-token latency). Leaving the stream before the request has finished (the client went away, the
@@ -20,7 +33,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from attnmask.engine import Engine, EngineStats, RequestParams, TokenEvent
@@ -97,6 +110,7 @@ class EngineLoop:
         self._streams_lock = threading.Lock()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._owned = False  # the thread is the loop's own (start), not a caller's (run_here)
         self._admitting = True
         self._stopping = False
         self._failed: BaseException | None = None
@@ -108,6 +122,7 @@ class EngineLoop:
         with self._wake:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="attnmask-engine", daemon=True)
+                self._owned = True
                 self._thread.start()
         return self
 
@@ -137,8 +152,8 @@ class EngineLoop:
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None and self._owned and self._thread is not threading.current_thread():
+            self._thread.join()  # (run_here's caller returns by itself, now told to stop)
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: RequestParams) -> RequestStream:
@@ -179,13 +194,41 @@ class EngineLoop:
         """The engine's statistics after its latest step."""
         return self._stats
 
+    def run_here(self, until: Callable[[], bool]) -> None:
+        """Step the engine on the calling thread until ``until()`` is true (checked at least every
+        ``poll`` seconds while idle) and the engine has no work left, or :meth:`shutdown`. Then the
+        loop is closed: running requests are cancelled, new ones refused."""
+        with self._wake:
+            if self._thread is not None:
+                raise RuntimeError("the loop already runs on its own thread")
+            self._thread = threading.current_thread()
+        try:
+            self._run(until)
+        finally:
+            self.stop_admitting()
+            with self._streams_lock:
+                running = list(self._streams)
+            for rid in running:
+                self.engine.cancel(rid)
+            with contextlib.suppress(Exception):
+                events = self.engine.step()  # deliver the cancellations
+                now = time.perf_counter()
+                for event in events:
+                    self._deliver(event.request_id, Timed(event, now), final=event.finished)
+
     # ---- the thread --------------------------------------------------------------------------
-    def _run(self) -> None:
+    poll = 0.05  # seconds between checks of ``until`` while idle
+
+    def _run(self, until: Callable[[], bool] | None = None) -> None:
         engine = self.engine
         while True:
+            if until is not None and until():
+                return
             with self._wake:
                 while not self._stopping and not engine.has_work():
-                    self._wake.wait()
+                    if until is not None and until():
+                        return
+                    self._wake.wait(self.poll if until is not None else None)
                 if self._stopping and not engine.has_work():
                     return
             try:
