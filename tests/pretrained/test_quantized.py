@@ -333,7 +333,9 @@ def test_without_a_compiler_warns_and_falls_back(monkeypatch, tmp_path):
 # ---------------------------------------------------------------------------------------------
 def test_constructor_errors():
     q41 = torch.zeros(4, 3 * 20, dtype=torch.uint8)  # 4 rows of 96 Q4_1 weights
-    with pytest.raises(ValueError, match=r"block format 'Q4_0' is not supported; expected one of \['Q4_1', 'Q8_0'\]"):
+    with pytest.raises(
+        ValueError, match=r"'Q4_0' is not supported; expected one of \['Q4_1', 'Q4_K', 'Q5_0', 'Q6_K', 'Q8_0'\]"
+    ):
         BlockLinear(q41, "Q4_0", 96)
     with pytest.raises(ValueError, match="in_features=100 is not a multiple of the block size 32"):
         BlockLinear(q41, "Q4_1", 100)

@@ -1,10 +1,22 @@
-"""Products with weights kept in llama.cpp's block formats (Q4_1, Q8_0), as two PyTorch operators.
+"""Products with weights kept in llama.cpp's block formats (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K), as two PyTorch operators.
 
 A GGUF weight such as SmolLM2's ``Q4_1`` keeps 32 weights in 20 bytes (a float16 scale ``d`` and
 minimum ``m``, then 4-bit codes ``q``): weight = ``d * q + m``; ``Q8_0`` keeps a float16 ``d`` and 32
-signed bytes: weight = ``d * q``. :func:`repack` moves a GGUF tensor's bytes once into the layout the
-kernel reads without byte shuffles (4-bit or 8-bit codes in lane order, ``d`` and ``m`` as float32;
-the values are unchanged, :func:`unpack` inverts it exactly).
+signed bytes: weight = ``d * q``; ``Q5_0`` a float16 ``d``, 32 high bits and 16 bytes of low
+nibbles: weight = ``d * (q - 16)``. The K-quants keep 256 weights in a super-block with float16
+``d`` (and ``dmin``) and a scale per sub-block: ``Q4_K`` 8 sub-blocks of 32 with 6-bit scales ``sc``
+and offsets ``mn``, weight = ``(d * sc) * q - dmin * mn``; ``Q6_K`` 16 sub-blocks of 16 with int8
+scales, 6-bit codes, weight = ``(d * sc) * (q - 32)``.
+
+:func:`repack` moves a GGUF tensor's bytes once into one of three layouts the kernel reads without
+byte shuffles (:data:`LAYOUT`): **4-bit** codes in lane order with float32 ``d`` and ``m`` per 32
+weights (Q4_1; Q4_K with ``d = d * sc`` and ``m = -(dmin * mn)``), **8-bit** signed codes in lane
+order with a float32 ``d`` per 32 weights (Q8_0; Q5_0 as ``q - 16``) and **8-bit/16**, the same with
+a ``d`` per 16 weights (Q6_K: ``q - 32`` and ``d * sc``). The values are unchanged: the K-quants'
+scale products are taken once per sub-block in float32, as ``gguf.dequantize`` takes them, and
+:func:`unpack` gives back the weight ``gguf.dequantize`` gives, bit for bit. (The 8-bit layout
+spends a byte on each 5- or 6-bit code, and the 4-bit one 8 bytes of float32 scales per 32 Q4_K
+weights: memory traded for one kernel per layout.)
 
 The operators, each with its PyTorch definition registered for every device (what runs where the
 native library is not built) and a C implementation for float32 CPU tensors (``csrc/blocks.cpp``
@@ -12,7 +24,7 @@ over ``csrc/blocks_kernel.c``: AVX-512, AVX2/FMA or portable C, rows of W split 
 threads with OpenMP):
 
 - ``torch.ops.attnmask.block_matmul(codes, d, m, x, kind, in_features)``: ``x (rows, K) @ W^T``,
-  each block's sum regrouped (``d * sum q x + m * sum x``) rather than approximated: activations
+  each block's (sub-block's) sum regrouped (``d * sum q x + m * sum x``) rather than approximated: activations
   stay float32 and are never quantized, so the result equals the float32 product with the
   dequantized matrix up to summation order. Each output element is computed by the same
   operations in the same order whatever the number of rows and threads (threads split W's rows,
@@ -33,8 +45,11 @@ from attnmask.errors import UserError
 
 __all__ = [
     "BLOCK_BYTES",
+    "BLOCK_WEIGHTS",
     "KINDS",
+    "LAYOUT",
     "QK",
+    "QK_K",
     "block_dequantize",
     "block_matmul",
     "check_buffers",
@@ -43,9 +58,15 @@ __all__ = [
     "unpack",
 ]
 
-QK = 32  # weights per block
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # bytes per block in a GGUF file
+QK = 32  # weights per block of Q4_1, Q5_0 and Q8_0, and per scale of the kernel's 4-bit and 8-bit layouts
+QK_K = 256  # weights per super-block of Q4_K and Q6_K
+BLOCK_WEIGHTS = {"Q4_1": QK, "Q5_0": QK, "Q8_0": QK, "Q4_K": QK_K, "Q6_K": QK_K}  # weights per GGUF block
+BLOCK_BYTES = {"Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}  # bytes per block in a GGUF file
 KINDS = tuple(BLOCK_BYTES)
+# The layout each format is repacked into, and so the loops that multiply by it (csrc/blocks_kernel.c):
+# "4-bit" codes 0..15 with a scale d and an offset m per 32 weights, "8-bit" signed codes with a scale
+# per 32 weights, "8-bit/16" signed codes with a scale per 16 weights.
+LAYOUT = {"Q4_1": "4-bit", "Q4_K": "4-bit", "Q8_0": "8-bit", "Q5_0": "8-bit", "Q6_K": "8-bit/16"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,28 +77,67 @@ def _halves(raw: Tensor) -> Tensor:
     return raw.contiguous().view(torch.float16).squeeze(-1).float()
 
 
+def _bits(raw: Tensor, shifts: list[int], mask: int) -> Tensor:
+    """``(raw[..., None, :] >> shift) & mask`` for each shift: ``(..., len(shifts), bytes)``."""
+    return (raw[..., None, :] >> torch.tensor(shifts, dtype=torch.uint8)[:, None]) & mask
+
+
 def dequantize_blocks(blocks: Tensor, kind: str, in_features: int) -> Tensor:
-    """Float32 ``(out, in)`` weight of GGUF ``blocks`` (uint8 ``(out, in / 32 * BLOCK_BYTES[kind])``):
-    the values ``gguf.dequantize`` gives, ``d * q + m`` (Q4_1) or ``d * q`` (Q8_0) in float32."""
+    """Float32 ``(out, in)`` weight of GGUF ``blocks`` (uint8 ``(out, in / BLOCK_WEIGHTS[kind] *
+    BLOCK_BYTES[kind])``): the values ``gguf.dequantize`` gives, bit for bit (``d * q + m`` for Q4_1,
+    ``d * q`` for Q8_0, ``d * (q - 16)`` for Q5_0, ``(d * sc) * q - dmin * m`` for Q4_K,
+    ``(d * sc) * (q - 32)`` for Q6_K, each product in float32)."""
     return unpack(repack(blocks, kind, in_features), kind, in_features)
 
 
-def repack(blocks: Tensor, kind: str, in_features: int) -> dict[str, Tensor]:
-    """GGUF bytes -> the kernel's tensors: ``codes`` (uint8 rows), ``d`` (and ``m`` for Q4_1) float32
-    ``(out, blocks)``. Values are moved, not changed: :func:`unpack` inverts it exactly."""
-    n, nb = blocks.shape[0], in_features // QK
-    b = blocks.reshape(n, nb, BLOCK_BYTES[kind])
+def _codes(blocks: Tensor, kind: str, in_features: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """GGUF bytes -> ``(q, d, m)``: the codes in weight order, uint8 ``(n, K / 32, 32)`` (4-bit layout)
+    or int8 (8-bit layouts), and their float32 scales (and offsets) per 32 (Q6_K: 16) weights; the
+    weight is ``d * q + m`` (4-bit) or ``d * q``, in float32, as ``gguf.dequantize`` computes it."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, in_features // BLOCK_WEIGHTS[kind], BLOCK_BYTES[kind])
     if kind == "Q4_1":
+        qs = b[..., 4:]
+        return torch.cat([qs & 15, qs >> 4], dim=-1), _halves(b[..., 0:2]), _halves(b[..., 2:4])
+    if kind == "Q8_0":
+        return b[..., 2:].view(torch.int8), _halves(b[..., 0:2]), None
+    if kind == "Q5_0":  # d, 32 high bits (bit j: weight j), 16 bytes of low nibbles (weights j and j + 16)
+        high = _bits(b[..., 2:6], list(range(8)), 1).transpose(-1, -2)  # bit i of byte c: weight 8c + i
+        high = high.reshape(n, -1, QK)
+        q = torch.cat([b[..., 6:] & 15, b[..., 6:] >> 4], dim=-1) | (high << 4)
+        return q.view(torch.int8) - 16, _halves(b[..., 0:2]), None
+    if kind == "Q4_K":  # d, dmin, 12 bytes of 6-bit scales and offsets, 128 bytes of nibbles
+        d, dmin, s = _halves(b[..., 0:2]), _halves(b[..., 2:4]), b[..., 4:16].reshape(n, -1, 3, 4)
+        sc = torch.cat([s[..., 0, :] & 63, (s[..., 2, :] & 15) | ((s[..., 0, :] >> 2) & 48)], dim=-1)  # (n, nsb, 8)
+        mn = torch.cat([s[..., 1, :] & 63, (s[..., 2, :] >> 4) | ((s[..., 1, :] >> 2) & 48)], dim=-1)
+        q = _bits(b[..., 16:].reshape(n, -1, 4, 32), [0, 4], 15)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+        ds, dm = d[..., None] * sc.float(), dmin[..., None] * mn.float()  # float32, once per sub-block
+        return q.reshape(n, -1, QK), ds.reshape(n, -1), -dm.reshape(n, -1)  # d q - dm = d q + (-dm), exactly
+    if kind == "Q6_K":  # 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales, d
+        low = _bits(b[..., :128].reshape(n, -1, 2, 64), [0, 4], 15)  # (n, nsb, 2, 2, 64): weights 128h + 64s + l
+        high = _bits(b[..., 128:192].reshape(n, -1, 2, 32), [0, 2, 4, 6], 3)  # (n, nsb, 2, 4, 32): 128h + 32s + l
+        q = low.reshape(n, -1, 2, 128) | (high.reshape(n, -1, 2, 128) << 4)
+        sc = b[..., 192:208].view(torch.int8).float()  # (n, nsb, 16)
+        ds = _halves(b[..., 208:210])[..., None] * sc  # float32, once per sub-block of 16
+        return q.view(torch.int8).reshape(n, -1, QK) - 32, ds.reshape(n, -1), None
+    raise UserError(f"block format {kind!r} is not supported; expected one of {sorted(BLOCK_BYTES)}")
+
+
+def repack(blocks: Tensor, kind: str, in_features: int) -> dict[str, Tensor]:
+    """GGUF bytes -> the kernel's tensors: ``codes`` (uint8 rows), ``d`` (and ``m`` for the 4-bit
+    layout) float32 ``(out, scales)``. Values are moved, not changed (the K-quants' scale products
+    ``d * sc`` and ``dmin * m`` are taken once, in float32, as ``gguf.dequantize`` takes them):
+    :func:`unpack` gives the weight ``gguf.dequantize`` gives, bit for bit."""
+    q, d, m = _codes(blocks, kind, in_features)
+    n, nb = q.shape[0], q.shape[1]
+    if LAYOUT[kind] == "4-bit":
         nbp = nb + nb % 2  # blocks in pairs; a zero block (d = m = 0) pads an odd count
-        d, m, qs = _halves(b[..., 0:2]), _halves(b[..., 2:4]), b[..., 4:]
-        q = torch.cat([qs & 15, qs >> 4], dim=-1)  # (n, nb, 32) codes in weight order
         if nbp != nb:
             q, d, m = F.pad(q, (0, 0, 0, 1)), F.pad(d, (0, 1)), F.pad(m, (0, 1))
         q = q.reshape(n, nbp // 2, 4, 2, 8)  # weight 8k + i of a pair, k = 2c + h: (pair, c, h, i)
         lanes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 1, 3, 2)  # byte c of lane i: (pair, i, c)
         return {"codes": lanes.reshape(n, nbp * 16).contiguous(), "d": d.contiguous(), "m": m.contiguous()}
-    d, qs = _halves(b[..., 0:2]), b[..., 2:]
-    lanes = qs.reshape(n, nb, 4, 8).transpose(2, 3)  # byte k of lane i = weight 8k + i
+    lanes = q.view(torch.uint8).reshape(n, nb, 4, 8).transpose(2, 3)  # byte k of lane i = weight 8k + i
     return {"codes": lanes.reshape(n, nb * QK).contiguous(), "d": d.contiguous()}
 
 
@@ -85,23 +145,28 @@ def unpack(packed: dict[str, Tensor], kind: str, in_features: int) -> Tensor:
     """Float32 ``(out, in)`` weight of :func:`repack`'s tensors, in PyTorch (any device)."""
     codes, d = packed["codes"], packed["d"]
     n, nb = codes.shape[0], in_features // QK
-    if kind == "Q4_1":
+    if LAYOUT[kind] == "4-bit":
         nbp = d.shape[1]
         lanes = codes.reshape(n, nbp // 2, 8, 4).transpose(2, 3)  # (pair, c, i)
         q = torch.stack([lanes & 15, lanes >> 4], dim=3).reshape(n, nbp, QK)[:, :nb]  # (n, nb, 32)
         w = d[:, :nb, None] * q.float() + packed["m"][:, :nb, None]
     else:
-        q = codes.reshape(n, nb, 8, 4).transpose(2, 3).contiguous().view(torch.int8).reshape(n, nb, QK)
-        w = q.float() * d[:, :, None]
+        q = codes.reshape(n, nb, 8, 4).transpose(2, 3).contiguous().view(torch.int8)  # (n, nb, 4, 8)
+        per = d.shape[1] // nb  # scales per block: 1, or 2 (Q6_K: weights 0..15 and 16..31)
+        w = q.reshape(n, nb * per, QK // per).float() * d[:, :, None]
     return w.reshape(n, in_features)
 
 
 # ---------------------------------------------------------------------------------------------
 # Checks: what the kernel reads through raw pointers
 # ---------------------------------------------------------------------------------------------
-def _blocks_per_row(kind: str, in_features: int) -> int:
+def _shapes(kind: str, in_features: int) -> tuple[int, int]:
+    """(code bytes, scales) per row of the kernel's layout for ``kind``."""
     nb = in_features // QK
-    return nb + nb % 2 if kind == "Q4_1" else nb  # Q4_1 pads an odd block count
+    if LAYOUT[kind] == "4-bit":
+        nbp = nb + nb % 2  # pads an odd block count
+        return nbp * 16, nbp
+    return in_features, nb * (2 if LAYOUT[kind] == "8-bit/16" else 1)
 
 
 def check_buffers(codes: Tensor, d: Tensor, m: Tensor | None, kind: str, in_features: int, x: Tensor | None = None):
@@ -110,17 +175,18 @@ def check_buffers(codes: Tensor, d: Tensor, m: Tensor | None, kind: str, in_feat
     an end). ``x``, when given, must be float32 ``(rows, in_features)``, contiguous."""
     if kind not in BLOCK_BYTES:
         raise UserError(f"block format {kind!r} is not supported; expected one of {sorted(BLOCK_BYTES)}")
-    if in_features <= 0 or in_features % QK:
-        raise UserError(f"in_features={in_features} is not a positive multiple of the block size {QK}")
-    n, nb = codes.shape[0] if codes.dim() == 2 else -1, _blocks_per_row(kind, in_features)
-    code_bytes = nb * 16 if kind == "Q4_1" else nb * QK
-    want = [("codes", codes, torch.uint8, (n, code_bytes)), ("d", d, torch.float32, (n, nb))]
-    if kind == "Q4_1":
+    size = BLOCK_WEIGHTS[kind]
+    if in_features <= 0 or in_features % size:
+        raise UserError(f"in_features={in_features} is not a positive multiple of the block size {size}")
+    n = codes.shape[0] if codes.dim() == 2 else -1
+    code_bytes, scales = _shapes(kind, in_features)
+    want = [("codes", codes, torch.uint8, (n, code_bytes)), ("d", d, torch.float32, (n, scales))]
+    if LAYOUT[kind] == "4-bit":
         if m is None:
-            raise UserError("Q4_1 needs the block minimums m; got None")
-        want.append(("m", m, torch.float32, (n, nb)))
+            raise UserError(f"{kind} needs the block minimums m; got None")
+        want.append(("m", m, torch.float32, (n, scales)))
     elif m is not None:
-        raise UserError("Q8_0 has no block minimums; got an m tensor")
+        raise UserError(f"{kind} has no block minimums; got an m tensor")
     if x is not None:
         want.append(("x", x, torch.float32, (x.shape[0] if x.dim() == 2 else -1, in_features)))
     for name, t, dtype, shape in want:

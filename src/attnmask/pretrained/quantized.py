@@ -1,4 +1,4 @@
-"""Linear layers whose weights stay in llama.cpp's block formats (Q4_1, Q8_0), exactly as a GGUF file stores them.
+"""Linear layers whose weights stay in llama.cpp's block formats (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K), as GGUF stores them.
 
 :func:`attnmask.pretrained.gguf_file.read_gguf` dequantizes every block to float32, which is the
 function the file defines, and reads all 4 bytes of every weight in every decoding step.
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from attnmask import ops
 from attnmask.errors import UserError
-from attnmask.ops.blocks import BLOCK_BYTES, QK, block_dequantize, block_matmul, repack, unpack
+from attnmask.ops.blocks import BLOCK_BYTES, BLOCK_WEIGHTS, LAYOUT, block_dequantize, block_matmul, repack, unpack
 
 __all__ = ["BlockLinear", "kernel_status"]
 
@@ -50,20 +50,21 @@ class BlockLinear(nn.Module):
     """``y = x W^T`` with ``W`` held as GGUF blocks; a drop-in for a bias-free ``nn.Linear`` at inference.
 
     Args:
-        blocks: uint8 ``(out_features, in_features / 32 * BLOCK_BYTES[kind])``, the tensor's bytes
+        blocks: uint8 ``(out_features, in_features / BLOCK_WEIGHTS[kind] * BLOCK_BYTES[kind])``, the tensor's bytes
             as the GGUF file stores them (rows may be reordered, as for the query/key permutation).
             They are repacked once into the kernel's layout (:func:`repack`); the values are unchanged.
-        kind: ``"Q4_1"`` or ``"Q8_0"``.
-        in_features: K, a multiple of 32.
+        kind: ``"Q4_1"``, ``"Q8_0"``, ``"Q5_0"``, ``"Q4_K"`` or ``"Q6_K"``.
+        in_features: K, a multiple of the block size (32; 256 for Q4_K and Q6_K).
     """
 
     def __init__(self, blocks: Tensor, kind: str, in_features: int):
         super().__init__()
         if kind not in BLOCK_BYTES:
             raise UserError(f"block format {kind!r} is not supported; expected one of {sorted(BLOCK_BYTES)}")
-        if in_features % QK:
-            raise UserError(f"in_features={in_features} is not a multiple of the block size {QK}")
-        row_bytes = in_features // QK * BLOCK_BYTES[kind]
+        size = BLOCK_WEIGHTS[kind]
+        if in_features % size:
+            raise UserError(f"in_features={in_features} is not a multiple of the block size {size}")
+        row_bytes = in_features // size * BLOCK_BYTES[kind]
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
             raise UserError(
                 f"{kind} blocks for in_features={in_features} must be uint8 (out_features, {row_bytes}); "
@@ -118,7 +119,7 @@ class BlockLinear(nn.Module):
         return self
 
     def dequantize(self) -> Tensor:
-        """The float32 weight ``(out, in)``, ``d * q (+ m)`` per block."""
+        """The float32 weight ``(out, in)``, as ``gguf.dequantize`` gives it."""
         if self.codes.device.type != "cpu" or not ops.available():
             return unpack(self._packed(), self.kind, self.in_features)
         return block_dequantize(self.codes, self.d, self.m, self.kind, self.in_features)
@@ -150,12 +151,14 @@ class BlockLinear(nn.Module):
 
     def decoder_operands(self) -> tuple[int, list[Tensor]] | None:
         """This layer as :func:`attnmask.ops.decoding.decoder_step` multiplies by it: ``(kind, [codes,
-        d(, m)])``, kind 1 for Q4_1 and 2 for Q8_0; None where the kernels are not built (the layer then
-        multiplies by its dequantized weight, which the step leaves to the module)."""
+        d(, m)])``, kind 1 for the 4-bit layout (Q4_1, and Q4_K repacked into it) and 2 for the 8-bit one
+        (Q8_0, Q5_0); None where the kernels are not built, or for Q6_K, which the step has no kind for
+        (the layer then multiplies by its weight itself, which the step leaves to the module)."""
         b = self._buffers  # not self.codes...: nn.Module's __getattr__ costs ~0.6 us a lookup
-        if not ops.available() or not b["codes"].is_cpu:
+        layout = LAYOUT[self.kind]
+        if not ops.available() or not b["codes"].is_cpu or layout == "8-bit/16":
             return None
-        return (1, [b["codes"], b["d"], b["m"]]) if self.kind == "Q4_1" else (2, [b["codes"], b["d"]])
+        return (1, [b["codes"], b["d"], b["m"]]) if layout == "4-bit" else (2, [b["codes"], b["d"]])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"

@@ -29,6 +29,9 @@ int attnmask_q4_1_matmul(const uint32_t *codes, const float *d, const float *m, 
                          int64_t N, int64_t K, int threads);
 int attnmask_q8_0_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
                          int64_t K, int threads);
+void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads);
+int attnmask_q6_k_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
+                         int64_t K, int threads);
 }
 
 namespace {
@@ -56,21 +59,39 @@ void check(const at::Tensor &t, const char *name, c10::ScalarType dtype, std::ve
     TORCH_CHECK_VALUE(t.is_contiguous(), "block kernel: ", name, " is not contiguous");
 }
 
+// The layout each format is repacked into (blocks.LAYOUT): Q4_1 and Q4_K 4-bit codes with d and m per
+// 32 weights; Q8_0 and Q5_0 8-bit codes with d per 32; Q6_K 8-bit codes with d per 16.
+enum class Layout { four_bit, eight_bit, eight_bit_16 };
+
+struct Format {
+    Layout layout;
+    int64_t block;  // weights per GGUF block: in_features is a multiple of it
+};
+
+Format format_of(const std::string &kind) {
+    if (kind == "Q4_1") return {Layout::four_bit, QK};
+    if (kind == "Q4_K") return {Layout::four_bit, 256};
+    if (kind == "Q8_0" || kind == "Q5_0") return {Layout::eight_bit, QK};
+    TORCH_CHECK_VALUE(kind == "Q6_K", "block format '", kind,
+                      "' is not supported; expected one of ['Q4_1', 'Q4_K', 'Q5_0', 'Q6_K', 'Q8_0']");
+    return {Layout::eight_bit_16, 256};
+}
+
 // The checks shared by both operators; returns n (the weight's rows).
 int64_t check_blocks(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
-                     const std::string &kind, int64_t in_features, bool q4_1) {
-    TORCH_CHECK_VALUE(q4_1 || kind == "Q8_0", "block format '", kind,
-                      "' is not supported; expected one of ['Q4_1', 'Q8_0']");
-    TORCH_CHECK_VALUE(in_features > 0 && in_features % QK == 0, "in_features=", in_features,
-                      " is not a positive multiple of the block size ", QK);
-    TORCH_CHECK_VALUE(!q4_1 || m.has_value(), "Q4_1 needs the block minimums m; got None");
-    TORCH_CHECK_VALUE(q4_1 || !m.has_value(), "Q8_0 has no block minimums; got an m tensor");
+                     const std::string &kind, int64_t in_features, Layout layout, int64_t block) {
+    const bool four = layout == Layout::four_bit;
+    TORCH_CHECK_VALUE(in_features > 0 && in_features % block == 0, "in_features=", in_features,
+                      " is not a positive multiple of the block size ", block);
+    TORCH_CHECK_VALUE(!four || m.has_value(), kind, " needs the block minimums m; got None");
+    TORCH_CHECK_VALUE(four || !m.has_value(), kind, " has no block minimums; got an m tensor");
     const bool n_known = codes.dim() == 2;
     const int64_t n = n_known ? codes.size(0) : -1, blocks = in_features / QK;
-    const int64_t nb = q4_1 ? blocks + blocks % 2 : blocks;  // Q4_1 pads an odd block count
-    check(codes, "codes", at::kByte, {n, q4_1 ? nb * 16 : nb * QK}, kind, n_known);
-    check(d, "d", at::kFloat, {n, nb}, kind, n_known);
-    if (q4_1) check(*m, "m", at::kFloat, {n, nb}, kind, n_known);
+    const int64_t nb = four ? blocks + blocks % 2 : blocks;  // the 4-bit layout pads an odd block count
+    const int64_t scales = layout == Layout::eight_bit_16 ? 2 * nb : nb;
+    check(codes, "codes", at::kByte, {n, four ? nb * 16 : in_features}, kind, n_known);
+    check(d, "d", at::kFloat, {n, scales}, kind, n_known);
+    if (four) check(*m, "m", at::kFloat, {n, scales}, kind, n_known);
     return n;
 }
 
@@ -81,20 +102,24 @@ namespace attnmask {
 at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
                         const at::Tensor &x, c10::string_view kind_view, int64_t in_features) {
     const std::string kind(kind_view);
-    const bool q4_1 = kind == "Q4_1";
-    const int64_t n = check_blocks(codes, d, m, kind, in_features, q4_1);
+    const Format f = format_of(kind);
+    const int64_t n = check_blocks(codes, d, m, kind, in_features, f.layout, f.block);
     const bool n_known = n >= 0;
     const int64_t rows = x.dim() == 2 ? x.size(0) : -1;
     check(x, "x", at::kFloat, {rows, in_features}, kind, n_known);
     at::Tensor out = at::empty({rows, n}, x.options());
     const int threads = at::get_num_threads();
     const auto *c = static_cast<const uint32_t *>(codes.const_data_ptr());
-    const int status =
-        q4_1 ? attnmask_q4_1_matmul(c, d.const_data_ptr<float>(), m->const_data_ptr<float>(),
-                                    x.const_data_ptr<float>(), out.mutable_data_ptr<float>(), rows, n, in_features,
-                                    threads)
-             : attnmask_q8_0_matmul(c, d.const_data_ptr<float>(), x.const_data_ptr<float>(),
-                                    out.mutable_data_ptr<float>(), rows, n, in_features, threads);
+    const float *dp = d.const_data_ptr<float>(), *xp = x.const_data_ptr<float>();
+    float *yp = out.mutable_data_ptr<float>();
+    int status = 0;
+    switch (f.layout) {
+        case Layout::four_bit:
+            status = attnmask_q4_1_matmul(c, dp, m->const_data_ptr<float>(), xp, yp, rows, n, in_features, threads);
+            break;
+        case Layout::eight_bit: status = attnmask_q8_0_matmul(c, dp, xp, yp, rows, n, in_features, threads); break;
+        case Layout::eight_bit_16: status = attnmask_q6_k_matmul(c, dp, xp, yp, rows, n, in_features, threads); break;
+    }
     if (status) throw std::bad_alloc();  // -> MemoryError: the kernel's scratch buffer
     return out;
 }
@@ -102,17 +127,20 @@ at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std:
 at::Tensor block_dequantize(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
                             c10::string_view kind_view, int64_t in_features) {
     const std::string kind(kind_view);
-    const bool q4_1 = kind == "Q4_1";
-    const int64_t n = check_blocks(codes, d, m, kind, in_features, q4_1);
+    const Format f = format_of(kind);
+    const int64_t n = check_blocks(codes, d, m, kind, in_features, f.layout, f.block);
     at::Tensor out = at::empty({n, in_features}, d.options());
     const int threads = at::get_num_threads();
     const auto *c = static_cast<const uint32_t *>(codes.const_data_ptr());
-    if (q4_1)
-        attnmask_q4_1_dequantize(c, d.const_data_ptr<float>(), m->const_data_ptr<float>(),
-                                 out.mutable_data_ptr<float>(), n, in_features, threads);
-    else
-        attnmask_q8_0_dequantize(c, d.const_data_ptr<float>(), out.mutable_data_ptr<float>(), n, in_features,
-                                 threads);
+    const float *dp = d.const_data_ptr<float>();
+    float *o = out.mutable_data_ptr<float>();
+    switch (f.layout) {
+        case Layout::four_bit:
+            attnmask_q4_1_dequantize(c, dp, m->const_data_ptr<float>(), o, n, in_features, threads);
+            break;
+        case Layout::eight_bit: attnmask_q8_0_dequantize(c, dp, o, n, in_features, threads); break;
+        case Layout::eight_bit_16: attnmask_q6_k_dequantize(c, dp, o, n, in_features, threads); break;
+    }
     return out;
 }
 

