@@ -170,6 +170,48 @@ class Mask:
         out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return out.masked_fill_(~allowed, blocked)
 
+    # -- per-query key spans (block-sparse kernels) ---------------------------------------------
+    def key_spans(
+        self, batch_size: int, q_len: int, kv_len: int, q_start: int, *, device: torch.device | str | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Where each query row may attend, as a union of key intervals: a list of ``(lo, hi)`` long
+        tensors broadcastable to ``(B, Tq)``, query row ``i`` of batch row ``b`` seeing keys only in
+        the union of ``[lo[b, i], hi[b, i])``. A superset of the allowed keys (exact for causal,
+        windows, padding, prefix LM and contiguous documents and their ``&``); ``|`` gives the list
+        of both sides, and what the algebra cannot bound (``~``, tensors, predicates) gives every key.
+        Bounds may fall outside ``[0, Tk]``; ``lo >= hi`` means no key. Nothing ``Tq x Tk`` is built.
+        """
+        device = None if device is None else torch.device(device)
+        ctx = _Ctx(batch_size, q_len, kv_len, q_start, device, dense=False)
+        pos = (q_start + torch.arange(q_len, device=device)).view(1, -1)  # (1, Tq) query positions
+        return self._spans(ctx, pos)
+
+    def _spans(self, ctx: _Ctx, pos: Tensor) -> list[tuple[Tensor, Tensor]]:
+        zero = torch.zeros(1, 1, dtype=torch.long, device=pos.device)  # (1, 1)
+        return [(zero, zero + ctx.kv_len)]  # every key
+
+    def evaluate(
+        self,
+        batch_size: int,
+        q_len: int,
+        kv_len: int,
+        q_start: int,
+        q_pos: Tensor,
+        kv_pos: Tensor,
+        *,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """The mask at chosen positions: ``q_pos`` and ``kv_pos`` are long tensors of absolute query
+        and key positions, broadcastable against each other and against ``(B, 1, 1, 1)`` batch rows
+        (e.g. ``(1, n, bq, 1)`` and ``(1, n, 1, bk)`` for ``n`` tiles). Returns bool, True = may
+        attend, of the broadcast shape with the batch leading (``B`` or 1). Element-wise, like a
+        ``mask_mod``: a tile costs its own size, never ``Tq x Tk``."""
+        device = None if device is None else torch.device(device)
+        ctx = _Ctx(batch_size, q_len, kv_len, q_start, device, dense=False)
+        b = torch.arange(batch_size, device=device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+        h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)  # masks are the same in every head
+        return self._eval(ctx, b, h, q_pos, kv_pos)
+
     # -- lowering to FlexAttention ------------------------------------------------------------
     def _batch_free(self) -> bool:
         """True when the mask is the same for every batch row (FlexAttention then broadcasts it)."""
@@ -325,6 +367,21 @@ def _materialize(mask: Mask, batch_size: int, q_len: int, kv_len: int, q_offset:
 # ---------------------------------------------------------------------------------------------
 # Combinators
 # ---------------------------------------------------------------------------------------------
+_MAX_SPANS = 8  # intervals per query kept by key_spans before they are bounded by one
+
+
+def _hull(spans: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """One interval holding every non-empty interval of ``spans`` (empty ones are left out)."""
+    big = torch.iinfo(torch.long).max
+    lo = hi = None
+    for a, z in spans:
+        a, z = torch.broadcast_tensors(a, z)
+        a, z = a.masked_fill(a >= z, big), z.masked_fill(a >= z, -big)
+        lo = a if lo is None else torch.minimum(lo, a)
+        hi = z if hi is None else torch.maximum(hi, z)
+    return lo, hi
+
+
 class And(Mask):
     def __init__(self, *children: Mask):
         self.children = tuple(children)
@@ -339,6 +396,15 @@ class And(Mask):
         out = self.children[0]._eval(ctx, b, h, q, kv)
         for c in self.children[1:]:
             out = out & c._eval(ctx, b, h, q, kv)
+        return out
+
+    def _spans(self, ctx, pos):
+        out = self.children[0]._spans(ctx, pos)
+        for c in self.children[1:]:
+            other = c._spans(ctx, pos)
+            if len(out) * len(other) > _MAX_SPANS:  # bound each side by one interval first
+                out, other = [_hull(out)], [_hull(other)]
+            out = [(torch.maximum(a, c_), torch.minimum(z, d)) for a, z in out for c_, d in other]
         return out
 
     def __repr__(self):
@@ -357,6 +423,10 @@ class Or(Mask):
         for c in self.children[1:]:
             out = out | c._eval(ctx, b, h, q, kv)
         return out
+
+    def _spans(self, ctx, pos):
+        out = [span for c in self.children for span in c._spans(ctx, pos)]
+        return out if len(out) <= _MAX_SPANS else [_hull(out)]
 
     def __repr__(self):
         return " | ".join(f"({c!r})" for c in self.children)

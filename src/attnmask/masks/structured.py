@@ -35,6 +35,9 @@ class Causal(Mask):
     def _eval(self, ctx, b, h, q, kv):
         return kv <= q
 
+    def _spans(self, ctx, pos):
+        return [(torch.zeros_like(pos), pos + 1)]
+
     def __repr__(self):
         return f"Causal(align={self.align!r})"
 
@@ -53,6 +56,9 @@ class SlidingWindow(Mask):
 
     def _eval(self, ctx, b, h, q, kv):
         return (kv <= q) & (kv > q - self.size)
+
+    def _spans(self, ctx, pos):
+        return [(pos - self.size + 1, pos + 1)]
 
     def __repr__(self):
         return f"SlidingWindow(size={self.size}, align={self.align!r})"
@@ -164,6 +170,20 @@ class _Padding(Mask):
     def _batch_free(self):
         return self.batch_size == 1
 
+    def _interval(self, ctx: _Ctx, n: int) -> tuple[Tensor, Tensor]:
+        """Each row's real tokens bounded by one interval ``[lo, hi)`` along the axis of length ``n``,
+        as ``(B|1, 1)`` long tensors (exact for lengths and contiguous ``keep``)."""
+        if self.keep is not None:
+            keep = ctx.on_device(self.keep)  # (B|1, n)
+            pos = torch.arange(keep.shape[1], device=keep.device)  # (n,)
+            lo = torch.where(keep, pos, n).amin(dim=1, keepdim=True)  # (B|1, 1) first real token
+            hi = torch.where(keep, pos + 1, 0).amax(dim=1, keepdim=True)  # (B|1, 1) after the last one
+            return lo, hi
+        lengths = ctx.on_device(self.lengths).view(-1, 1)  # (B|1, 1)
+        if self.side == "right":
+            return torch.zeros_like(lengths), lengths
+        return n - lengths, torch.full_like(lengths, n)
+
     def _real(self, ctx: _Ctx, b: Tensor, local: Tensor, n: int | None) -> Tensor:
         """Whether index ``local`` along the padded axis (of length ``n``) is a real token in batch
         row ``b``; ``b`` and ``local`` are broadcast index tensors or, in a mask_mod, scalars."""
@@ -193,6 +213,9 @@ class KeyPadding(_Padding):
     def _eval(self, ctx, b, h, q, kv):
         return self._real(ctx, b, kv, ctx.kv_len)  # (B, 1, 1, Tk)
 
+    def _spans(self, ctx, pos):
+        return [self._interval(ctx, ctx.kv_len)]  # (B|1, 1) each
+
 
 class QueryPadding(_Padding):
     """Blocks whole query rows that are padding; their attention output is zero."""
@@ -204,6 +227,16 @@ class QueryPadding(_Padding):
 
     def _eval(self, ctx, b, h, q, kv):
         return self._real(ctx, b, q - ctx.q_start, ctx.q_len)  # (B, 1, Tq, 1)
+
+    def _spans(self, ctx, pos):
+        if self.keep is not None:
+            real = ctx.on_device(self.keep)  # (B|1, Tq)
+        else:
+            lo, hi = self._interval(ctx, ctx.q_len)  # (B|1, 1) real query rows
+            row = pos - ctx.q_start  # (1, Tq)
+            real = (row >= lo) & (row < hi)  # (B|1, Tq)
+        zero = torch.zeros_like(real, dtype=torch.long)
+        return [(zero, real.long() * ctx.kv_len)]  # (B|1, Tq): every key, or none
 
 
 class PrefixLM(Mask):
@@ -235,6 +268,10 @@ class PrefixLM(Mask):
         # (B|1, 1, 1, 1) dense; a scalar in a mask_mod
         prefix = lengths.view(-1, 1, 1, 1) if ctx.dense else lengths[_batch_index(b, lengths.shape[0])]
         return (kv <= q) | (kv < prefix)
+
+    def _spans(self, ctx, pos):
+        prefix = ctx.on_device(self.prefix_lengths).view(-1, 1)  # (B|1, 1)
+        return [(torch.zeros_like(pos), torch.maximum(pos + 1, prefix))]  # (B|1, Tq)
 
     def __repr__(self):
         return f"PrefixLM(prefix_lengths={self.prefix_lengths.tolist()}, align={self.align!r})"
@@ -308,6 +345,28 @@ class Document(Mask):
             return seg_q == seg.view(seg.shape[0], 1, 1, -1)  # (B|1, 1, Tq, Tk)
         row, last_key = _batch_index(b, seg.shape[0]), seg.shape[1] - 1
         return seg[row, q.clamp(0, last_key)] == seg[row, kv.clamp(0, last_key)]
+
+    def _spans(self, ctx, pos):
+        """From the first to past the last key of the query's segment (exact for contiguous segments)."""
+        seg = ctx.on_device(self.segment_ids)  # (Bk, Tk), Bk in (1, B)
+        Bk, Tk = seg.shape
+        if self.query_segment_ids is None:
+            qseg = seg[:, pos.view(-1).clamp(0, max(Tk - 1, 0))] if Tk else seg[:, :0]  # (Bk, Tq)
+        else:
+            qseg = ctx.on_device(self.query_segment_ids)  # (Bq, Tq)
+        R = max(Bk, qseg.shape[0])
+        seg, qseg = seg.expand(R, -1), qseg.expand(R, qseg.shape[1])  # (R, Tk), (R, Tq)
+        ids, inv = torch.unique(torch.cat([seg, qseg], dim=1), return_inverse=True)  # inv (R, Tk + Tq)
+        U = max(len(ids), 1)
+        group = inv + U * torch.arange(R, device=inv.device).view(-1, 1)  # (R, Tk + Tq): (row, segment)
+        key_group = group[:, :Tk].reshape(-1)  # (R * Tk,)
+        key_pos = torch.arange(Tk, device=seg.device).repeat(R)  # (R * Tk,)
+        first = torch.full((R * U,), Tk, dtype=torch.long, device=seg.device)
+        first = first.scatter_reduce(0, key_group, key_pos, "amin")  # (R * U,) first key of each segment
+        last = torch.full((R * U,), -1, dtype=torch.long, device=seg.device)
+        last = last.scatter_reduce(0, key_group, key_pos, "amax")  # (R * U,) its last key
+        q_group = group[:, Tk:]  # (R, Tq)
+        return [(first[q_group], last[q_group] + 1)]  # (R, Tq)
 
     def __repr__(self):
         q = "" if self.query_segment_ids is None else f", query_segment_ids shape={tuple(self.query_segment_ids.shape)}"
