@@ -18,6 +18,9 @@ padding). Contenders:
                   planning and materializing the mask every time
     (f) auto@REV  (with ``--baseline REV``) (d) run by attnmask as of git revision REV, loaded beside
                   this checkout in the same process, so that before and after share the machine's load
+    (g)-(j)       each backend ``auto`` chooses from, forced by name with the same mask object:
+                  ``math``, ``sdpa``, ``sdpa_blocks`` (the SDPA block plan) and ``tiles`` (block-sparse);
+                  the table's "best" is the fastest of them and "best / auto" >= 1 means ``auto`` kept up
 
 The masks of (a) and (b) are built once, outside the timed region (a model builds them once per
 forward and shares them across layers). Every contender's output is checked against (a)'s (same
@@ -35,6 +38,16 @@ numbers than two threads waiting on each other. Speed-up = t(a) / t(x).
     python benchmarks/attention.py --T 16,32,64,128,256 --tokens 4096   # a training batch of short rows
 
 ``--tokens N`` sets B = N // T (many short rows, as a training batch has) instead of B=4.
+
+Long sequences (``--long``): one sequence of T in {1k, ..., 32k} (``--T`` to choose), 4 heads of 64,
+float32 and bfloat16, forward and forward+backward, for three structured masks: a causal sliding
+window of 256 keys, causal packed documents (lengths 256-2048, mean ~1.1k) and documents with the
+window. Each cell runs in a fresh process, which reports the best time of its runs and the growth of
+its peak resident memory (``resource.getrusage`` max RSS, after the inputs exist) over the whole
+cell: ``auto``, ``tiles`` and, with ``--baseline REV``, ``auto`` at REV (SDPA with the dense mask before
+``tiles`` existed; skipped where its ``T x T`` mask would not fit: above 16k forward, 8k backward).
+
+    python benchmarks/attention.py --long --threads 1 --baseline HEAD~1
 
 CUDA (``--device cuda``): bfloat16, forward and forward+backward, T in {512, ..., 8192}, D in {64, 128}
 (H=16 at D=64, H=8 at D=128), B = 32768 // T (32k tokens a batch), 0/25/50% right key padding:
@@ -168,6 +181,8 @@ def contenders(case: Case, q, k, v, lengths: list[int], baseline=None):
         "auto": auto,
         "auto new": auto_new,
     }
+    for name in BACKEND_NAMES:
+        fns[name] = lambda name=name: attention(q, k, v, mask, backend=name)
     if baseline is not None:
         base_masks, base_attention = baseline
         base_mask = base_masks.causal() & base_masks.padding(lengths=lengths)
@@ -215,7 +230,19 @@ def run_case(case: Case, repeats: int, baseline=None) -> dict[str, float | None]
     return {name: None if fn is None else best[name] * 1e3 for name, fn in fns.items()}
 
 
-LETTERS = {"formula": "a", "sdpa+mask": "b", "is_causal": "c", "auto": "d", "auto new": "e", "auto@base": "f"}
+BACKEND_NAMES = ("math", "sdpa", "sdpa_blocks", "tiles")  # what auto chooses from on the CPU
+LETTERS = {
+    "formula": "a",
+    "sdpa+mask": "b",
+    "is_causal": "c",
+    "auto": "d",
+    "auto new": "e",
+    "auto@base": "f",
+    "math": "g",
+    "sdpa": "h",
+    "sdpa_blocks": "i",
+    "tiles": "j",
+}
 
 
 def table(rows: list[tuple[Case, dict]], base_rev: str | None = None) -> str:
@@ -230,12 +257,17 @@ def table(rows: list[tuple[Case, dict]], base_rev: str | None = None) -> str:
     )
     if "auto@base" in names:
         head += " t(b) / t(d) | t(f) / t(d) |"
+    head += " best backend | best / auto |" + (" best / auto@base |" if "auto@base" in names else "")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for case, t in rows:
         ms = [("n/a" if t[n] is None else f"{t[n]:.2f}") for n in names]
         speed = [("n/a" if t[n] is None else f"{t['formula'] / t[n]:.2f}") for n in names[1:]]
         if "auto@base" in names:
             speed += [f"{t['sdpa+mask'] / t['auto']:.2f}", f"{t['auto@base'] / t['auto']:.2f}"]
+        best = min(BACKEND_NAMES, key=lambda n: t[n])
+        speed += [best, f"{t[best] / t['auto']:.2f}"]
+        if "auto@base" in names:
+            speed.append(f"{t[best] / t['auto@base']:.2f}")
         dtype = str(case.dtype).removeprefix("torch.")
         pas = "fwd+bwd" if case.backward else "fwd"
         lines.append(f"| {dtype} | {pas} | {case.T} | {case.B} | {case.pad:.0%} | " + " | ".join(ms + speed) + " |")

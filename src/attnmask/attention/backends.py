@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnmask import masks as M
-from attnmask.attention.plan import PreparedMask, SdpaCall, prepare_mask
+from attnmask.attention.blocked import TilePlan, plan_tiles, tile_attention
+from attnmask.attention.plan import PreparedMask, SdpaCall, _host_readable, prepare_mask
 from attnmask.errors import UserError, UserTypeError
 
 # ---------------------------------------------------------------------------------------------
@@ -251,6 +252,38 @@ def _sdpa_blocks(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights)
 
 
 # ---------------------------------------------------------------------------------------------
+# Block-sparse tiles (CPU)
+# ---------------------------------------------------------------------------------------------
+def _tile_plan(q: Tensor, k: Tensor, pm: PreparedMask) -> TilePlan | None:
+    """The mask's tile plan (built once per PreparedMask and block size), or None when there is no
+    structure to plan from: nothing masked, a raw tensor, off the CPU or inside ``torch.compile``."""
+    if q.device.type != "cpu" or not _host_readable(q.device):
+        return None
+    mask = M.causal() if pm.is_causal else pm.mask
+    if mask is None or pm.batch_size is None:
+        return None
+    key = ("tiles", q.shape[1])
+    if key not in pm.choices:
+        q_start = 0 if pm.is_causal else M.query_start(mask, pm.q_len, pm.kv_len, pm.q_offset)
+        pm.choices[key] = plan_tiles(mask, pm.batch_size, q.shape[1], pm.q_len, pm.kv_len, q_start)
+    return pm.choices[key]
+
+
+def _tiles(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
+    """Block-sparse attention over the tiles a structured mask allows (:mod:`.blocked`): time and
+    memory follow the allowed region, never ``Tq x Tk``. CPU only; other masks and devices run as
+    ``sdpa``."""
+    if return_weights:
+        raise UserError("backend 'tiles' cannot return attention weights; use backend='reference' (or 'auto')")
+    if dropout_p > 0:
+        raise UserError("backend 'tiles' has no attention dropout; use backend='auto' (SDPA when dropout is on)")
+    plan = _tile_plan(q, k, pm)
+    if plan is None:
+        return _sdpa(q, k, v, pm, scale=scale, dropout_p=0.0, return_weights=False)
+    return tile_attention(q, k, v, plan, scale), None
+
+
+# ---------------------------------------------------------------------------------------------
 # FlexAttention
 # ---------------------------------------------------------------------------------------------
 FLEX_COMPILE = True  # False: eager FlexAttention (same masks and maths, unfused); tests use it for speed
@@ -383,6 +416,7 @@ register_backend("math", _math)
 register_backend("sdpa", _sdpa)
 register_backend("sdpa_blocks", _sdpa_blocks)
 register_backend("flex", _flex)
+register_backend("tiles", _tiles)
 register_backend("auto", _auto)
 
 
