@@ -71,15 +71,6 @@ def compile_failure(err: BaseException) -> str:
     return f"{type(root).__name__}: {lines[0] if lines else ''}"
 
 
-def compile_failure(err: BaseException) -> str:
-    """``"Type: first line"`` of the error under torch.compile's wrappers: what went wrong, in one line."""
-    root = err
-    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
-        root = inner
-    lines = str(root).strip().splitlines()
-    return f"{type(root).__name__}: {lines[0] if lines else ''}"
-
-
 def round_lengths(b: Batch, multiple: int, pad_id: int | None) -> Batch:
     """``b`` with its time dimensions padded up to a multiple of ``multiple``: pad ids (masked as
     padding by the model), ``IGNORE_INDEX`` labels, :data:`PAD_SEGMENT` segments. The loss is
