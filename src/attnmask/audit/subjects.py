@@ -17,7 +17,8 @@ attnmask encoder always numbers source positions from 0) lists only the sides it
 Optional extras turn on more checks: ``forward_with_embeds`` (same arguments, returns
 ``(logits, embeds)`` with ``embeds`` the decoder's input embeddings ``(B, T, C)`` as a leaf that
 requires grad) for the gradient check, and ``cached_forward`` (same arguments, same logits computed
-token by token with a KV cache) for cache parity.
+token by token with a KV cache, the way the model generates) for cache parity and for causality along
+the generation path.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from attnmask import masks
-from attnmask.engine.step import packed_forward
+from attnmask.decode.step import SourceMemory, fused_plan, packed_forward
 from attnmask.errors import UserError, UserTypeError
+from attnmask.model.cache import PagedKVCache
 
 __all__ = ["Subject", "as_subject", "from_callable", "from_transformer", "from_hf", "from_run", "positions_from_mask"]
 
@@ -119,10 +121,11 @@ def from_transformer(model, *, name: str | None = None) -> Subject:
     with ``pad_id`` written at masked positions, so a model that builds its masks wrongly is caught,
     while other ids written in pad positions still reach the embeddings (and must not leak). With no
     ``pad_id`` in the config, key padding from the 0/1 mask is added to ``model.target_mask``.
-    Cached decoding passes ``masks.causal() & masks.padding(keep=...)``, as :mod:`attnmask.decode` does.
+    Cached decoding (``cached_forward``) runs what generation runs: the packed step over a paged cache
+    (:func:`attnmask.decode.step.packed_forward`), each row's real tokens a sequence of its own, the
+    first half in one prefill chunk, then one token a step (encoder-decoders attend to each row's real
+    source positions).
     """
-    from attnmask.model.cache import KVCache
-
     model.eval()
     cfg = model.config
     pad = cfg.pad_id
@@ -170,32 +173,23 @@ def from_transformer(model, *, name: str | None = None) -> Subject:
         return (logits, captured["embeds"]) if embeds_hook else logits
 
     def cached(*args) -> Tensor:
+        memory = None
         if enc_dec:
             src, src_mask, ids, mask = args
-            memory, memory_mask = memory_of(src, src_mask)
+            src_keep = _keep(src, src_mask)
+            encoded, _ = memory_of(src, src_mask)  # the encoder under the model's own source mask
+            memory = SourceMemory.project(model, encoded, None if bool(src_keep.all()) else src_keep)
         else:
-            (ids, mask), memory, memory_mask = args, None, None
+            ids, mask = args
         keep = _keep(ids, mask)
-        positions = positions_from_mask(keep)
         B, T = ids.shape
-        cache = KVCache.for_model(model, B, max_len=T)
+        seqs = [row[k].tolist() for row, k in zip(ids.cpu(), keep.cpu())]
         # a prefill of the first half, then one token a step: both paths of a real decoder
-        cut = max(1, T // 2)
-        spans = [(0, cut)] + [(t, t + 1) for t in range(cut, T)]
-        out = []
-        for a, b in spans:
-            step_mask = masks.causal() & masks.padding(keep=keep[:, :b])
-            out.append(
-                model.decode(
-                    ids[:, a:b],
-                    memory,
-                    memory_mask=memory_mask,
-                    mask=step_mask,
-                    positions=positions[:, a:b],
-                    cache=cache,
-                )
-            )  # (B, b - a, V)
-        return torch.cat(out, dim=1)  # (B, T, V)
+        rows = packed(model, seqs, 1, first=[max(1, len(s) // 2) for s in seqs], memory=memory, fused=True)
+        out = rows[0].new_zeros(B, T, rows[0].shape[-1])  # (B, T, V): padding positions stay 0
+        for b, logits in enumerate(rows):
+            out[b, keep[b].to(logits.device)] = logits
+        return out  # (B, T, V)
 
     p = next(model.parameters())
     return Subject(
@@ -218,34 +212,60 @@ def from_transformer(model, *, name: str | None = None) -> Subject:
     )
 
 
-def packed(model, seqs: list[list[int]], chunk: int = 4, block_size: int = 4) -> list[Tensor]:
+def packed(
+    model,
+    seqs: list[list[int]],
+    chunk: int = 4,
+    block_size: int = 4,
+    *,
+    first: list[int] | None = None,
+    memory=None,
+    fused: bool = False,
+) -> list[Tensor]:
     """Every sequence's logits ``(T_i, V)`` at every position, all sequences run together through the
-    serving engine's packed step (:func:`attnmask.engine.step.packed_forward`) over one paged cache:
-    ``chunk`` tokens of each sequence a step, each at its own offset, until all are done."""
-    from attnmask.engine.cache import PagedKVCache
-
+    packed step every decoding path runs (:func:`attnmask.decode.step.packed_forward`) over one paged
+    cache: ``first[i]`` tokens of sequence ``i`` in the first step (default ``chunk``), then ``chunk``
+    tokens of each a step, each at its own offset, until all are done. ``memory``: encoder-decoders,
+    the :class:`~attnmask.decode.step.SourceMemory` of the sequences' sources (source ``i`` for
+    sequence ``i``). ``fused``: the whole step in one native call where the model allows, as generation
+    runs it (:func:`~attnmask.decode.step.fused_plan`); else operation by operation, each a Python call
+    (the calls a test can watch)."""
     lengths = [len(s) for s in seqs]
     per_seq = [-(-n // block_size) for n in lengths]
     cache = PagedKVCache.for_model(model, num_blocks=1 + sum(per_seq), block_size=block_size)
-    tables = torch.zeros(len(seqs), max(per_seq), dtype=torch.long)
+    tables = torch.zeros(len(seqs), max(1, *per_seq), dtype=torch.long)
     for i, n in enumerate(per_seq):
         tables[i, :n] = torch.tensor(cache.pool.allocate(n))
     device = cache.k[0].device
+    plan = fused_plan(model) if fused else None
+    done = [0] * len(seqs)
     out: list[list[Tensor]] = [[] for _ in seqs]
     with torch.no_grad():
-        for start in range(0, max(lengths), chunk):
-            rows = [(i, t) for i, n in enumerate(lengths) for t in range(start, min(start + chunk, n))]
-            if not rows:
-                continue
+        while any(d < n for d, n in zip(done, lengths)):
+            rows = []
+            for i, n in enumerate(lengths):
+                take = first[i] if first is not None and done[i] == 0 else chunk
+                rows += [(i, t) for t in range(done[i], min(done[i] + take, n))]
+                done[i] = min(done[i] + take, n)
             seq_ids = torch.tensor([i for i, _ in rows], device=device)
             positions = torch.tensor([t for _, t in rows], device=device)
             tokens = torch.tensor([int(seqs[i][t]) for i, t in rows], device=device)
             logits = packed_forward(
-                model, cache, tokens, positions, seq_ids, tables.to(device), torch.arange(len(rows), device=device)
+                model,
+                cache,
+                tokens,
+                positions,
+                seq_ids,
+                tables.to(device),
+                torch.arange(len(rows), device=device),
+                plan,
+                memory=memory,
+                row_src=None if memory is None else seq_ids,
             )  # (N, V)
             for (i, _), row in zip(rows, logits):
                 out[i].append(row)
-    return [torch.stack(rows) for rows in out]
+    empty = cache.k[0].new_zeros(0, model.config.vocab_size)  # a sequence with no tokens: no logits
+    return [torch.stack(rows) if rows else empty for rows in out]
 
 
 def from_run(path: str | Path) -> Subject:

@@ -9,7 +9,6 @@ from pathlib import Path
 import sacrebleu
 
 from attnmask.cli.common import check_args
-from attnmask.cli.generate import add_compile_flag
 from attnmask.cli.translate import check_options, load_translation_run, translate_lines
 from attnmask.data import read_lines
 from attnmask.errors import UserError
@@ -33,7 +32,6 @@ def add_parser(sub) -> None:
     p.add_argument("--max-len", type=int, default=None, help="most tokens per translation (default 1.5 x source + 10)")
     p.add_argument("--output", metavar="FILE", help="also write the translations to FILE")
     p.add_argument("--device", default="cpu", help="torch device")
-    add_compile_flag(p)  # translate_lines decodes as `translate` does
     p.set_defaults(func=run)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from attnmask.cli.common import check_args
 from attnmask.decode import DEFAULT_NEW_TOKENS, DEFAULT_TEMPERATURE, Sampling, generate
@@ -46,27 +45,7 @@ def add_parser(sub) -> None:
         "the same function with float32 activations, ~2.5x faster on CPU (needs a C compiler at first use)",
     )
     p.add_argument("--device", default="cpu", help="torch device")
-    add_compile_flag(p)
     p.set_defaults(func=run)
-
-
-def add_compile_flag(p) -> None:
-    p.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run each decoding step through torch.compile (CUDA graphs on a GPU); default: on for a "
-        "CUDA device, off on the CPU, where the eager step's fused C++ operators are faster than a compiled graph",
-    )
-
-
-def compiled_step(args, model):
-    """``--compile`` / ``--no-compile`` -> what the decoding functions take (a notice on stderr if
-    the compiler cannot run)."""
-    from attnmask.decode.static import CompiledStep, auto_compile
-
-    wanted = auto_compile(model) if args.compile is None else args.compile
-    return CompiledStep(model, notice=lambda msg: print(msg, file=sys.stderr, flush=True)) if wanted else False
 
 
 def _load_pretrained(name: str, quantized: bool = False):
@@ -118,7 +97,6 @@ def run(args) -> int:
         sampling=settings,
         seed=args.seed,
         stream=True,
-        compile=compiled_step(args, model),
     )
     if echo:
         print(prompt, end="", flush=True)

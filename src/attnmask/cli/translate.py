@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from attnmask.cli.common import check_args
-from attnmask.cli.generate import add_compile_flag, compiled_step
 from attnmask.data.files import read_all_lines
 from attnmask.decode import translate
 from attnmask.errors import UserError
@@ -31,7 +30,6 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="sentences decoded at once")
     p.add_argument("--max-len", type=int, default=None, help="most tokens per translation (default 1.5 x source + 10)")
     p.add_argument("--device", default="cpu", help="torch device")
-    add_compile_flag(p)
     p.set_defaults(func=run)
 
 
@@ -91,7 +89,6 @@ def translate_lines(run, lines: list[str], args) -> list[str]:
         batch_size=args.batch_size,
         length_penalty=args.length_penalty,
         progress=sys.stderr.isatty() and len(todo) > args.batch_size,
-        compile=compiled_step(args, run.model) if args.beam == 1 else False,
     )
     out = [""] * len(lines)
     for i, h in zip(todo, hyps):

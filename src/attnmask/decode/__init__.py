@@ -1,14 +1,13 @@
-"""Autoregressive decoding with a KV cache (seed 000): greedy, sampling, beam search, streaming.
+"""Autoregressive decoding over a paged KV cache (seed 000): greedy, sampling, beam search, streaming.
 
+- :mod:`.step`: the one forward step every decoding path runs (and the serving engine): a packed batch
+  of sequences, each a prefill chunk or one new token at its own offset in a paged cache, with
+  cross-attention to each sequence's own source for encoder-decoder models; one native
+  ``packed_step`` call for Llama-style models;
 - :mod:`.steps`: start (encode / prefill), one decode step, the loop, greedy and sampled ids;
-- :mod:`.static`: the one-token step itself over a preallocated cache, where each variant lives:
-  ``decode_one`` (eager: ``_step`` in PyTorch operations, or ``_fused_step`` through the operators of
-  :mod:`attnmask.ops.decoding`, which make the whole step one ``decoder_step`` call in C++ where every
-  product allows) and ``CompiledStep`` (``torch.compile``); ``Transformer.decode`` is the general
-  forward the audits and the prefill use;
 - :mod:`.sampling`: the frozen :class:`Sampling` settings; arg-max or a draw with temperature,
   top-k, top-p and an explicit generator;
-- :mod:`.beam`: beam search on the same steps;
+- :mod:`.beam`: beam search on the same steps, beams sharing their prefix's cache blocks;
 - :mod:`.text`: text in, text out (``translate``, ``generate``).
 """
 

@@ -4,8 +4,10 @@ Each source (or prompt) keeps ``beam_size`` running hypotheses, scored by the su
 tokens' log-probabilities. Every step extends each hypothesis by every token, keeps the
 ``2 * beam_size`` best candidates of the row, turns the ``<eos>`` ones that rank among the best
 ``beam_size`` into finished hypotheses (as fairseq and Hugging Face do, so ``beam_size=1`` *is*
-greedy decoding), and continues with the ``beam_size`` best others. The cache rows are then copied
-from each survivor's parent (:meth:`attnmask.model.cache.KVCache.reorder`).
+greedy decoding), and continues with the ``beam_size`` best others. Each survivor's rows are then a
+fork of its parent's (:meth:`attnmask.decode.steps.DecodeState.select`): the same cache blocks, shared
+and reference-counted, nothing copied but the last, partly written block of a parent with several
+children, copied on the child's first write into it.
 
 A finished hypothesis of ``n`` generated tokens (``<eos>`` included) scores
 ``logprob / n ** length_penalty``; ``length_penalty > 0`` favours longer outputs, ``0`` compares raw

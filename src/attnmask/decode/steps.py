@@ -1,32 +1,34 @@
-"""Autoregressive decoding with a KV cache (seed 000).
+"""Autoregressive decoding over a paged KV cache (seed 000): greedy, sampled, streamed.
 
 Greedy decoding starts from ``<sos>`` (encoder-decoder) or from a prompt (decoder-only), takes the
 arg-max of the last position's logits, appends it, and repeats until ``<eos>`` or a length limit.
 The logits of positions already decoded never change as the output grows (the look-ahead mask
-hides later tokens), so their keys and values are kept in an :class:`~attnmask.model.cache.KVCache` and
-each step runs only the new token through the decoder, and only the last position through
-``W_pred``.
+hides later tokens), so their keys and values are kept in a :class:`~attnmask.model.cache.PagedKVCache`
+and each step runs only the new token of each row through the decoder, and only through ``W_pred``.
+
+Every forward here is the one packed step (:func:`attnmask.decode.step.packed_forward`), which the
+serving engine runs too: the prompts of a batch packed in one row of tokens (no padding computed), then
+one token per running row a step, each row a sequence with its own block table and its own offset.
 
 The pieces, small and separate (gpt-fast style):
 
-- :func:`start`: encode the source once / prefill the prompt; returns a :class:`DecodeState` and
+- :func:`start`: encode the sources once / prefill the prompts; returns a :class:`DecodeState` and
   the first logits;
-- :func:`decode_step`: one token per row through the decoder -> logits ``(B, V)``;
+- :func:`decode_step`: one token per row through the packed step -> logits ``(B, V)``;
 - :func:`attnmask.decode.sampling.sample`: arg-max (temperature 0), or a draw with temperature, top-k,
   top-p and an explicit ``torch.Generator``;
 - :func:`stream`: the loop, yielding each step's tokens ``(B,)`` as they come;
 - :func:`greedy` / :func:`generate_ids`: the loop collected into id lists;
-- :mod:`attnmask.decode.beam`: beam search on the same pieces;
+- :mod:`attnmask.decode.beam`: beam search on the same pieces (beams share their prefix's blocks);
 - :func:`translate` / :func:`generate`: text in, text out.
 
-Batches: every row stops on its own. A finished row emits ``<pad>`` in :func:`stream` and is dropped
-from the batch (its cache rows too), so it costs nothing afterwards; results never contain it.
+Batches: every row stops on its own. A finished row emits ``<pad>`` in :func:`stream` and leaves the
+batch (its blocks go back to the pool), so it costs nothing afterwards; results never contain it.
 
-Padding: prompts of different lengths are *left*-padded so that every row's last real token is in
-the last column, where the next token's logits come from. Positions come from the padding
-(``cumsum(keep) - 1``), so each row's tokens sit at the positions they would have alone. The
-self-attention mask is ``masks.causal() & masks.padding(keep=...)`` over all cached keys
-(bottom-right aligned: the new queries are the last keys); cross-attention masks source padding.
+Ragged prompts: given as id lists, each row is its own sequence from position 0, packed without
+padding; given as a ``(B, P)`` tensor, pads (``pad_id``) are dropped first (left padding: the last
+column must be real). A row's tokens sit at the positions they would have alone, and a row's logits
+are bitwise the same alone or in any batch (the packed step's batch invariance).
 """
 
 from __future__ import annotations
@@ -38,13 +40,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnmask import masks
-from attnmask.attention import PreparedMask, prepare_mask
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
 from attnmask.decode.sampling import GREEDY, Sampling, sample
-from attnmask.decode.static import CompiledStep, bucket, decode_one, zero_unwritten
+from attnmask.decode.step import SourceMemory, fused_plan, packed_forward
 from attnmask.errors import UserError
-from attnmask.model.cache import KVCache
+from attnmask.model.cache import PagedKVCache
 
 Ids = Sequence[Sequence[int]] | Tensor  # token ids: lists of rows, or a (B, T) tensor
 
@@ -117,57 +117,104 @@ default_max_len = default_max_new_tokens  # the earlier name
 
 
 # ---------------------------------------------------------------------------------------------
-# State and the two forward passes
+# State: rows over a paged cache
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class DecodeState:
-    """What one decoding run carries from step to step (one row per hypothesis).
+BLOCK_SIZE = 16  # positions per cache block while decoding
+PREFILL_TOKENS = 512  # prompt tokens per packed step at most while prefilling (bounds the activations)
 
-    The key padding of one-token steps is built once, before the first step: a single query sits at
-    the bottom-right of the score matrix, so its causal row allows every cached key and only key
-    padding is left to mask.
+
+@dataclass(eq=False)
+class DecodeState:
+    """What one decoding run carries from step to step: one row per running sequence (or hypothesis).
+
+    Row ``r`` owns block table ``tables[r]`` in ``cache``; blocks may be held by several rows (the
+    beams of a sentence share their prefix): a row about to write into a shared block gets a copy of
+    it first. ``next_pos (b,)``: the position each row feeds next; ``row_src (b,)``: the source of
+    each row in ``memory`` (encoder-decoder models).
     """
 
-    cache: KVCache
-    self_allowed: Tensor | None  # (B, 1, 1, Tmax) bool key padding; None = nothing padded
-    next_pos: Tensor  # (B,) position of the next token each row feeds
-    src_allowed: Tensor | None  # (B, 1, 1, S) bool source key padding; None = nothing padded
-    n_heads: int
-
-    @property
-    def cross_mask(self) -> PreparedMask | None:
-        """``src_allowed`` resolved for a one-token step of :meth:`Transformer.decode`."""
-        return _cross_mask(self.src_allowed, self.n_heads)
+    model: object
+    cache: PagedKVCache
+    tables: list[list[int]]
+    next_pos: Tensor  # (b,)
+    memory: SourceMemory | None = None
+    row_src: Tensor | None = None  # (b,)
+    plan: tuple | None = None  # fused_plan of the model, read once
+    _table_tensor: Tensor | None = None  # tables as (b, W), rebuilt when they change
 
     @property
     def rows(self) -> int:
         return self.next_pos.shape[0]
 
-    def step_mask(self) -> PreparedMask:
-        """Self-attention mask of the next one-token step over all ``pos + 1`` keys."""
-        B, Tk = self.rows, self.cache.pos + 1
-        allowed = None if self.self_allowed is None else self.self_allowed[..., :Tk]  # (B, 1, 1, Tk)
-        return prepare_mask(allowed, B, self.n_heads, 1, Tk)
+    def _table(self) -> Tensor:
+        if self._table_tensor is None:
+            width = max(1, max(len(t) for t in self.tables))
+            padded = [t + [0] * (width - len(t)) for t in self.tables]  # unused entries: the null block
+            self._table_tensor = torch.tensor(padded, dtype=torch.long, device=self.cache.k[0].device)
+        return self._table_tensor
+
+    def _writable(self, positions: list[int]) -> None:
+        """Make the block that each row writes next its own: a fresh block where the row enters a new one,
+        a copy where its block is shared with another row (copy on write)."""
+        pool, S = self.cache.pool, self.cache.block_size
+        fresh = sum(1 for t, p in zip(self.tables, positions) if p // S >= len(t))
+        shared = [
+            r for r, (t, p) in enumerate(zip(self.tables, positions)) if p // S < len(t) and pool.refs(t[p // S]) > 1
+        ]
+        if fresh + len(shared) > pool.free:
+            raise MemoryError(f"decoding needs {fresh + len(shared)} more cache blocks, {pool.free} free")
+        src, dst = [], []
+        for r in shared:
+            j = positions[r] // S
+            old, new = self.tables[r][j], pool.allocate(1)[0]
+            src.append(old)
+            dst.append(new)
+            pool.release([old])
+            self.tables[r][j] = new
+        self.cache.copy_blocks(src, dst)
+        for t, p in zip(self.tables, positions):
+            if p // S >= len(t):
+                t += pool.allocate(p // S + 1 - len(t))
+        if fresh or shared:
+            self._table_tensor = None
 
     def select(self, index: Tensor, *, cross: bool = True) -> None:
-        """Keep rows ``index`` (B',) in that order (drop finished rows; reorder or copy beams).
+        """Keep rows ``index`` (b',) in that order (drop finished rows; reorder or copy beams): row ``r``
+        becomes a fork of old row ``index[r]``, holding the same blocks (``cross``: kept for callers of
+        the earlier cache; every row keeps its source either way)."""
+        index_list = [int(i) for i in index.tolist()] if isinstance(index, Tensor) else [int(i) for i in index]
+        old = self.tables
+        if any(not 0 <= i < len(old) for i in index_list):
+            raise UserError(f"select index must hold rows in [0, {len(old)}), got {index_list}")
+        self.tables = [list(old[i]) for i in index_list]
+        pool = self.cache.pool
+        for t in self.tables:
+            pool.share(t)
+        for t in old:
+            pool.release(t)
+        idx = torch.tensor(index_list, dtype=torch.long, device=self.next_pos.device)
+        self.next_pos = self.next_pos.index_select(0, idx)
+        if self.row_src is not None:
+            self.row_src = self.row_src.index_select(0, idx)
+        self._table_tensor = None
 
-        ``cross=False`` leaves the cached encoder keys/values alone: valid when every row keeps
-        its own source (beams of one sentence reordered among themselves, same ``B``).
-        """
-        self.cache.reorder(index, cross=cross)
-        if self.self_allowed is not None:
-            self.self_allowed = self.self_allowed[index]  # (B', 1, 1, Tmax)
-        self.next_pos = self.next_pos[index]  # (B',)
-        if cross and self.src_allowed is not None:
-            self.src_allowed = self.src_allowed[index]  # (B', 1, 1, S)
+    def release(self) -> None:
+        """Give every row's blocks back to the pool."""
+        for t in self.tables:
+            self.cache.pool.release(t)
+        self.tables = []
+        self._table_tensor = None
 
-
-def _cross_mask(src_allowed: Tensor | None, n_heads: int) -> PreparedMask | None:
-    if src_allowed is None:
-        return None
-    B, _, _, S = src_allowed.shape
-    return prepare_mask(src_allowed, B, n_heads, 1, S)
+    def forward(self, rows: list[int], positions: list[int], tokens: Tensor, logit_rows: Tensor) -> Tensor:
+        """One packed step: ``tokens (N,)`` of rows ``rows`` at ``positions`` -> the logits of ``logit_rows``."""
+        device = self.cache.k[0].device
+        row_seq = torch.tensor(rows, dtype=torch.long, device=device)  # (N,)
+        row_pos = torch.tensor(positions, dtype=torch.long, device=device)  # (N,)
+        row_src = None if self.row_src is None else self.row_src.index_select(0, row_seq)
+        return packed_forward(
+            self.model, self.cache, tokens, row_pos, row_seq, self._table(), logit_rows, self.plan,
+            memory=self.memory, row_src=row_src,
+        )  # fmt: skip
 
 
 StopIds = int | Sequence[int] | None
@@ -203,6 +250,13 @@ def _row_limits(max_new_tokens, B: int, room: Tensor) -> Tensor:
     return torch.minimum(limits, room)
 
 
+def _real_rows(ids: Tensor, keep: Tensor | None) -> list[list[int]]:
+    """Each row's real tokens, in order."""
+    if keep is None:
+        return ids.tolist()
+    return [row[k].tolist() for row, k in zip(ids.cpu(), keep.cpu())]
+
+
 @torch.inference_mode()
 def start(
     model,
@@ -212,24 +266,17 @@ def start(
     max_new_tokens: int | Sequence[int] | None = None,
     beams: int = 1,
     sos_id: int = SOS_ID,
-    all_logits: bool = False,
-    whole_buckets: bool = False,
-    min_capacity: int = 0,
 ) -> tuple[DecodeState, Tensor, Tensor]:
-    """Encode the source once (encoder-decoder) or prefill the prompts (decoder-only).
+    """Encode the sources once (encoder-decoder) or prefill the prompts (decoder-only).
 
     Args:
-        src: encoder-decoder sources, id lists (right-padded here) or ``(B, S)`` ids; the decoder
+        src: encoder-decoder sources, id lists or ``(B, S)`` ids (pads: ``pad_id``); the decoder
             starts from ``<sos>``.
-        prompts: decoder-only prompts, id lists (left-padded here) or ``(B, P)`` ids whose last
-            column is real for every row.
+        prompts: decoder-only prompts, id lists or ``(B, P)`` left-padded ids whose last column is
+            real for every row.
         max_new_tokens: tokens to generate per row (an int or one per row); None = as many as the
             model's ``max_seq_len`` allows. Capped at what ``max_seq_len`` allows.
-        beams: the cache has room for ``B * beams`` rows (beam search copies rows into it).
-        all_logits: return logits for every prompt position ``(B, T, V)`` instead of the last.
-        whole_buckets: round the cache's length up to a bucket of :class:`CompiledStep`, and to
-            at least ``min_capacity`` (a compiled step keeps one cache length, so that the strides
-            of the cache, which its graphs are specialized on, stay the same).
+        beams: hypotheses per row the cache must have room for (beam search forks rows).
 
     Returns ``(state, logits (B, V), limits (B,))``.
 
@@ -239,75 +286,67 @@ def start(
     cfg = model.config
     device = next(model.parameters()).device
     model_max = cfg.max_seq_len
-    memory = src_keep = None
+    memory = None
     if model.is_encoder_decoder:
         if src is None or prompts is not None:
             raise UserError("an encoder-decoder model decodes from src=..., not prompts=")
         src_ids, src_keep = pad_batch(src, cfg.pad_id, side="right", device=device)  # (B, S)
         _check_length(src_ids.shape[1], "the source", model_max)
-        memory = model.encode(src_ids, None if src_keep is None else masks.padding(keep=src_keep))  # (B, S, C)
+        memory = SourceMemory.encode(model, src_ids, src_keep)
         B = src_ids.shape[0]
-        ids = torch.full((B, 1), sos_id, dtype=torch.long, device=device)  # (B, 1)
-        keep = None
-        room = torch.full((B,), model_max, dtype=torch.long, device=device)  # fed positions 0 .. limit-1
+        seqs = [[sos_id] for _ in range(B)]
+        room = torch.full((B,), model_max, dtype=torch.long)  # fed positions 0 .. limit-1
     else:
         if prompts is None or src is not None:
             raise UserError("a decoder-only model decodes from prompts=..., not src=")
         ids, keep = pad_batch(prompts, cfg.pad_id, side="left", device=device)  # (B, P)
         if keep is not None and not bool(keep[:, -1].all()):
             raise UserError("prompts must be left-padded: the last column must be a real token in every row")
-        B = ids.shape[0]
-        lengths = keep.sum(1) if keep is not None else torch.full((B,), ids.shape[1], device=device)  # (B,)
+        seqs = _real_rows(ids, keep)
+        B = len(seqs)
+        lengths = torch.tensor([len(s) for s in seqs])  # (B,)
         _check_length(int(lengths.max()), "the prompt", model_max)
         room = model_max - lengths + 1  # the last generated token is never fed
-    limits = _row_limits(max_new_tokens, B, room.cpu()).to(device)  # (B,)
+    limits = _row_limits(max_new_tokens, B, room)  # (B,)
 
-    T = ids.shape[1]
-    capacity = T + int(limits.max())
-    if whole_buckets:  # a compiled step attends over buckets of 64, 128, 256... cached columns
-        capacity = max(bucket(capacity), min_capacity)
-    cache = KVCache.for_model(model, batch_size=B * beams, max_len=capacity)
-    self_allowed = None
-    if keep is not None:
-        keep_all = torch.ones(B, capacity, dtype=torch.bool, device=device)  # (B, Tmax): generated = real
-        keep_all[:, :T] = keep
-        self_allowed = masks.padding(keep=keep_all).to_bool(B, 1, capacity)  # (B, 1, 1, Tmax)
-        positions = (keep.cumsum(1) - 1).clamp(min=0)  # (B, T): each row counts from its first real token
-        mask = masks.causal() & masks.padding(keep=keep)
-    else:
-        positions = torch.arange(T, device=device).expand(B, T)  # (B, T)
-        mask = masks.causal()
-    src_allowed = None
-    if src_keep is not None:
-        src_allowed = masks.padding(keep=src_keep).to_bool(B, 1, src_keep.shape[1])  # (B, 1, 1, S)
+    S = BLOCK_SIZE
+    per_row = [-(-(len(s) + int(n)) // S) for s, n in zip(seqs, limits.tolist())]
+    # each hypothesis may come to hold all its blocks alone, and a step copies at most one more each
+    num_blocks = 1 + sum((beams + 1) * n for n in per_row) + beams * B
+    cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=S, zeroed=False)
     state = DecodeState(
+        model=model,
         cache=cache,
-        self_allowed=self_allowed,
-        next_pos=positions[:, -1] + 1,
-        src_allowed=src_allowed,
-        n_heads=cfg.n_heads,
+        tables=[[] for _ in seqs],
+        next_pos=torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device),
+        memory=memory,
+        row_src=None if memory is None else torch.arange(B, device=device),
+        plan=fused_plan(model),
     )
-    logits = model.decode(
-        ids,
-        memory,
-        memory_mask=None if src_keep is None else masks.padding(keep=src_keep),
-        mask=mask,
-        positions=positions,
-        cache=cache,
-        last_only=not all_logits,
-    )  # (B, T|1, V)
-    return state, (logits if all_logits else logits[:, -1]), limits
+    # the prompts packed, PREFILL_TOKENS tokens a step: each row's keys reach the cache before its
+    # later tokens (or a later step) attend to them, and its last token gives its first logits
+    flat = [(r, p, t) for r, s in enumerate(seqs) for p, t in enumerate(s)]
+    state.tables = [cache.pool.allocate(cache.blocks_for(len(s))) for s in seqs]
+    logits = [None] * B
+    for a in range(0, len(flat), PREFILL_TOKENS):
+        chunk = flat[a : a + PREFILL_TOKENS]
+        last = [i for i, (r, p, _) in enumerate(chunk) if p == len(seqs[r]) - 1]
+        tokens = torch.tensor([t for _, _, t in chunk], dtype=torch.long, device=device)
+        out = state.forward([r for r, _, _ in chunk], [p for _, p, _ in chunk], tokens,
+                            torch.tensor(last, dtype=torch.long, device=device))  # fmt: skip
+        for i, row in zip(last, out):
+            logits[chunk[i][0]] = row
+    return state, torch.stack(logits), limits.to(device)
 
 
 @torch.inference_mode()
-def decode_step(model, state: DecodeState, tokens: Tensor, step=None) -> Tensor:
-    """Feed one token per row ``(B,)``; returns the next logits ``(B, V)``.
-
-    Runs :func:`attnmask.decode.static.decode_one` (or ``step``, a
-    :class:`~attnmask.decode.static.CompiledStep`) over the state's cache.
-    """
-    run = decode_one if step is None else (lambda m, *a: step(*a))
-    logits = run(model, state.cache, tokens, state.next_pos, state.self_allowed, state.src_allowed)  # (B, V)
+def decode_step(model, state: DecodeState, tokens: Tensor) -> Tensor:
+    """Feed one token per row ``(b,)``; returns the next logits ``(b, V)``."""
+    positions = state.next_pos.tolist()
+    state._writable(positions)
+    b = len(positions)
+    rows = torch.arange(b, device=tokens.device)
+    logits = state.forward(list(range(b)), positions, tokens.reshape(b), rows)  # (b, V)
     state.next_pos += 1
     return logits
 
@@ -336,63 +375,33 @@ def _steps(
     sampling: Sampling,
     eos_id,
     sos_id,
-    compile: bool | CompiledStep = False,
 ) -> Iterator[tuple[int, Tensor, Tensor]]:
     """The decoding loop: yields ``(B, rows (b,), tokens (b,))`` for the rows still running.
 
-    Eager: finished rows leave the batch (their cache rows too). Compiled (``compile`` True or a
-    :class:`CompiledStep`): every row stays, so the step keeps its shapes; a finished row's
-    token is ignored and it is not yielded.
+    Finished rows leave the batch (their blocks go back to the pool).
     """
     stops = stop_set(eos_id)
-    step_fn = _compiled_step(model, compile)
     with eval_mode(model):
-        state, logits, limits = start(
-            model,
-            src=src,
-            prompts=prompts,
-            max_new_tokens=max_new_tokens,
-            sos_id=sos_id,
-            whole_buckets=step_fn is not None,
-            min_capacity=0 if step_fn is None else step_fn.capacity,
-        )
-        if step_fn is not None:
-            step_fn.capacity = max(step_fn.capacity, state.cache.max_len)
-            zero_unwritten(state.cache)
+        state, logits, limits = start(model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, sos_id=sos_id)
         B = state.rows
         rows = torch.arange(B, device=limits.device)  # (b,) original row of each running row
-        alive = torch.ones(B, dtype=torch.bool, device=limits.device)  # compiled: rows not finished yet
         step = 0
-        while True:
-            if step_fn is None:
+        try:
+            while True:
                 tokens = sample(logits, sampling)  # (b,)
                 yield B, rows, tokens
-            else:  # draw for the running rows only, as eager does: the same generator stream
-                tokens = torch.zeros(B, dtype=torch.long, device=logits.device)  # (B,)
-                tokens[alive] = sample(logits[alive], sampling)
-                yield B, rows[alive], tokens[alive]
-            step += 1
-            done = (limits[rows] <= step) | is_stop(tokens, stops)  # (b,)
-            if step_fn is not None:
-                alive &= ~done
-                if not bool(alive.any()):
-                    return
-            elif bool(done.any()):
-                running = (~done).nonzero().squeeze(1)  # (b',)
-                if running.numel() == 0:
-                    return
-                # finished rows leave the batch: their cache rows are dropped, not computed on
-                state.select(running)
-                rows, tokens = rows[running], tokens[running]
-            logits = decode_step(model, state, tokens, step_fn)  # (b, V)
-
-
-def _compiled_step(model, compile) -> CompiledStep | None:
-    if isinstance(compile, CompiledStep):
-        if compile.model is not model:
-            raise UserError("compile=CompiledStep(...) was built for another model")
-        return compile
-    return CompiledStep(model) if compile else None
+                step += 1
+                done = (limits[rows] <= step) | is_stop(tokens, stops)  # (b,)
+                if bool(done.any()):
+                    running = (~done).nonzero().squeeze(1)  # (b',)
+                    if running.numel() == 0:
+                        return
+                    # finished rows leave the batch: their blocks are freed, not computed on
+                    state.select(running)
+                    rows, tokens = rows[running], tokens[running]
+                logits = decode_step(model, state, tokens)  # (b, V)
+        finally:
+            state.release()
 
 
 def stream(
@@ -404,7 +413,6 @@ def stream(
     sampling: Sampling | None = None,
     eos_id: StopIds = EOS_ID,
     sos_id: int = SOS_ID,
-    compile: bool | CompiledStep = False,
     **sampling_keywords,
 ) -> Iterator[Tensor]:
     """Yield each step's tokens ``(B,)`` as they are chosen; finished rows get ``<pad>``.
@@ -423,7 +431,6 @@ def stream(
         sampling=Sampling.of(sampling, GREEDY, **sampling_keywords),
         eos_id=eos_id,
         sos_id=sos_id,
-        compile=compile,
     ):
         out = torch.full((B,), pad_id, dtype=torch.long, device=tokens.device)  # (B,)
         out[rows] = tokens
@@ -439,7 +446,6 @@ def generate_ids(
     sampling: Sampling | None = None,
     eos_id: StopIds = EOS_ID,
     sos_id: int = SOS_ID,
-    compile: bool | CompiledStep = False,
     **sampling_keywords,
 ) -> list[list[int]]:
     """The generated ids of each row (what :func:`stream` yields), without the final ``<eos>``."""
@@ -453,7 +459,6 @@ def generate_ids(
         sampling=Sampling.of(sampling, GREEDY, **sampling_keywords),
         eos_id=eos_id,
         sos_id=sos_id,
-        compile=compile,
     ):
         if out is None:
             out = [[] for _ in range(B)]
@@ -471,7 +476,6 @@ def greedy(
     max_new_tokens: int | Sequence[int] | None = None,
     eos_id: StopIds = EOS_ID,
     sos_id: int = SOS_ID,
-    compile: bool | CompiledStep = False,
 ) -> list[list[int]]:
     """Seed 000's greedy decoding: from ``<sos>`` (or the prompt), arg-max, append, until ``<eos>``
     or ``max_new_tokens``. Returns the generated ids of each row, without ``<eos>``."""
@@ -483,5 +487,4 @@ def greedy(
         sampling=GREEDY,
         eos_id=eos_id,
         sos_id=sos_id,
-        compile=compile,
     )

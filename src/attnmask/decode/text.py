@@ -1,4 +1,4 @@
-"""Text in, text out: :func:`translate` and :func:`generate` on top of the decoding steps."""
+"""Text in, text out: :func:`translate` and :func:`generate` on top of the decoding loop (the packed step)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
 from attnmask.decode.sampling import Sampling
-from attnmask.decode.static import CompiledStep, auto_compile
 from attnmask.decode.steps import (
     DEFAULT_NEW_TOKENS,
     _check_length,
@@ -37,7 +36,6 @@ def translate(
     batch_size: int = 64,
     length_penalty: float = 1.0,
     progress: bool = False,
-    compile: bool | CompiledStep | None = None,
 ) -> list[str]:
     """Translate ``sentences`` (in their order) with greedy decoding (``beam=1``) or beam search.
 
@@ -45,7 +43,6 @@ def translate(
     sentence (default :func:`~attnmask.decode.steps.default_max_new_tokens` of its source, so a
     sentence's translation does not depend on its batch).
 
-    ``compile`` (greedy only): as for :func:`generate`; one compiled step serves every batch.
     ``progress``: a bar on stderr, when stderr is a terminal.
 
     Raises ValueError for a source longer than the model's maximum, TypeError for a non-string.
@@ -60,9 +57,6 @@ def translate(
     for i, s in enumerate(ids):
         _check_length(len(s), f"sentence {i + 1} (with <eos>)", model_max)
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-    step = auto_compile(model) if compile is None else compile
-    if step is True:
-        step = CompiledStep(model)  # one for all batches: each new shape compiles once
     out: list[str] = [""] * len(ids)
     bar = None
     if progress:
@@ -75,7 +69,7 @@ def translate(
         src = [ids[i] for i in chunk]
         limits = [max_len or default_max_new_tokens(len(s), model_max) for s in src]
         if beam == 1:
-            hyps = greedy(model, src=src, max_new_tokens=limits, compile=step)
+            hyps = greedy(model, src=src, max_new_tokens=limits)
         else:
             results = beam_search(model, src=src, beam_size=beam, max_new_tokens=limits, length_penalty=length_penalty)
             hyps = best_tokens(results)
@@ -117,7 +111,6 @@ def generate(
     seed: int | None = None,
     stream: bool = False,
     eos_id: int | None = None,
-    compile: bool | CompiledStep | None = None,
     **sampling_keywords,
 ):
     """Continue text prompt(s) with a decoder-only model.
@@ -129,9 +122,7 @@ def generate(
     ``top_k``, ``top_p`` are accepted instead, and ``temperature=0`` is greedy. ``seed`` makes
     sampling reproducible (a generator of its own; or pass ``Sampling(generator=...)``).
     ``eos_id`` (one id or several) defaults to the tokenizer's ``stop_ids`` if it has them (chat
-    models), else its ``eos_id``. ``compile``: run the decoding step through ``torch.compile``
-    (:class:`~attnmask.decode.static.CompiledStep`); None = where it pays for its compile time, which
-    is on a GPU (CUDA graphs), not on a CPU (see docs/benchmarks.md).
+    models), else its ``eos_id``.
 
     Raises ValueError for an empty prompt or one longer than the model's maximum.
     """
@@ -161,7 +152,6 @@ def generate(
         sampling=settings,
         eos_id=eos,
         sos_id=SOS_ID,
-        compile=auto_compile(model) if compile is None else compile,
     )
     pieces = _text_pieces(steps, tokenizer, len(texts), stop_set(eos))
     if stream:

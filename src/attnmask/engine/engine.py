@@ -138,6 +138,8 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
     ):
         check_servable(model)
+        if model.is_encoder_decoder:  # a request is a prompt: there is no source to encode
+            raise UserError("the engine serves decoder-only models; translate with attnmask.decode.translate")
         if block_size < 1 or max_batch_tokens < 1 or max_seqs < 1:
             raise UserError(
                 f"block_size, max_batch_tokens and max_seqs must be >= 1; got {block_size}, {max_batch_tokens}, "

@@ -1,11 +1,21 @@
-"""Key/value cache for incremental decoding.
+"""Key/value caches for incremental decoding: a paged cache (what every decoding path runs on) and
+the contiguous :class:`KVCache` that :meth:`attnmask.model.Transformer.decode` takes.
 
 Seed 000 observes that the logits of positions already decoded never change as the output grows:
 the look-ahead mask stops them from seeing later tokens. So their keys and values never change
 either, and each step only has to compute the new token's.
 
-Layout: preallocated per-layer buffers ``(B, Hkv, Tmax, D)`` and one shared position ``pos``,
-advanced in place after each forward. A layer's ``update(k, v)`` writes the new keys/values at
+**The paged cache** (:class:`PagedKVCache`): every layer keeps its keys and values in a pool of
+``num_blocks`` blocks of ``block_size`` positions, ``(P, S, Hkv, D)``; a sequence holds a list of block
+ids (its *block table*), so position ``t`` of the sequence lives at ``(table[t // S], t % S)``. Blocks
+are handed out as a sequence grows and returned when it ends, so sequences of any lengths share one pool
+without padding. Blocks are reference-counted (:class:`BlockPool`): sequences that share a prefix (the
+beams of one sentence) share its blocks, and a sequence about to write into a shared block copies it
+first (copy on write). Block 0 is never handed out: it is the *null block* that unused table entries
+point to, so that tables are a dense ``(sequences, max blocks)`` tensor a kernel can read.
+
+**The contiguous cache** (:class:`KVCache`): preallocated per-layer buffers ``(B, Hkv, Tmax, D)`` and one
+shared position ``pos``, advanced in place after each forward. A layer's ``update(k, v)`` writes the new keys/values at
 ``[pos, pos + T)`` and returns the valid prefix ``[0, pos + T)``; the queries are therefore the
 *last* T keys, and the self-attention mask is the bottom-right aligned ``masks.causal()`` plus key
 padding over all ``pos + T`` keys. Cross-attention keys/values are projected from the encoder
@@ -19,10 +29,124 @@ in place: beam search reorders hypotheses with it, and batch decoding drops fini
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from attnmask.errors import UserError
+
+
+def blocks_for_memory(mib: float, *, n_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype) -> int:
+    """How many blocks of ``block_size`` positions fit in ``mib`` MiB of keys and values for every layer."""
+    per_block = 2 * n_layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return int(mib * (1 << 20)) // per_block
+
+
+class BlockPool:
+    """Which blocks are free, and how many block tables hold each of the others. Block 0 is the null
+    block, never handed out.
+
+    ``allocate`` hands out blocks held once; ``share`` adds a holder (a forked table); ``release``
+    drops one holder of each block and frees the blocks nobody holds any more. Each costs O(blocks);
+    the free list hands out the most recently freed block first (its memory is likeliest to be in
+    cache)."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 2:
+            raise UserError(f"a paged cache needs at least 2 blocks (one is the null block); got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out 1, 2, 3, ... first
+        self._refs = [0] * num_blocks  # holders of each block
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - 1 - len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks a sequence may ever hold (all but the null block)."""
+        return self.num_blocks - 1
+
+    def refs(self, block: int) -> int:
+        """How many block tables hold ``block``."""
+        return self._refs[block]
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"asked for {n} cache blocks, {len(self._free)} free")  # callers check first
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """One more table holds each of ``blocks``."""
+        for b in blocks:
+            self._refs[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """One table fewer holds each of ``blocks``; those nobody holds go back to the free list."""
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+
+@dataclass
+class PagedKVCache:
+    """Keys and values of every layer, ``k[layer]`` and ``v[layer]`` of shape ``(P, S, Hkv, D)``."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    pool: BlockPool
+
+    @classmethod
+    def for_model(
+        cls, model, *, num_blocks: int, block_size: int = 16, dtype=None, device=None, zeroed: bool = True
+    ) -> PagedKVCache:
+        """A pool for ``model``'s decoder layers. ``zeroed=False`` leaves the blocks uninitialised (the
+        kernels read only positions already written; a large pool then costs no time to make)."""
+        cfg = model.config
+        first = next(model.parameters())
+        dtype = dtype or (first.dtype if first.dtype.is_floating_point else torch.float32)
+        device = device or first.device
+        shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)  # (P, S, Hkv, D)
+        make = torch.zeros if zeroed else torch.empty
+        k = [make(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        v = [make(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        if not zeroed:
+            for t in (*k, *v):
+                t[0].zero_()  # the null block: read by no row, but never garbage
+        return cls(k, v, BlockPool(num_blocks))
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0]
+
+    def blocks_for(self, positions: int) -> int:
+        """Blocks that hold ``positions`` positions."""
+        return -(-positions // self.block_size)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Every layer's block ``src[i]`` copied into block ``dst[i]`` (copy on write), one copy per pool."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.k[0].device)
+        d = torch.tensor(dst, device=self.k[0].device)
+        for pool in (*self.k, *self.v):
+            pool.index_copy_(0, d, pool.index_select(0, s))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
 
 class LayerCache:
@@ -117,9 +241,6 @@ class KVCache:
         self.rows: int | None = None  # rows in use, fixed by the first update
         self._cross: list[tuple[Tensor, Tensor] | None] = [None] * len(self.layers)
         self.cross_len = 0
-        # what a decoding step derives from the model once per generation rather than every token
-        # (attnmask.decode.static: the layers' parts, the fused step's operands), keyed by its user
-        self.memo: dict = {}
 
     def _claim(self, rows: int, T: int) -> None:
         if self.rows is None:

@@ -1,35 +1,29 @@
-"""The one-token decoding step's work between its matrix products, and its float32 products, as PyTorch operators.
+"""The decoding step's work between its matrix products, and its float32 products, as PyTorch operators.
 
-A one-token step of a pre-norm RMSNorm / rotary / SwiGLU decoder (Llama, SmolLM2) does, per layer,
-four matrix products and between them ~30 small operations on a few hundred floats: norms, a
-residual, rotary on the new query and key, two cache writes, attention of one query per head,
-SiLU. Eager PyTorch dispatches each of them separately, and at batch 1 that dispatching costs as
-much as the products; these operators do the same work in one call each (figures: the SmolLM2
-sections of ``docs/benchmarks.md``):
+A decoding step of a pre-norm RMSNorm / rotary / SwiGLU decoder (Llama, SmolLM2) does, per layer,
+four matrix products and between them ~30 small operations on a few hundred floats a row: norms, a
+residual, rotary on the new queries and keys, cache writes, attention, SiLU. Eager PyTorch dispatches
+each of them separately, and at batch 1 that dispatching costs as much as the products; these
+operators do the same work in one call each (figures: the SmolLM2 sections of ``docs/benchmarks.md``):
 
 - ``torch.ops.attnmask.rms_norm(x, weight, eps)``: ``weight * x / sqrt(mean(x^2) + eps)`` per row;
 - ``torch.ops.attnmask.add_rms_norm(x, delta, weight, eps)`` -> ``(x + delta, rms_norm(x + delta))``:
   a residual and the next sublayer's norm;
 - ``torch.ops.attnmask.silu_mul(gate_up)``: ``silu(gate) * up`` for the halves of each row;
-- ``torch.ops.attnmask.rope_attend(qkv, cos, signed_sin, k_cache, v_cache, col, keys, bias, heads,
-  kv_heads, scale)``: the new query and key of every row rotated, the key and value written into
-  cache column ``col`` (in place), and each query head attending to the first ``keys`` columns of
-  its key/value head with ``bias`` (0 / -inf) added to its scores. Rows with nothing to attend to
-  give zeros, never NaN;
 - ``torch.ops.attnmask.linear_rows(x, weight, bias)``: ``x W^T + b`` for a few rows ``x (M, K)`` and a
   row-major ``W (N, K)``: a matrix-vector product that streams the weights with software prefetch
   and splits their rows over PyTorch's threads (the BLAS reads them slower, on one thread);
 - ``torch.ops.attnmask.paged_attend(q, k_pool, v_pool, tables, row_seq, row_pos, window, heads, scale)``:
   packed rows of several sequences, each attending to its own sequence's cached keys up to its own
   position (and within ``window``), read through a block table: the serving engine's attention
-  (:mod:`attnmask.engine`);
-- ``torch.ops.attnmask.packed_step(x, ..., k_pools, v_pools, tables, row_seq, row_pos, slots, logit_rows, ...)``:
-  ``decoder_step`` over packed rows of several sequences, attention through the paged cache, the head
-  on the rows that sample: the serving engine's whole step in one call;
-- ``torch.ops.attnmask.decoder_step(x, cos, signed_sin, norms, eps, products, kinds, k_caches, v_caches,
-  col, bias, heads, kv_heads, scale)``: a whole one-token step, every layer and the head, making the
-  calls above (and the block product of :mod:`attnmask.ops.blocks` for block layers) from C++: one
-  call a token instead of a few hundred from Python (see :func:`attnmask.decode.static._fused_step`).
+  (:mod:`attnmask.decode.step`), and the source attention of encoder-decoder models (each source one
+  block, read whole);
+- ``torch.ops.attnmask.packed_step(x, cos, signed_sin, norms, eps, products, kinds, k_pools, v_pools,
+  tables, row_seq, row_pos, slots, logit_rows, window, heads, kv_heads, scale)``: a whole step over packed
+  rows of several sequences, every layer (rotary, cache writes, ``paged_attend``) and the head on the
+  rows that sample, making the calls above (and the block product of :mod:`attnmask.ops.blocks` for
+  block layers) from C++: one call a step instead of a few hundred from Python (see
+  :func:`attnmask.decode.step.packed_forward`).
 
 Each operator has its PyTorch definition here (``*_reference``, any dtype and device), registered as
 the kernel every device runs where no faster one is; ``csrc/decoding.cpp`` registers the float32
@@ -44,13 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnmask.ops import blocks  # decoder_step multiplies by block weights (csrc/blocks.h in C++)
+from attnmask.ops import blocks  # packed_step multiplies by block weights (csrc/blocks.h in C++)
 
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
-    "decoder_step",
-    "decoder_step_reference",
     "linear_rows",
     "linear_rows_reference",
     "packed_step",
@@ -59,8 +51,6 @@ __all__ = [
     "paged_attend_reference",
     "rms_norm",
     "rms_norm_reference",
-    "rope_attend",
-    "rope_attend_reference",
     "silu_mul",
     "silu_mul_reference",
 ]
@@ -87,41 +77,9 @@ def linear_rows_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Ten
     return F.linear(x, weight, bias)
 
 
-def rope_attend_reference(
-    qkv: Tensor,
-    cos: Tensor,
-    signed_sin: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    col: int,
-    keys: int,
-    bias: Tensor | None,
-    heads: int,
-    kv_heads: int,
-    scale: float,
-) -> Tensor:
-    B, _, _, D = k_cache.shape
-    q, k, v = qkv.reshape(B, heads + 2 * kv_heads, D).split([heads, kv_heads, kv_heads], dim=1)
-    if cos.numel():
-        cos, signed_sin = cos.reshape(B, 1, D), signed_sin.reshape(B, 1, D)
-        q = q * cos + q.roll(D // 2, dims=-1) * signed_sin
-        k = k * cos + k.roll(D // 2, dims=-1) * signed_sin
-    k_cache[:, :, col] = k
-    v_cache[:, :, col] = v
-    qg = q.reshape(B, kv_heads, heads // kv_heads, D)  # the query heads of each key/value head as its queries
-    scores = qg @ k_cache[:, :, :keys].transpose(-1, -2) * scale  # (B, Hkv, G, keys)
-    if bias is not None:
-        scores = scores + bias[..., :keys]
-    top = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - top.clamp(min=torch.finfo(scores.dtype).min))  # no NaN when all are -inf
-    total = weights.sum(-1, keepdim=True)
-    out = (weights @ v_cache[:, :, :keys]) / torch.where(total > 0, total, 1.0)
-    return out.reshape(B, heads * D)
-
-
 def _projector(products: list[Tensor], kinds: list[int]):
     """``project(i, h)``: product ``i`` of a step's list (``kinds[i]``: DENSE weight and bias, or a
-    block layer's codes, d (and m)), as ``decoder_step`` and ``packed_step`` make it."""
+    block layer's codes, d (and m)), as ``packed_step`` makes it."""
     first = [0]  # where each product's tensors start
     for kind in kinds:
         first.append(first[-1] + (3 if kind == Q4_1 else 2))
@@ -168,38 +126,6 @@ def paged_attend_reference(
     return out
 
 
-def decoder_step_reference(
-    x: Tensor,
-    cos: Tensor,
-    signed_sin: Tensor,
-    norms: list[Tensor],
-    eps: list[float],
-    products: list[Tensor],
-    kinds: list[int],
-    k_caches: list[Tensor],
-    v_caches: list[Tensor],
-    col: int,
-    bias: Tensor | None,
-    heads: int,
-    kv_heads: int,
-    scale: float,
-) -> Tensor:
-    """``decoder_step`` as the same operator calls from Python, in the same order."""
-    L = len(k_caches)
-    project = _projector(products, kinds)
-
-    h = rms_norm(x, norms[0], eps[0])
-    for layer in range(L):
-        qkv = project(4 * layer, h)
-        out = rope_attend(
-            qkv, cos, signed_sin, k_caches[layer], v_caches[layer], col, col + 1, bias, heads, kv_heads, scale
-        )
-        x, h = add_rms_norm(x, project(4 * layer + 1, out), norms[2 * layer + 1], eps[2 * layer + 1])
-        delta = project(4 * layer + 3, silu_mul(project(4 * layer + 2, h)))
-        x, h = add_rms_norm(x, delta, norms[2 * layer + 2], eps[2 * layer + 2])
-    return project(4 * L, h)
-
-
 def packed_step_reference(
     x: Tensor,
     cos: Tensor,
@@ -220,8 +146,9 @@ def packed_step_reference(
     kv_heads: int,
     scale: float,
 ) -> Tensor:
-    """``packed_step`` as operator calls from Python: ``decoder_step``'s, with each layer's attention
-    over the paged cache and the head on ``logit_rows`` only."""
+    """``packed_step`` as operator calls from Python, in the same order: per layer the q/k/v product,
+    rotary, the cache writes, ``paged_attend``, the output product, a residual and norm, the MLP, a
+    residual and norm; the head on ``logit_rows`` only."""
     L, N = len(k_pools), x.shape[0]
     _, _, Hkv, D = k_pools[0].shape
     project = _projector(products, kinds)
@@ -252,12 +179,7 @@ _LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIBRARY.define("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)")
 _LIBRARY.define("silu_mul(Tensor gate_up) -> Tensor")
 _LIBRARY.define("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIBRARY.define(
-    "decoder_step(Tensor x, Tensor cos, Tensor signed_sin, Tensor[] norms, float[] eps, Tensor[] products, "
-    "int[] kinds, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int col, Tensor? bias, int heads, int kv_heads, "
-    "float scale) -> Tensor"
-)
-DENSE, Q4_1, Q8_0 = 0, 1, 2  # decoder_step's product kinds: a float32 weight and bias, block layers' buffers
+DENSE, Q4_1, Q8_0 = 0, 1, 2  # packed_step's product kinds: a float32 weight and bias, block layers' buffers
 _LIBRARY.define(
     "packed_step(Tensor x, Tensor cos, Tensor signed_sin, Tensor[] norms, float[] eps, Tensor[] products, "
     "int[] kinds, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor tables, Tensor row_seq, Tensor row_pos, "
@@ -266,10 +188,6 @@ _LIBRARY.define(
 _LIBRARY.define(
     "paged_attend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor row_seq, Tensor row_pos, int window, "
     "int heads, float scale) -> Tensor"
-)
-_LIBRARY.define(
-    "rope_attend(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int col, "
-    "int keys, Tensor? bias, int heads, int kv_heads, float scale) -> Tensor"
 )
 
 
@@ -293,16 +211,10 @@ def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-@torch.library.register_fake("attnmask::decoder_step", lib=_LIBRARY)
-def _(x, cos, signed_sin, norms, eps, products, kinds, k_caches, v_caches, col, bias, heads, kv_heads, scale):
-    head = products[-2 if kinds[-1] != Q4_1 else -3]  # the head's weight or codes: (V, ...)
-    return x.new_empty(x.shape[0], head.shape[0])
-
-
 @torch.library.register_fake("attnmask::packed_step", lib=_LIBRARY)
 def _(x, cos, signed_sin, norms, eps, products, kinds, k_pools, v_pools, tables, row_seq, row_pos, slots, logit_rows,
       window, heads, kv_heads, scale):  # fmt: skip
-    head = products[-2 if kinds[-1] != Q4_1 else -3]
+    head = products[-2 if kinds[-1] != Q4_1 else -3]  # the head's weight or codes: (V, ...)
     return x.new_empty(logit_rows.shape[0], head.shape[0])
 
 
@@ -311,28 +223,19 @@ def _(q, k_pool, v_pool, tables, row_seq, row_pos, window, heads, scale):
     return torch.empty_like(q)
 
 
-@torch.library.register_fake("attnmask::rope_attend", lib=_LIBRARY)
-def _(qkv, cos, signed_sin, k_cache, v_cache, col, keys, bias, heads, kv_heads, scale):
-    return qkv.new_empty(k_cache.shape[0], heads * k_cache.shape[3])
-
-
 for _name, _definition in [
     ("rms_norm", rms_norm_reference),
     ("add_rms_norm", add_rms_norm_reference),
     ("silu_mul", silu_mul_reference),
     ("linear_rows", linear_rows_reference),
-    ("rope_attend", rope_attend_reference),
     ("paged_attend", paged_attend_reference),
     ("packed_step", packed_step_reference),
-    ("decoder_step", decoder_step_reference),
 ]:
     _LIBRARY.impl(_name, _definition, "CompositeExplicitAutograd")
 
 rms_norm = torch.ops.attnmask.rms_norm.default
 add_rms_norm = torch.ops.attnmask.add_rms_norm.default
 silu_mul = torch.ops.attnmask.silu_mul.default
-rope_attend = torch.ops.attnmask.rope_attend.default
 paged_attend = torch.ops.attnmask.paged_attend.default
 packed_step = torch.ops.attnmask.packed_step.default
 linear_rows = torch.ops.attnmask.linear_rows.default
-decoder_step = torch.ops.attnmask.decoder_step.default

@@ -58,7 +58,10 @@ def test_the_measured_dependency_is_the_look_ahead_mask_of_a_clean_model():
     report = audit(tiny_model("decoder"), length=T, checks=["causality"])
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     details = report.check("causality").details
-    assert details == ["2 sequences x 10 positions x 3 replacement tokens = 60 perturbed rows"]
+    assert details == [
+        "2 sequences x 10 positions x 3 replacement tokens = 60 perturbed rows",
+        "measured through the full forward and token by token over the cache (the generation path)",
+    ]
     assert bool((report.dependency[causal] > 0).all())
     torch.testing.assert_close(report.dependency[~causal], torch.zeros(int((~causal).sum())))
     assert report.gradient is None  # the gradient check did not run

@@ -120,23 +120,33 @@ class Probe:
         return torch.ones(n, t, dtype=torch.long, device=self.device)  # (n, t)
 
     @torch.no_grad()
-    def call(self, tgt: Tensor, tgt_mask: Tensor, src: Tensor | None = None, src_mask: Tensor | None = None) -> Tensor:
-        """Logits ``(B, T, V)`` in float64, at most ``chunk_size`` rows per forward."""
+    def call(
+        self,
+        tgt: Tensor,
+        tgt_mask: Tensor,
+        src: Tensor | None = None,
+        src_mask: Tensor | None = None,
+        *,
+        cached: bool = False,
+    ) -> Tensor:
+        """Logits ``(B, T, V)`` in float64, at most ``chunk_size`` rows per forward; ``cached``: through
+        the subject's ``cached_forward`` (token by token, as it generates)."""
+        forward = self.subject.cached_forward if cached else self.subject.forward
         outs = []
         for a in range(0, tgt.shape[0], self.chunk):
             b = a + self.chunk
             if self.subject.encoder_decoder:
-                out = self.subject.forward(src[a:b], src_mask[a:b], tgt[a:b], tgt_mask[a:b])
+                out = forward(src[a:b], src_mask[a:b], tgt[a:b], tgt_mask[a:b])
             else:
-                out = self.subject.forward(tgt[a:b], tgt_mask[a:b])
+                out = forward(tgt[a:b], tgt_mask[a:b])
             outs.append(as_logits(out, tgt[a:b].shape).double().cpu())
         return torch.cat(outs)  # (B, T, V)
 
-    def run_target(self, rows: Tensor, owner: Tensor, mask: Tensor) -> Tensor:
+    def run_target(self, rows: Tensor, owner: Tensor, mask: Tensor, *, cached: bool = False) -> Tensor:
         """Logits of target ``rows`` (M, T) with ``mask``; encoder-decoders get each row's unpadded source."""
         if not self.subject.encoder_decoder:
-            return self.call(rows, mask)
-        return self.call(rows, mask, self.src[owner], self.ones(len(rows), self.S))
+            return self.call(rows, mask, cached=cached)
+        return self.call(rows, mask, self.src[owner], self.ones(len(rows), self.S), cached=cached)
 
     def pad(self, ids: Tensor, p: int, side: str) -> tuple[Tensor, Tensor, Tensor]:
         """``ids (N, L)`` with ``p`` pads on ``side``: ``(padded (N, L+p), mask (N, L+p), real index (L,))``."""

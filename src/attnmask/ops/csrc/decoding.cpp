@@ -1,16 +1,14 @@
-// The decoding step's work between the matrix products, as three C++ operators
-// (attnmask.ops.decoding): what a one-token step of a pre-norm RMSNorm / rotary / SwiGLU decoder
-// does between its products, for rows of float32 on the CPU.
+// The decoding step's work between the matrix products, as C++ operators (attnmask.ops.decoding): what a
+// step of a pre-norm RMSNorm / rotary / SwiGLU decoder does between its products, for rows of float32 on
+// the CPU.
 //
 //   rms_norm(x, w, eps)               w * x / sqrt(mean(x^2) + eps), row by row
 //   add_rms_norm(x, delta, w, eps)    (x + delta, rms_norm(x + delta, w, eps)): a residual and the next norm
 //   silu_mul(gate_up)                 silu(gate) * up, gate and up the two halves of each row
-//   rope_attend(qkv, ...)             rotary on the new query and key, both written into the cache
-//                                     column, and one query per head against the cached keys
 //   linear_rows(x, weight, bias)      x W^T (+ b) for a few rows x and a row-major float32 W
 //   paged_attend(q, pools, tables, ...) packed rows of several sequences against a paged cache
-//   decoder_step(x, ...)              all of the above for every layer of a step, and its head: one
-//                                     call a token instead of ~210 from Python
+//   packed_step(x, ...)               all of the above for every layer of a packed step, and its head:
+//                                     one call a step instead of ~210 from Python
 //
 // Eager PyTorch runs each of these as 3 to 20 operator calls of a few microseconds each, and a
 // SmolLM2 token has 30 layers of them: ~3 ms a token of dispatching tiny tensors, as much as half
@@ -33,7 +31,7 @@
 #include <tuple>
 #include <vector>
 
-#include "blocks.h"  // decoder_step multiplies by block weights
+#include "blocks.h"  // packed_step multiplies by block weights
 
 namespace {
 
@@ -146,7 +144,7 @@ at::Tensor silu_mul(const at::Tensor &gate_up) {
 }
 
 // One head of one row rotated: y = x cos + roll(x, D/2) signed_sin (rotate-half layout), or copied
-// where there is no rotary (c null). Shared by rope_attend and packed_step, so they rotate alike.
+// where there is no rotary (c null).
 inline void rotate_row(const float *x, const float *c, const float *s, float *y, int64_t D) {
     if (c == nullptr) {
         for (int64_t d = 0; d < D; d++) y[d] = x[d];
@@ -154,104 +152,6 @@ inline void rotate_row(const float *x, const float *c, const float *s, float *y,
     }
     const int64_t half = D / 2;
     for (int64_t d = 0; d < D; d++) y[d] = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
-}
-
-// qkv (B, (H + 2 Hkv) D): each row's new query, key and value heads, as the fused projection gives them;
-// cos, signed_sin (B, D): the rows' rotary factors (signed_sin: sin with its first half negated), or
-// empty tensors for no rotary; k_cache, v_cache (B, Hkv, Tmax, D) written at column `col`; the query
-// attends to columns [0, keys) with `bias` (B or 1, 1, 1, >= keys) added to its scores (0 / -inf), or
-// none. Returns (B, H D), query head h of key/value head h / (H / Hkv), heads in order.
-at::Tensor rope_attend(const at::Tensor &qkv, const at::Tensor &cos, const at::Tensor &signed_sin,
-                       const at::Tensor &k_cache, const at::Tensor &v_cache, int64_t col, int64_t keys,
-                       const std::optional<at::Tensor> &bias, int64_t heads, int64_t kv_heads, double scale) {
-    const char *op = "rope_attend";
-    check_rows(qkv, op, "qkv");
-    TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
-                      ": the key and value caches must be (B, Hkv, Tmax, D) alike; got ", k_cache.sizes(), " and ",
-                      v_cache.sizes());
-    const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), T = k_cache.size(2), D = k_cache.size(3);
-    TORCH_CHECK_VALUE(kv_heads == Hkv && heads > 0 && heads % Hkv == 0, op, ": ", heads, " query heads over ",
-                      kv_heads, " key/value heads for a cache of ", Hkv);
-    TORCH_CHECK_VALUE(qkv.numel() == B * (heads + 2 * Hkv) * D, op, ": qkv has shape ", qkv.sizes(), "; expected (",
-                      B, ", ", (heads + 2 * Hkv) * D, ")");
-    TORCH_CHECK_VALUE(0 <= col && col < T && 0 < keys && keys <= T && col < keys, op, ": column ", col, " and ",
-                      keys, " keys do not fit a cache of ", T);
-    for (const at::Tensor *t : {&k_cache, &v_cache}) {
-        TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat, op,
-                          ": the caches must be float32 CPU tensors");
-        TORCH_CHECK_VALUE(t->stride(3) == 1 && t->stride(2) == D && t->stride(1) == T * D, op,
-                          ": the caches must be contiguous past their batch dimension");
-    }
-    const bool rotary = cos.numel() > 0;
-    if (rotary) {
-        check_rows(cos, op, "cos");
-        check_rows(signed_sin, op, "signed_sin");
-        TORCH_CHECK_VALUE(cos.numel() == B * D && signed_sin.numel() == B * D && D % 2 == 0, op,
-                          ": cos and signed_sin must hold (B, D) = (", B, ", ", D, "); got ", cos.sizes(), " and ",
-                          signed_sin.sizes());
-    }
-    const float *mask = nullptr;
-    int64_t mask_stride = 0;
-    if (bias.has_value()) {
-        const at::Tensor &m = *bias;
-        TORCH_CHECK_VALUE(m.device().is_cpu() && m.scalar_type() == at::kFloat && m.dim() == 4 && m.stride(3) == 1,
-                          op, ": bias must be a float32 CPU tensor (B or 1, 1, 1, >= keys), last dimension dense");
-        TORCH_CHECK_VALUE((m.size(0) == B || m.size(0) == 1) && m.size(1) == 1 && m.size(2) == 1 && m.size(3) >= keys,
-                          op, ": bias has shape ", m.sizes(), "; expected (", B, " or 1, 1, 1, >= ", keys, ")");
-        mask = m.const_data_ptr<float>();
-        mask_stride = m.size(0) == 1 ? 0 : m.stride(0);
-    }
-    const int64_t H = heads, G = H / Hkv, row = (H + 2 * Hkv) * D;
-    const float *src = qkv.const_data_ptr<float>();
-    float *kc = k_cache.mutable_data_ptr<float>(), *vc = v_cache.mutable_data_ptr<float>();
-    const int64_t kb = k_cache.stride(0), vb = v_cache.stride(0);
-    at::Tensor q = at::empty({B, H, D}, qkv.options()), out = at::empty({B, H * D}, qkv.options());
-    float *qp = q.mutable_data_ptr<float>(), *o = out.mutable_data_ptr<float>();
-
-    // rotate the queries (into q) and keys (into the cache), copy the values: out = x cos + roll(x, D/2) ssin
-    const float *cp = rotary ? cos.const_data_ptr<float>() : nullptr;
-    const float *sp = rotary ? signed_sin.const_data_ptr<float>() : nullptr;
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t h = 0; h < H + Hkv; h++) {
-            const float *x = src + b * row + h * D;
-            float *y = h < H ? qp + (b * H + h) * D : kc + b * kb + ((h - H) * T + col) * D;
-            rotate_row(x, rotary ? cp + b * D : nullptr, rotary ? sp + b * D : nullptr, y, D);
-        }
-        for (int64_t g = 0; g < Hkv; g++) {
-            const float *x = src + b * row + (H + Hkv + g) * D;
-            float *y = vc + b * vb + (g * T + col) * D;
-            for (int64_t d = 0; d < D; d++) y[d] = x[d];
-        }
-    }
-
-    // one query per (row, head) against the keys; rows with no finite score give zeros, never NaN
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, keys * D));
-    at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> p(keys);
-        for (int64_t i = begin; i < end; i++) {
-            const int64_t b = i / H, h = i % H, g = h / G;
-            const float *qh = qp + i * D, *kh = kc + b * kb + g * T * D, *vh = vc + b * vb + g * T * D;
-            const float *mb = mask ? mask + b * mask_stride : nullptr;
-            float top = -std::numeric_limits<float>::infinity();
-            for (int64_t t = 0; t < keys; t++) {
-                p[t] = vdot<false>(qh, kh + t * D, D) * static_cast<float>(scale) + (mb ? mb[t] : 0.0f);
-                top = std::max(top, p[t]);
-            }
-            float *__restrict oh = o + i * D;
-            for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
-            if (top == -std::numeric_limits<float>::infinity()) continue;
-            float total = 0.0f;
-            for (int64_t t = 0; t < keys; t++) {
-                const float weight = std::exp(p[t] - top);  // a local: the loop below is then a plain FMA
-                total += weight;
-                const float *__restrict vt = vh + t * D;
-                for (int64_t d = 0; d < D; d++) oh[d] += weight * vt[d];
-            }
-            const float inv = 1.0f / total;
-            for (int64_t d = 0; d < D; d++) oh[d] *= inv;
-        }
-    });
-    return out;
 }
 
 // Attention of packed rows against a paged cache: q (N, H D) the rows' rotated queries, heads in order;
@@ -360,7 +260,7 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
     return out;
 }
 
-// One product of decoder_step: kind 0 is a float32 weight and its bias (an empty tensor for none),
+// One product of packed_step: kind 0 is a float32 weight and its bias (an empty tensor for none),
 // through linear_rows; kinds 1 and 2 are a block layer's codes, d and m (Q4_1) or codes and d (Q8_0),
 // through attnmask::block_matmul (blocks.h: the function the operator runs, declared, not looked up).
 constexpr int64_t DENSE = 0, Q4_1 = 1, Q8_0 = 2;
@@ -374,7 +274,7 @@ at::Tensor product(int64_t kind, const at::Tensor *t, const at::Tensor &x) {
 
 int64_t product_tensors(int64_t kind) { return kind == Q4_1 ? 3 : 2; }
 
-// The checks decoder_step and packed_step share: 2 L + 1 norms (and eps), 4 L + 1 products of known
+// packed_step's checks of its operands: 2 L + 1 norms (and eps), 4 L + 1 products of known
 // kinds whose tensors add up; returns where each product's tensors start.
 std::vector<int64_t> product_offsets(const char *op, int64_t L, at::TensorList norms, at::ArrayRef<double> eps,
                                      at::TensorList products, at::IntArrayRef kinds) {
@@ -394,36 +294,8 @@ std::vector<int64_t> product_offsets(const char *op, int64_t L, at::TensorList n
     return first;
 }
 
-// A whole one-token step of a pre-norm RMSNorm / rotary / SwiGLU decoder, the same calls in the same order
-// as attnmask.decode.static._fused_step makes them from Python (so the same bits), without ~210 trips
-// through Python and the dispatcher. x (B, C): the embedded tokens; norms: each layer's two norm weights,
-// then the final norm's (2 L + 1), eps theirs; products: per layer q/k/v, o, gate/up, down, then the head
-// (4 L + 1), their tensors one after another as `kinds` says; the caches, column, bias, heads and scale as
-// rope_attend takes them. Returns the logits (B, V).
-at::Tensor decoder_step(const at::Tensor &x0, const at::Tensor &cos, const at::Tensor &signed_sin,
-                        at::TensorList norms, at::ArrayRef<double> eps, at::TensorList products,
-                        at::IntArrayRef kinds, at::TensorList k_caches, at::TensorList v_caches, int64_t col,
-                        const std::optional<at::Tensor> &bias, int64_t heads, int64_t kv_heads, double scale) {
-    const char *op = "decoder_step";
-    const int64_t L = static_cast<int64_t>(k_caches.size());
-    TORCH_CHECK_VALUE(L > 0 && static_cast<int64_t>(v_caches.size()) == L, op, ": ", L, " key caches and ",
-                      v_caches.size(), " value caches; expected one of each per layer");
-    const std::vector<int64_t> first = product_offsets(op, L, norms, eps, products, kinds);
-    auto project = [&](int64_t i, const at::Tensor &h) { return product(kinds[i], products.data() + first[i], h); };
-    at::Tensor x = x0, h = rms_norm(x0, norms[0], eps[0]);
-    for (int64_t l = 0; l < L; l++) {
-        const at::Tensor qkv = project(4 * l, h);
-        const at::Tensor out = rope_attend(qkv, cos, signed_sin, k_caches[l], v_caches[l], col, col + 1, bias, heads,
-                                           kv_heads, scale);
-        std::tie(x, h) = add_rms_norm(x, project(4 * l + 1, out), norms[2 * l + 1], eps[2 * l + 1]);
-        const at::Tensor delta = project(4 * l + 3, silu_mul(project(4 * l + 2, h)));
-        std::tie(x, h) = add_rms_norm(x, delta, norms[2 * l + 2], eps[2 * l + 2]);
-    }
-    return project(4 * L, h);
-}
-
 // Packed rows' new queries rotated (returned, (N, H D)) and keys rotated and values copied into the pools
-// at `slots` (flat block * S + offset of each row's position): what rope_attend does before attending.
+// at `slots` (flat block * S + offset of each row's position), before they attend.
 at::Tensor rope_write(const at::Tensor &qkv, const at::Tensor &cos, const at::Tensor &signed_sin,
                       const at::Tensor &k_pool, const at::Tensor &v_pool, const int64_t *slots, int64_t heads) {
     const int64_t N = qkv.size(0), Hkv = k_pool.size(2), D = k_pool.size(3), H = heads;
@@ -453,10 +325,12 @@ at::Tensor rope_write(const at::Tensor &qkv, const at::Tensor &cos, const at::Te
 }
 
 // A whole step of a pre-norm RMSNorm / rotary / SwiGLU decoder with fused projections over packed rows of
-// several sequences (attnmask.engine.step): decoder_step's calls, with each layer's attention over the
-// paged cache (the rows rotated and written to their slots, then paged_attend), and the head applied to
-// `logit_rows` only. x (N, C) embedded tokens; cos, signed_sin (N, D) or empty; norms / eps / products /
-// kinds as decoder_step takes them; k_pools, v_pools one (P, S, Hkv, D) pair per layer; tables, row_seq,
+// several sequences (attnmask.decode.step), the same calls in the same order as packed_step_reference
+// makes them from Python: per layer the q/k/v product, the rows rotated and written to their slots,
+// paged_attend, the output product and a residual + norm, the MLP and a residual + norm; the head applied
+// to `logit_rows` only. x (N, C) embedded tokens; cos, signed_sin (N, D) or empty; norms: each layer's two
+// norm weights, then the final norm's (2 L + 1), eps theirs; products: per layer q/k/v, o, gate/up, down,
+// then the head (4 L + 1), their tensors one after another as `kinds` says; k_pools, v_pools one (P, S, Hkv, D) pair per layer; tables, row_seq,
 // row_pos, window as paged_attend takes them; slots (N,) each row's flat pool index. Returns (M, V).
 at::Tensor packed_step(const at::Tensor &x0, const at::Tensor &cos, const at::Tensor &signed_sin,
                        at::TensorList norms, at::ArrayRef<double> eps, at::TensorList products, at::IntArrayRef kinds,
@@ -514,9 +388,7 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("rms_norm", &rms_norm);
     lib.impl("add_rms_norm", &add_rms_norm);
     lib.impl("silu_mul", &silu_mul);
-    lib.impl("rope_attend", &rope_attend);
     lib.impl("linear_rows", &linear_rows);
-    lib.impl("decoder_step", &decoder_step);
     lib.impl("paged_attend", &paged_attend);
     lib.impl("packed_step", &packed_step);
 }

@@ -1,0 +1,411 @@
+"""The one decoding step: a forward step over a packed batch, every sequence's new tokens in one row of ``N``.
+
+Each sequence contributes a chunk: a prefill chunk of its prompt or one decode token, at its own cache
+offset. The chunks are concatenated (``tokens``, ``positions``, ``row_seq``: for each of the ``N`` rows
+its token, its position in its sequence and which sequence it belongs to); keys and values go into a
+:class:`~attnmask.model.cache.PagedKVCache` through each sequence's block table. Greedy, sampled and beam
+decoding (:mod:`attnmask.decode.steps`, :mod:`attnmask.decode.beam`), the serving engine
+(:mod:`attnmask.engine`) and the audit's cache checks all run this one step.
+
+Self-attention is the mask algebra's ``document(sequence ids) & causal`` with each sequence's own
+offset (``& sliding_window`` on the layers the model's config gives a window, :meth:`layer_window`):
+:func:`packed_mask` builds it over the packed rows and the sequences' keys, for the reference path and
+the tests. On the CPU its lowering is one range of keys per row, ``[pos - window + 1, pos]`` of the
+row's own sequence, which is what the operator :func:`attnmask.ops.decoding.paged_attend` computes
+without materialising anything.
+
+Encoder-decoder models attend to their source too (:class:`SourceMemory`): each sequence's encoder keys
+and values are projected once, when it starts, into one block per source, and each row attends to its
+own sequence's source only, all of it (``document`` between rows and source positions, no causality):
+``paged_attend`` again, each source a one-block table read up to its last real position.
+
+**Batch invariance.** A row's result must not depend on which rows it is packed with, where it sits
+in the pack, or how its sequence's prompt was chunked, bit for bit. Every operation here is either
+elementwise, a reduction within one row (norms: the native ``rms_norm``), a product whose every
+output is computed by the same operations whatever the number of rows (the native ``linear_rows``
+for float32 weights, ``block_matmul`` for GGUF blocks: threads split the weight's rows, never a
+sum), or the paged attention (each row and head alone, keys in order). Where the native kernels are
+not built, products run one row at a time (the BLAS's result for a row depends on the shape of the
+whole product otherwise): the same guarantee, slower. A module a hook watches is called as it is,
+on all the rows (the hook sees the call; the BLAS then decides the bits).
+
+For a Llama-style float32 / GGUF-block model the whole step is one native call (``packed_step``,
+:func:`fused_plan`); every other model (post-norm, LayerNorm, biases, cross-attention, per-layer
+windows, Gemma 3's extra norms) takes the per-operation path, batch-invariant too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnmask import masks, ops
+from attnmask.errors import UserError
+from attnmask.linear import Linear
+from attnmask.model.cache import PagedKVCache
+from attnmask.model.layers import RMSNorm, Rotary
+from attnmask.ops import decoding
+
+__all__ = ["SourceMemory", "check_servable", "fused_plan", "packed_forward", "packed_mask", "slots_of"]
+
+
+def packed_mask(row_seq: Tensor, row_pos: Tensor, key_seq: Tensor, key_pos: Tensor, window: int = 0) -> masks.Mask:
+    """The packed step's attention mask, in the algebra: rows ``(N,)`` (sequence, position) against keys
+    ``(K,)`` (sequence, position): ``document & causal`` with each sequence's own offset, ``&`` a
+    sliding window of ``window`` keys (0: none). Batch 1: ``to_bool(1, N, K)``."""
+    same = masks.document(key_seq[None], query_segment_ids=row_seq[None])  # a row sees only its own sequence
+    # top-left: q and kv are the row and key indices (positions live in row_pos / key_pos)
+    causal = masks.from_predicate(lambda b, h, q, kv: key_pos[kv] <= row_pos[q], align="top_left")
+    mask = same & causal
+    if window > 0:
+        mask = mask & masks.from_predicate(lambda b, h, q, kv: key_pos[kv] > row_pos[q] - window, align="top_left")
+    return mask
+
+
+def slots_of(tables: Tensor, row_seq: Tensor, row_pos: Tensor, block_size: int) -> Tensor:
+    """Flat pool index ``block * S + offset`` of each row's position in its sequence ``(N,)``."""
+    return tables[row_seq, row_pos // block_size] * block_size + row_pos % block_size
+
+
+def check_servable(model) -> None:
+    """Raise UserError unless the packed step can run ``model``: an attnmask Transformer."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "layers"):
+        raise UserError(f"the engine serves attnmask Transformers; got {type(model).__name__}")
+
+
+@dataclass
+class SourceMemory:
+    """Encoder-decoder models: every source's cross-attention keys and values, one block per source.
+
+    ``k[layer]``, ``v[layer]``: ``(Q, S, Hkv, D)``, source ``q``'s real positions first (the rest is
+    never read); ``lengths (Q,)``: real positions of each source. A row attends to the source its
+    sequence names (``row_src`` in :func:`packed_forward`), all of its real positions."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    lengths: Tensor
+
+    @classmethod
+    @torch.no_grad()
+    def encode(cls, model, src_ids: Tensor, keep: Tensor | None) -> SourceMemory:
+        """Run the encoder once over ``src_ids (B, S)`` (``keep (B, S)``: real positions, None: all) and
+        project every layer's keys and values, each source's real positions first."""
+        memory = model.encode(src_ids, None if keep is None else masks.padding(keep=keep))  # (B, S, C)
+        return cls.project(model, memory, keep)
+
+    @classmethod
+    @torch.no_grad()
+    def project(cls, model, memory: Tensor, keep: Tensor | None) -> SourceMemory:
+        """Every layer's keys and values of encoder output ``memory (B, S, C)``, each source's real
+        positions (``keep (B, S)``, None: all) first."""
+        B, S = memory.shape[:2]
+        if keep is None:
+            lengths = torch.full((B,), S, dtype=torch.long)
+            gather = None
+        else:
+            lengths = keep.sum(1).cpu()  # (B,)
+            # each source's real positions in order, first: their index among the columns
+            gather = torch.sort(~keep, dim=1, stable=True).indices.to(memory.device)  # (B, S)
+        ks, vs = [], []
+        for layer in model.layers:
+            k, v = layer.cross_attn.project_kv(memory)  # (B, Hkv, S, D)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, S, Hkv, D)
+            if gather is not None:
+                index = gather[:, :, None, None].expand_as(k)
+                k, v = k.gather(1, index), v.gather(1, index)
+            ks.append(k.contiguous())
+            vs.append(v.contiguous())
+        return cls(ks, vs, lengths.to(memory.device))
+
+    @property
+    def every_source_real(self) -> bool:
+        """No source is padding alone (its rows then attend to nothing and get zeros)."""
+        if not hasattr(self, "_every_real"):
+            self._every_real = bool((self.lengths > 0).all())
+        return self._every_real
+
+    @property
+    def tables(self) -> Tensor:
+        """One block per source: ``(Q, 1)``."""
+        return torch.arange(self.lengths.shape[0], device=self.lengths.device)[:, None]
+
+
+def _native(t: Tensor) -> bool:
+    return t.is_cpu and t.dtype == torch.float32 and ops.available()
+
+
+def _watched(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _product(proj: nn.Module, x: Tensor) -> Tensor:
+    """``proj(x)`` for rows ``x (N, K)``, each row's result independent of the others (see the module's
+    docstring)."""
+    if _watched(proj):
+        return proj(x)
+    matmul_rows = getattr(proj, "matmul_rows", None)  # GGUF block layers
+    if matmul_rows is not None:
+        if _native(x):
+            return matmul_rows(x)
+    elif type(proj) in (nn.Linear, Linear) and _native(x):
+        w, b = proj.weight, proj.bias
+        if w.dtype == torch.float32 and w.is_contiguous():
+            return decoding.linear_rows(x, w, b)
+    if not x.is_cpu:
+        return proj(x)  # on a GPU the kernels are not row-invariant here (documented)
+    return torch.cat([proj(x[i : i + 1]) for i in range(x.shape[0])]) if x.shape[0] > 1 else proj(x)
+
+
+def _norm(norm: nn.Module | None, x: Tensor) -> Tensor:
+    if norm is None:
+        return x
+    if type(norm) is RMSNorm and _native(x) and norm.weight.dtype == torch.float32 and not _watched(norm):
+        return decoding.rms_norm(x.contiguous(), norm.weight, norm.eps)
+    return norm(x)
+
+
+_ACTIVATIONS = {
+    "swiglu": F.silu,
+    "silu": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "geglu": lambda t: F.gelu(t, approximate="tanh"),
+}
+
+
+def _activation(mlp: nn.Module):
+    """The MLP's own activation: SiLU for SwiGLU (which the native ``silu_mul`` computes), else its
+    ``act`` / ``act_fn`` module or method where it has one, else the one its ``activation`` name says."""
+    if mlp.activation in ("swiglu", "silu"):
+        return F.silu
+    for name in ("act", "act_fn"):
+        fn = getattr(mlp, name, None)
+        if callable(fn):
+            return fn
+    return _ACTIVATIONS.get(mlp.activation, F.silu)
+
+
+def _mlp(mlp: nn.Module, h: Tensor) -> Tensor:
+    gate_up = getattr(mlp, "gate_up_proj", None)
+    gate = getattr(mlp, "gate_proj", None)
+    act = _activation(mlp)
+    if gate_up is not None:
+        both = _product(gate_up, h)
+        if act is F.silu and _native(both):
+            a = decoding.silu_mul(both)
+        else:
+            g, u = both.chunk(2, -1)
+            a = act(g) * u
+    elif gate is not None:
+        a = act(_product(gate, h)) * _product(mlp.up_proj, h)
+    else:
+        a = act(_product(mlp.up_proj, h))
+    return _product(mlp.down_proj, a)
+
+
+def _attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables, row_seq, row_pos, window: int, H: int, D: int):
+    # the native kernel reads float32 CPU tensors; other dtypes take the operator's PyTorch definition
+    native = _native(q) and k_pool.dtype == torch.float32
+    attend = decoding.paged_attend if native else decoding.paged_attend_reference
+    return attend(q.contiguous(), k_pool, v_pool, tables, row_seq, row_pos, window, H, D**-0.5)  # (N, H D)
+
+
+def _self_attention(attn, h: Tensor, rope, cache: PagedKVCache, layer: int, slots, tables, row_seq, row_pos, window):
+    N = h.shape[0]
+    H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if attn.qkv_proj is not None:
+        q, k, v = _product(attn.qkv_proj, h).split([H * D, Hkv * D, Hkv * D], dim=-1)
+    else:
+        q, k, v = _product(attn.q_proj, h), _product(attn.k_proj, h), _product(attn.v_proj, h)
+    q, k, v = q.reshape(N, H, D), k.reshape(N, Hkv, D), v.reshape(N, Hkv, D)
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q_norm is not None:  # Gemma 3: each head of q and k normalised before the rotation
+        q = _norm(q_norm, q.reshape(N * H, D)).reshape(N, H, D)
+    if k_norm is not None:
+        k = _norm(k_norm, k.reshape(N * Hkv, D)).reshape(N, Hkv, D)
+    if rope is not None:
+        q, k = Rotary.rotate_signed(q, *rope), Rotary.rotate_signed(k, *rope)  # elementwise per row
+    k_pool, v_pool = cache.k[layer], cache.v[layer]
+    k_pool.view(-1, Hkv, D).index_copy_(0, slots, k.to(k_pool.dtype))  # each row's key into its slot
+    v_pool.view(-1, Hkv, D).index_copy_(0, slots, v.to(v_pool.dtype))
+    out = _attend(q.reshape(N, H * D), k_pool, v_pool, tables, row_seq, row_pos, window, H, D)
+    return _product(attn.o_proj, out)
+
+
+def _cross_attention(attn, h: Tensor, memory: SourceMemory, layer: int, src_tables, row_src, src_last, src_real):
+    H, D = attn.num_heads, attn.head_dim
+    q = _product(attn.q_proj, h)  # (N, H D)
+    out = _attend(q, memory.k[layer], memory.v[layer], src_tables, row_src, src_last, 0, H, D)  # (N, H D)
+    if src_real is not None:
+        out = out * src_real
+    return _product(attn.o_proj, out)
+
+
+def _layer_window(cfg, i: int) -> int:
+    window = getattr(cfg, "layer_window", None)
+    return int(window(i)) if window is not None else int(getattr(cfg, "sliding_window", 0) or 0)
+
+
+def _has_gemma_parts(model) -> bool:
+    """Layers with parts the fused step does not make: q/k norms, norms after the sublayers, a rotary
+    per layer, an MLP whose activation is not SiLU, per-layer windows."""
+    cfg = model.config
+    layer_rotary = getattr(model, "layer_rotary", None)
+    if layer_rotary is not None and any(layer_rotary(i) is not model.rotary for i in range(len(model.layers))):
+        return True
+    if len({_layer_window(cfg, i) for i in range(len(model.layers))}) > 1:
+        return True
+    for layer in model.layers:
+        attn = layer.self_attn
+        if any(getattr(attn, n, None) is not None for n in ("q_norm", "k_norm")):
+            return True
+        if any(getattr(layer, n, None) is not None for n in ("post_self_norm", "post_mlp_norm")):
+            return True
+        if _activation(layer.mlp) is not F.silu:
+            return True
+    return False
+
+
+def _operands(proj: nn.Module) -> tuple[int, list[Tensor]] | None:
+    """A product as ``packed_step`` takes it: GGUF blocks, or a row-major float32 weight and its bias."""
+    if _watched(proj):
+        return None  # a watched module must be called
+    blocks = getattr(proj, "decoder_operands", None)
+    if blocks is not None:
+        return blocks()
+    if type(proj) in (nn.Linear, Linear):
+        w, b = proj.weight, proj.bias
+        if w.dtype == torch.float32 and w.is_cpu and w.is_contiguous():
+            return decoding.DENSE, [w, w.new_empty(0) if b is None else b]
+    return None
+
+
+def fused_plan(model) -> tuple | None:
+    """What :func:`attnmask.ops.decoding.packed_step` needs of ``model`` (norm weights and eps, product
+    tensors and kinds), read once; None where the whole step cannot be one native call: the model is
+    not a pre-norm RMSNorm / SwiGLU decoder with fused q/k/v and gate/up projections in float32 on the
+    CPU (one window for every layer, none of Gemma 3's extra parts), or the native kernels are not
+    built. Such models take the per-operation path, which is batch-invariant too."""
+    cfg = model.config
+    if model.is_encoder_decoder or model.training or cfg.norm_position != "pre" or not ops.available():
+        return None
+    if type(model.norm) is not RMSNorm or _watched(model.norm) or _has_gemma_parts(model):
+        return None
+    if any(not (p.is_cpu and p.dtype == torch.float32) for p in model.parameters()):
+        return None
+    norms, products, kinds = [], [], []
+    modules = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(layer.self_norm) is not RMSNorm or type(layer.mlp_norm) is not RMSNorm:
+            return None
+        if attn.qkv_proj is None or getattr(mlp, "gate_up_proj", None) is None:
+            return None
+        if any(_watched(m) for m in (layer, attn, mlp, layer.self_norm, layer.mlp_norm)):
+            return None
+        norms += [layer.self_norm, layer.mlp_norm]
+        modules += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    norms.append(model.norm)
+    for proj in [*modules, model.lm_head]:
+        operands = _operands(proj)
+        if operands is None:
+            return None
+        kinds.append(operands[0])
+        products += operands[1]
+    attn = model.layers[0].self_attn
+    weights = [n.weight for n in norms]
+    return weights, [n.eps for n in norms], products, kinds, attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+
+def _rotaries(model, positions: Tensor) -> list:
+    """Each layer's rotary factors ``(cos, signed_sin)``, ``(N, 1, D)`` (every head alike), computed once
+    per distinct rotary module (``model.layer_rotary(i)`` where the model has one per layer)."""
+    if model.config.positions != "rotary":
+        return [None] * len(model.layers)
+    per_layer = getattr(model, "layer_rotary", None)
+    made: dict[int, tuple[Tensor, Tensor]] = {}  # id(rotary) -> its factors
+    out = []
+    for i in range(len(model.layers)):
+        rotary = per_layer(i) if per_layer is not None else model.rotary
+        if id(rotary) not in made:
+            cos, sin = rotary.cos_sin(positions[None])  # (1, 1, N, D)
+            made[id(rotary)] = (cos[0, 0][:, None], Rotary.signed_sin(sin)[0, 0][:, None])  # (N, 1, D)
+        out.append(made[id(rotary)])
+    return out
+
+
+def packed_forward(
+    model,
+    cache: PagedKVCache,
+    tokens: Tensor,
+    positions: Tensor,
+    row_seq: Tensor,
+    tables: Tensor,
+    logit_rows: Tensor,
+    plan: tuple | None = None,
+    *,
+    memory: SourceMemory | None = None,
+    row_src: Tensor | None = None,
+) -> Tensor:
+    """One step of ``model`` over packed rows; returns the logits of ``logit_rows`` only ``(M, V)``.
+
+    Args:
+        tokens, positions, row_seq: ``(N,)`` int64: each row's token, its position in its sequence,
+            and the index of its sequence in ``tables``.
+        tables: ``(Q, W)`` int64 block tables, one row per scheduled sequence, covering every position
+            up to the last one scheduled (unused entries: the null block 0).
+        logit_rows: ``(M,)`` rows whose next-token logits are wanted (a sequence's last scheduled
+            row, when it is to sample): only they go through the final norm and the head.
+        plan: :func:`fused_plan` of ``model`` (read once by the caller): the whole step in one
+            native call (``packed_step``); None: the same work operation by operation.
+        memory, row_src: encoder-decoder models: the sources' keys and values and, per row ``(N,)``,
+            the index of its sequence's source in ``memory``.
+
+    Keys and values of every row are written into ``cache`` before the rows attend, so a chunk's
+    rows see each other causally, and later steps see them all.
+    """
+    cfg = model.config
+    if model.is_encoder_decoder and (memory is None or row_src is None):
+        raise UserError("an encoder-decoder model's packed step needs memory= (SourceMemory) and row_src=")
+    x = model._embed(tokens[None], positions[None], source=False)[0]  # (N, C)
+    slots = slots_of(tables, row_seq, positions, cache.block_size)  # (N,)
+    ropes = _rotaries(model, positions)
+    if plan is not None and memory is None:
+        weights, eps, products, kinds, H, Hkv, D = plan
+        rope = ropes[0]
+        cos, signed = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (x.new_empty(0), x.new_empty(0))
+        return decoding.packed_step(
+            x.contiguous(), cos.contiguous(), signed.contiguous(), weights, eps, products, kinds, cache.k, cache.v,
+            tables, row_seq, positions, slots, logit_rows, _layer_window(cfg, 0), H, Hkv, D**-0.5,
+        )  # fmt: skip
+    src_tables = src_last = src_real = None
+    if memory is not None:
+        src_tables = memory.tables  # (Q, 1)
+        lengths = memory.lengths.index_select(0, row_src)  # (N,)
+        src_last = (lengths - 1).clamp(min=0)  # every row reads its whole source
+        if not memory.every_source_real:  # a source of padding alone: nothing to attend to, zeros
+            src_real = (lengths > 0).to(x.dtype)[:, None]  # (N, 1)
+    for i, layer in enumerate(model.layers):
+        mods = layer._modules
+        window = _layer_window(cfg, i)
+
+        def attend(h, attn=mods["self_attn"], i=i, window=window):
+            return _self_attention(attn, h, ropes[i], cache, i, slots, tables, row_seq, positions, window)
+
+        sublayers = [(mods["self_norm"], attend, getattr(layer, "post_self_norm", None))]
+        if mods.get("cross_attn") is not None:
+
+            def cross(h, attn=mods["cross_attn"], i=i):
+                return _cross_attention(attn, h, memory, i, src_tables, row_src, src_last, src_real)
+
+            sublayers.append((mods["cross_norm"], cross, None))
+        sublayers.append((mods["mlp_norm"], lambda h, m=mods["mlp"]: _mlp(m, h), getattr(layer, "post_mlp_norm", None)))
+        for norm, fn, post in sublayers:  # post: a norm of the sublayer's output (Gemma 3), or None
+            x = x + _norm(post, fn(_norm(norm, x))) if layer.pre else _norm(norm, x + _norm(post, fn(x)))
+    h = x.index_select(0, logit_rows)  # (M, C)
+    return _product(model.lm_head, _norm(model.norm, h))  # (M, V)
