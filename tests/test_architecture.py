@@ -191,7 +191,7 @@ def test_packages_import_only_lower_layers(package):
 def test_operators_are_found_where_they_are_defined_and_used():
     homes = operator_homes(SOURCES)
     assert homes["block_matmul"] == "attnmask.ops.blocks"
-    assert homes["decoder_step"] == "attnmask.ops.decoding"
+    assert homes["packed_step"] == "attnmask.ops.decoding"
     assert homes["kernel_simd"] == "attnmask.ops.csrc.blocks_cpp"  # defined in C++ only
     assert "attnmask.ops.blocks" in GRAPH["attnmask.ops.native"]  # an import
     assert "attnmask.ops.csrc.blocks_cpp" in GRAPH["attnmask.ops.native"]  # torch.ops.attnmask.kernel_simd

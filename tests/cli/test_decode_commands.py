@@ -246,33 +246,3 @@ def test_generate_prompt_given_twice_is_one_line_error(lm_run, capsys):
     assert len(err) == 1 and "give the prompt once" in err[0]
 
 
-def test_generate_compile_flags_give_the_same_text(lm_run, capsys, monkeypatch):
-    """--compile where the compiler fails: one notice line on stderr, the same text as --no-compile."""
-    import attnmask.decode.static
-
-    argv = ["generate", "--run", str(lm_run), "--prompt", "a man", "--max-new-tokens", "12", "--temperature", "0"]
-    assert main([*argv, "--no-compile"]) == 0
-    plain = capsys.readouterr()
-    assert plain.err == ""
-
-    def no_compiler(*args, **kwargs):
-        def fail(*a, **k):
-            raise RuntimeError("Compiler: cc is not found")
-
-        return fail
-
-    monkeypatch.setattr(attnmask.decode.static.torch, "compile", no_compiler)
-    assert main([*argv, "--compile"]) == 0
-    compiled = capsys.readouterr()
-    assert compiled.out == plain.out
-    notice = compiled.err.strip().splitlines()
-    assert len(notice) == 1 and "torch.compile unavailable" in notice[0] and "cc is not found" in notice[0]
-
-
-def test_translate_compile_flags_give_the_same_text(mt_run, capsys, monkeypatch):
-    monkeypatch.setenv("ATTNMASK_NO_COMPILE", "1")  # --compile then runs the step eagerly, silently
-    outs = []
-    for flag in ("--no-compile", "--compile"):
-        assert main(["translate", "--run", str(mt_run), "a man", "two dogs", flag]) == 0
-        outs.append(capsys.readouterr().out)
-    assert outs[0] == outs[1] == "".join(t + "\n" for t in expected_translations(mt_run, ["a man", "two dogs"]))

@@ -26,7 +26,7 @@ def test_status_from_an_empty_cache_builds_nothing(tmp_path):
     proc = attnmask("kernels", ATTNMASK_CACHE=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert "not built yet" in proc.stdout and "attnmask kernels --build" in proc.stdout
-    for name in ("block_matmul", "block_dequantize", "rms_norm", "rope_attend", "linear_rows", "decoder_step"):
+    for name in ("block_matmul", "block_dequantize", "rms_norm", "paged_attend", "linear_rows", "packed_step"):
         assert f"attnmask::{name} " in proc.stdout
     assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").glob("*.so"))
     assert proc.stderr == ""

@@ -39,11 +39,9 @@ OPERATORS = {
     "rms_norm": decoding,
     "add_rms_norm": decoding,
     "silu_mul": decoding,
-    "rope_attend": decoding,
     "paged_attend": decoding,
     "packed_step": decoding,
     "linear_rows": decoding,
-    "decoder_step": decoding,
 }
 
 
