@@ -35,6 +35,9 @@ def _check_llama(model: Transformer) -> None:
     wanted = {"arch": "decoder", "positions": "rotary", "norm": "rmsnorm", "norm_position": "pre",
               "activation": "swiglu", "bias": False, "embed_scale": False, "lm_head_bias": False,
               "sliding_window": 0}  # fmt: skip
+    # fields a newer ModelConfig may have (Gemma's) must keep their Llama values too
+    wanted |= {k: v for k, v in (("qk_norm", False), ("post_norms", False), ("rope_local_theta", None))
+               if hasattr(c, k)}  # fmt: skip
     differ = {k: getattr(c, k) for k, v in wanted.items() if getattr(c, k) != v}
     if differ or (c.rope_scaling is not None and c.rope_scaling.get("rope_type") != "linear"):
         raise UserError(
