@@ -115,6 +115,10 @@ class DataConfig:
         return max(1, self.batch_tokens // self.block_size)
 
 
+# ModelSettings fields that are no ModelConfig field (what the model starts from, how it is adapted)
+_NOT_MODEL_CONFIG = ("preset", "init", "lora_rank", "lora_alpha", "lora_targets")
+
+
 @dataclass
 class ModelSettings:
     """A size preset, then per-field overrides (None = the preset's, or ModelConfig's, value).
@@ -169,7 +173,7 @@ class ModelSettings:
         kwargs = dict(MODEL_PRESETS[self.preset])
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "preset" and value is not None:
+            if f.name not in _NOT_MODEL_CONFIG and value is not None:
                 kwargs[f.name] = value
         return ModelConfig(
             vocab_size=vocab_size, arch=arch, src_vocab_size=src_vocab_size, max_seq_len=max_seq_len, **kwargs
