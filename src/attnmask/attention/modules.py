@@ -55,6 +55,10 @@ class MultiHeadAttention(nn.Module):
         self.o_proj = Linear(num_heads * head_dim, dim, bias=bias)
         # set by attnmask.model.fuse_projections_: one product for q, k and v of self-attention
         self.qkv_proj: nn.Module | None = None
+        # optional norms over head_dim on each head of q and k, before rotary positions (set by the
+        # model that has them, e.g. Gemma 3's RMSNorm; see attnmask.model.TransformerLayer)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
 
     def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values ``(B, Hkv, Tk, D)`` of ``context`` (B, Tk, C) — cacheable for cross-attention."""
@@ -104,6 +108,8 @@ class MultiHeadAttention(nn.Module):
         else:
             if self.qkv_proj is None:
                 k, v = self.project_kv(x if context is None else context)  # (B, Hkv, Tk, D)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)  # over D, each head alone
             if rope is not None:
                 q, k = rope(q, k)
             if kv_cache is not None:
