@@ -10,7 +10,8 @@ ARCHS = ("encoder_decoder", "decoder")
 POSITIONS = ("sinusoidal", "learned", "rotary")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu_tanh")
+GATED_ACTIVATIONS = ("swiglu", "geglu_tanh")  # down(act(gate(x)) * up(x))
 
 
 @dataclass
@@ -39,15 +40,24 @@ class ModelConfig:
     # or Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"} (Hugging Face's names)
     rope_scaling: dict | None = None
+    # rotary base of the sliding-window layers (Gemma 3: 10,000 there, rope_theta = 1,000,000 on the
+    # full layers; rope_scaling applies to the full layers only); None = rope_theta on every layer
+    rope_local_theta: float | None = None
     norm: str = "layernorm"  # "layernorm" | "rmsnorm"
     norm_eps: float = 1e-5
     norm_position: str = "pre"  # "pre" (GPT-2/Llama) or "post" (original Transformer, Marian)
     final_norm: bool = True  # a norm after the last layer (pre-norm models)
-    activation: str = "gelu"  # "relu" | "gelu" | "gelu_tanh" | "silu" | "swiglu"
+    # "relu" | "gelu" | "gelu_tanh" | "silu", or gated: "swiglu" (silu(gate) * up, Llama) |
+    # "geglu_tanh" (tanh-approximated gelu(gate) * up, Gemma)
+    activation: str = "gelu"
     bias: bool = True  # biases in linear layers
     dropout: float = 0.0
     tie_embeddings: bool = True  # lm_head shares the (target) embedding matrix
-    embed_scale: bool = False  # multiply embeddings by sqrt(dim) (original Transformer, Marian)
+    embed_scale: bool = False  # multiply embeddings by sqrt(dim) (original Transformer, Marian, Gemma)
+    qk_norm: bool = False  # an RMSNorm over head_dim on each head of q and k, before RoPE (Gemma 3)
+    # a norm on each sublayer's output before the residual add, besides the pre-norm (Gemma 2/3:
+    # x + post_norm(attn(pre_norm(x)))); pre-norm models only
+    post_norms: bool = False
     lm_head_bias: bool = False  # a bias on the logits (Marian's final_logits_bias)
     pad_id: int | None = 0  # None: no padding id (pretrained LMs whose every id is a real token)
     attn_backend: str = "auto"
@@ -96,6 +106,10 @@ class ModelConfig:
             raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)
+        if self.post_norms and self.norm_position != "pre":
+            raise UserError("post_norms (a norm on each sublayer's output) needs norm_position='pre'")
+        if self.rope_local_theta is not None and self.rope_local_theta <= 0:
+            raise UserError(f"rope_local_theta must be > 0 (or None), got {self.rope_local_theta}")
         if self.sliding_window < 0:
             raise UserError(f"sliding_window must be >= 0 (0: none), got {self.sliding_window}")
         if self.layer_types is not None:
@@ -114,6 +128,12 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] == "sliding":
             return self.sliding_window
         return 0
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """The rotary base of decoder layer ``layer``: ``rope_local_theta`` on sliding layers when set."""
+        if self.rope_local_theta is not None and self.layer_window(layer) > 0:
+            return self.rope_local_theta
+        return self.rope_theta
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnmask.linear import Linear
-from attnmask.model.config import ModelConfig
+from attnmask.model.config import GATED_ACTIVATIONS, ModelConfig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -29,41 +29,47 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """The config's norm over ``dim`` features (default the model width)."""
+    dim = cfg.dim if dim is None else dim
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.dim, cfg.norm_eps)
-    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+        return RMSNorm(dim, cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: ``down(act(up(x)))`` or SwiGLU ``down(silu(gate(x)) * up(x))``."""
+    """Position-wise feed-forward: ``down(act(up(x)))``, or gated ``down(act(gate(x)) * up(x))`` for
+    SwiGLU (``act`` = silu) and tanh-GeGLU (``act`` = tanh-approximated gelu)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.activation = cfg.activation
-        if cfg.activation == "swiglu":
+        self.gated = cfg.activation in GATED_ACTIVATIONS
+        if self.gated:
             self.gate_proj = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
         self.up_proj = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
         self.down_proj = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
         self.gate_up_proj: nn.Module | None = None  # set by fuse_projections_: gate and up in one product
 
+    def act(self, h: Tensor) -> Tensor:
+        """The activation alone: of ``up(x)``, or of ``gate(x)`` in a gated MLP."""
+        if self.activation in ("swiglu", "silu"):
+            return F.silu(h)
+        if self.activation in ("geglu_tanh", "gelu_tanh"):
+            return F.gelu(h, approximate="tanh")
+        if self.activation == "relu":
+            return F.relu(h)
+        return F.gelu(h)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        elif self.activation == "swiglu":
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+            h = self.act(gate) * up
+        elif self.gated:
+            h = self.act(self.gate_proj(x)) * self.up_proj(x)
         else:
-            h = self.up_proj(x)
-            if self.activation == "relu":
-                h = F.relu(h)
-            elif self.activation == "gelu":
-                h = F.gelu(h)
-            elif self.activation == "gelu_tanh":
-                h = F.gelu(h, approximate="tanh")
-            else:
-                h = F.silu(h)
+            h = self.act(self.up_proj(x))
         return self.down_proj(self.dropout(h) if self.training else h)
 
 

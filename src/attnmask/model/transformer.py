@@ -53,17 +53,25 @@ class TransformerLayer(nn.Module):
             )
 
         self.self_attn = mha()
+        if cfg.qk_norm:
+            self.self_attn.q_norm = make_norm(cfg, cfg.head_dim)
+            self.self_attn.k_norm = make_norm(cfg, cfg.head_dim)
         self.self_norm = make_norm(cfg)
         self.cross_attn = mha() if cross else None
         self.cross_norm = make_norm(cfg) if cross else None
         self.mlp = MLP(cfg)
         self.mlp_norm = make_norm(cfg)
+        # norms of the self-attention and MLP outputs before their residual adds (ModelConfig.post_norms)
+        self.post_self_norm = make_norm(cfg) if cfg.post_norms else None
+        self.post_mlp_norm = make_norm(cfg) if cfg.post_norms else None
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def _sublayer(self, x: Tensor, norm: nn.Module, fn) -> Tensor:
+    def _sublayer(self, x: Tensor, norm: nn.Module, fn, post: nn.Module | None = None) -> Tensor:
         # dropout only when training: in eval it is an identity call, 3 per layer per decoded token
         if self.pre:
             h = fn(norm(x))
+            if post is not None:
+                h = post(h)
             return x + (self.dropout(h) if self.training else h)
         h = fn(x)
         return norm(x + (self.dropout(h) if self.training else h))
@@ -83,10 +91,11 @@ class TransformerLayer(nn.Module):
             x,
             self.self_norm,
             lambda h: self.self_attn(h, mask=self_mask, rope=rope, kv_cache=kv_cache, q_offset=q_offset),
+            self.post_self_norm,
         )
         if self.cross_attn is not None:
             x = self._sublayer(x, self.cross_norm, lambda h: self.cross_attn(h, mask=cross_mask, static_kv=cross_kv))
-        return self._sublayer(x, self.mlp_norm, self.mlp)
+        return self._sublayer(x, self.mlp_norm, self.mlp, self.post_mlp_norm)
 
 
 @dataclass
@@ -154,6 +163,8 @@ class Transformer(nn.Module):
             self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.dim), persistent=False)
         else:
             self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            # the sliding-window layers' own base (ModelConfig.rope_local_theta), unscaled
+            self.local_rotary = Rotary(cfg.head_dim, cfg.rope_local_theta) if cfg.rope_local_theta is not None else None
         self.emb_dropout = nn.Dropout(cfg.dropout)
         self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=cfg.lm_head_bias)  # W_pred
         if cfg.tie_embeddings:
@@ -174,6 +185,30 @@ class Transformer(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def layer_rotary(self, i: int) -> Rotary | None:
+        """The rotary positions of decoder layer ``i``: :attr:`local_rotary` on its sliding-window
+        layers when the config sets ``rope_local_theta``, else :attr:`rotary` (None without rotary)."""
+        if self.config.positions != "rotary":
+            return None
+        if self.local_rotary is not None and self.config.layer_window(i) > 0:
+            return self.local_rotary
+        return self.rotary
+
+    def layer_masks(self, mask, B: int, Tq: int, Tk: int, device) -> list:
+        """Each decoder layer's prepared self-attention mask: ``mask``, and ``mask & sliding_window(w)``
+        on the layers whose :meth:`ModelConfig.layer_window` is ``w > 0`` (prepared once per window)."""
+        H = self.config.n_heads
+        prepared = {0: prepare_mask(mask, B, H, Tq, Tk, device=device)}
+        out = []
+        for i in range(self.config.n_layers):
+            w = self.config.layer_window(i)
+            if w not in prepared:
+                base = masks.from_tensor(mask) if isinstance(mask, Tensor) else mask
+                local = masks.causal() & masks.sliding_window(w) if base is None else base & masks.sliding_window(w)
+                prepared[w] = prepare_mask(local, B, H, Tq, Tk, device=device)
+            out.append(prepared[w])
+        return out
 
     # -- masks (all from attnmask.masks) -----------------------------------------------------
     def source_mask(self, src_ids: Tensor) -> masks.KeyPadding | None:
@@ -210,10 +245,10 @@ class Transformer(nn.Module):
                 f"position {int(positions.max())} exceeds the model's max_seq_len={self.config.max_seq_len}"
             )
 
-    def _rope(self, positions: Tensor):
+    def _rope(self, positions: Tensor, rotary: Rotary | None = None):
         if self.config.positions != "rotary":
             return None
-        cos, sin = self.rotary.cos_sin(positions)  # (B, 1, T, D)
+        cos, sin = (rotary or self.rotary).cos_sin(positions)  # (B, 1, T, D)
         signed = Rotary.signed_sin(sin)  # once per forward, shared by every layer
 
         def rope(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
@@ -275,12 +310,16 @@ class Transformer(nn.Module):
         if mask is None:
             mask = masks.causal() if cache is not None else self.target_mask(ids)
         x = self._embed(ids, positions, source=False)
-        pm = prepare_mask(mask, B, self.config.n_heads, T, past + T, device=x.device)
+        layer_pm = self.layer_masks(mask, B, T, past + T, x.device)
         cross_pm = None
         if self.is_encoder_decoder:
             S = memory.shape[1] if memory is not None else cache.cross_len
             cross_pm = prepare_mask(memory_mask, B, self.config.n_heads, T, S, device=x.device)
-        rope = self._rope(positions)
+        ropes = {}  # one cos/sin per rotary module, shared by its layers
+        for i in range(self.config.n_layers):
+            rotary = self.layer_rotary(i)
+            if id(rotary) not in ropes:
+                ropes[id(rotary)] = self._rope(positions, rotary)
         for i, layer in enumerate(self.layers):
             cross_kv = None
             if self.is_encoder_decoder:
@@ -291,8 +330,8 @@ class Transformer(nn.Module):
                 )
             x = layer(
                 x,
-                pm,
-                rope=rope,
+                layer_pm[i],
+                rope=ropes[id(self.layer_rotary(i))],
                 kv_cache=cache.layer(i) if cache is not None else None,
                 cross_kv=cross_kv,
                 cross_mask=cross_pm,

@@ -51,6 +51,8 @@ def build(
         raise UserError(f"weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if config.positions == "rotary":
         model.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+        if config.rope_local_theta is not None:
+            model.local_rotary = Rotary(config.head_dim, config.rope_local_theta)
     elif config.positions == "sinusoidal":
         model.pos_table = sinusoidal_table(config.max_seq_len, config.dim)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
