@@ -1,6 +1,6 @@
 """Import Hugging Face checkpoints into attnmask's own :class:`~attnmask.model.Transformer`.
 
-Three families, each a config translation plus a rename of ``state_dict`` keys (no fork of the
+Four families, each a config translation plus a rename of ``state_dict`` keys (no fork of the
 model code):
 
 - **Llama** (``model_type="llama"``: Llama 1-3, SmolLM, TinyLlama, ...): rotary positions, RMSNorm,
@@ -8,7 +8,9 @@ model code):
 - **GPT-2**: learned positions, pre-LayerNorm, tanh-GELU; its ``Conv1D`` weights are stored
   transposed (``(in, out)``) and the query/key/value projections fused in one ``c_attn``;
 - **Marian** (encoder-decoder, the OPUS-MT translation models): sinusoidal positions, post-norm,
-  embeddings scaled by ``sqrt(C)``, a bias on the logits (``final_logits_bias``).
+  embeddings scaled by ``sqrt(C)``, a bias on the logits (``final_logits_bias``);
+- **Gemma 3** text (``model_type="gemma3_text"``, :mod:`attnmask.pretrained.gemma3`): sliding-window
+  and full layers, q/k norms, pre- and post-norms, tanh-GeGLU.
 
 ``hf_config`` may be a ``transformers`` config object or the plain dict of a ``config.json``, so
 importing needs no ``transformers`` install; :func:`load_hf_dir` reads a checkpoint directory.
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from attnmask.errors import UserError, UserTypeError
 from attnmask.model import ModelConfig, Transformer, sinusoidal_table
+from attnmask.pretrained.gemma3 import config_from_gemma3, state_dict_from_gemma3
 
 __all__ = [
     "SUPPORTED",
@@ -41,7 +44,7 @@ __all__ = [
     "llama_key_map",
 ]
 
-SUPPORTED = ("llama", "gpt2", "marian")
+SUPPORTED = ("llama", "gpt2", "marian", "gemma3_text")
 
 # Hugging Face activation names -> ModelConfig.activation (gated MLPs map to "swiglu" separately)
 _ACTIVATIONS = {
@@ -103,6 +106,8 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
     """
     c = _as_dict(hf_config)
     kind = _model_type(c)
+    if kind == "gemma3_text":
+        return config_from_gemma3(c, **overrides)
     if kind == "llama":
         if c.get("attention_bias", False) != c.get("mlp_bias", False):
             raise UserError(
@@ -318,6 +323,8 @@ def state_dict_from_hf(state_dict: Mapping[str, Tensor], hf_config) -> dict[str,
         return {ours: _take(state_dict, theirs, "Llama") for ours, theirs in llama_key_map(cfg).items()}
     if kind == "gpt2":
         return _convert_gpt2(state_dict, cfg)
+    if kind == "gemma3_text":
+        return state_dict_from_gemma3(state_dict, cfg)
     return _convert_marian(state_dict, cfg)
 
 

