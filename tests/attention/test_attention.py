@@ -16,7 +16,7 @@ from attnmask import attention as A
 from attnmask import masks
 from attnmask.attention import BACKENDS, MultiHeadAttention, attention, backends, prepare_mask
 
-BACKEND_NAMES = ("reference", "math", "sdpa", "sdpa_blocks", "auto")
+BACKEND_NAMES = ("reference", "math", "sdpa", "sdpa_blocks", "tiles", "auto")
 HALF_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 PROPS = settings(max_examples=40, deadline=None, derandomize=True)
 

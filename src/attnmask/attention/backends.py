@@ -271,15 +271,13 @@ def _tile_plan(q: Tensor, k: Tensor, pm: PreparedMask) -> TilePlan | None:
 
 def _tiles(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     """Block-sparse attention over the tiles a structured mask allows (:mod:`.blocked`): time and
-    memory follow the allowed region, never ``Tq x Tk``. CPU only; other masks and devices run as
-    ``sdpa``."""
+    memory follow the allowed region, never ``Tq x Tk``. CPU only, without attention dropout (the
+    backward would have to replay it); other masks, devices and dropout run as ``sdpa``."""
     if return_weights:
         raise UserError("backend 'tiles' cannot return attention weights; use backend='reference' (or 'auto')")
-    if dropout_p > 0:
-        raise UserError("backend 'tiles' has no attention dropout; use backend='auto' (SDPA when dropout is on)")
-    plan = _tile_plan(q, k, pm)
+    plan = None if dropout_p > 0 else _tile_plan(q, k, pm)
     if plan is None:
-        return _sdpa(q, k, v, pm, scale=scale, dropout_p=0.0, return_weights=False)
+        return _sdpa(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=False)
     return tile_attention(q, k, v, plan, scale), None
 
 
