@@ -1,14 +1,15 @@
 """The models :func:`~attnmask.audit.conform.runner.conform` checks, and what it checks them against.
 
 - :func:`load_model`: a Hugging Face model from a tiny random config (:data:`TINY_CONFIGS`), a
-  local checkpoint directory, or a GGUF file (a registered name such as ``smollm2`` or a path),
-  read by attnmask's own GGUF loader and handed to ``transformers.LlamaForCausalLM``. Never downloads.
+  local checkpoint directory, or a GGUF file (a registered name such as ``smollm2`` or ``gemma3``, or
+  a path), read by attnmask's own GGUF loader and handed to ``transformers.LlamaForCausalLM`` (or
+  ``Gemma3ForCausalLM``). Never downloads.
 - :func:`implementations`: the attention implementations transformers' ``AttentionInterface``
   knows (``eager`` plus every registered one, user-registered ones included) that the model
   accepts; the others with the reason.
 - :func:`reference_model`: attnmask's float64 :class:`~attnmask.model.Transformer` with the same
   weights, where attnmask can build the architecture (Llama, Mistral as Llama with a sliding
-  window, GPT-2, Marian); None and the reason otherwise.
+  window, GPT-2, Marian, Gemma 3 with its per-layer windows); None and the reason otherwise.
 - :func:`reach`: how far back a sliding-window model's output can depend on its input.
 """
 
@@ -62,6 +63,21 @@ def _qwen2(tf):
     )
 
 
+def _gemma3(tf):
+    # sliding (window 4), full, sliding: the layer-reach scenario sees both layer types
+    return tf.Gemma3TextConfig(
+        vocab_size=128,
+        **_WIDTH | {"num_hidden_layers": 3},
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=64,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        pad_token_id=0,
+    )
+
+
 def _gpt2(tf):
     return tf.GPT2Config(
         vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2, pad_token_id=0
@@ -104,6 +120,7 @@ TINY_CONFIGS: dict[str, Callable] = {
     "llama": _llama,
     "mistral": _mistral,
     "qwen2": _qwen2,
+    "gemma3_text": _gemma3,  # "gemma3" names the real 270M file
     "gpt2": _gpt2,
     "marian": _marian,
     "t5": _t5,
@@ -164,6 +181,11 @@ def _from_gguf(tf, spec: str, dtype: torch.dtype):
     path = locate(spec)
     ours, _, _ = load(spec, fuse=False, column_major=False)
     c = ours.config
+    if c.qk_norm and c.post_norms:  # Gemma 3
+        from attnmask.pretrained.gemma3 import hf_gemma3_from_attnmask
+
+        model = hf_gemma3_from_attnmask(c, ours.state_dict())
+        return model.to(dtype).eval(), f"{path.name} (GGUF, dequantized by attnmask) as Gemma3ForCausalLM"
     if c.positions != "rotary" or c.norm != "rmsnorm" or c.rope_scaling:
         raise UserError(f"{path}: only plain Llama GGUF files map onto transformers' LlamaForCausalLM")
     cfg = tf.LlamaConfig(
@@ -286,7 +308,7 @@ def reference_model(model) -> tuple[object | None, str]:
         cfg["model_type"] = "llama"  # Llama's weights and names, plus a window the reference gets as a mask
     elif kind not in SUPPORTED:
         return None, f"attnmask cannot build {kind!r} models (it imports {', '.join(SUPPORTED)} and mistral)"
-    if len(set(windows)) > 1:
+    if len(set(windows)) > 1 and kind != "gemma3_text":  # Gemma 3's config carries its layers' windows
         return None, "attnmask's reference takes one window for every layer"
     try:
         ref = transformer_from_hf(model.state_dict(), cfg, dtype=torch.float64)

@@ -9,6 +9,10 @@ registered with ``AttentionInterface.register``) and runs the same scenarios und
 ``sliding window``
     For models with a window on every layer: no token further back than the model's reach
     (``sum(W - 1)`` over layers) influences an output, and every token within it does.
+``layer reach``
+    For models with a window on some layer: each decoder layer measured alone inside the model's
+    forward (:mod:`~attnmask.audit.conform.reach`): a sliding layer's last output does not move when
+    keys W or more back change and does when the key W - 1 back changes; a full layer's moves with both.
 ``left padding`` / ``right padding``
     3 pads on one side: real outputs equal the unpadded sequence's, and no real output moves
     when the ids in the pads change.

@@ -18,6 +18,7 @@ from torch import Tensor
 from attnmask import masks
 from attnmask.audit.checks import audit
 from attnmask.audit.conform.models import layer_windows, reach, reference_model
+from attnmask.audit.conform.reach import layer_reach
 from attnmask.audit.conform.report import ConformResult
 from attnmask.audit.subjects import from_callable, from_hf, positions_from_mask
 from attnmask.audit.tolerance import Tolerance
@@ -28,6 +29,7 @@ __all__ = ["Suite", "SCENARIOS", "N_PADS", "N_NEW_TOKENS"]
 SCENARIOS = (
     "causality",
     "sliding window",
+    "layer reach",
     "left padding",
     "right padding",
     "source padding",
@@ -39,8 +41,8 @@ SCENARIOS = (
     "implementations agree",
     "float64 reference",
 )
-_DECODER_ONLY = {"sliding window", "left padding", "packed (no mask)", "packed (all-ones mask)", "cache parity"}
-_DECODER_ONLY |= {"batched greedy"}
+_DECODER_ONLY = {"sliding window", "layer reach", "left padding", "packed (no mask)", "packed (all-ones mask)"}
+_DECODER_ONLY |= {"cache parity", "batched greedy"}
 N_PADS = 3
 N_NEW_TOKENS = 6
 
@@ -170,6 +172,8 @@ class Suite:
             if "causality" in wanted:
                 return []  # reported with causality: one measurement
             return [r for r in self.causality(impl, with_window=True) if r.scenario == scenario]
+        if scenario == "layer reach":
+            return [layer_reach(self.m, impl, self.windows, vocab=self.vocab, seed=self.seed, dtype=self.dtype)]
         if scenario in ("left padding", "right padding"):
             return [self.padding(scenario.split()[0], impl)]
         if scenario == "fully padded rows":
@@ -430,6 +434,8 @@ class Suite:
                 else:
                     ids, keep = self.comparison_batch()
                     window = self.windows[0] if self.windows else None
+                    if ref.config.sliding_window:  # the reference applies its own per-layer windows
+                        window = None
                     shape = masks.causal() if window is None else masks.sliding_window(window)
                     mask = shape & masks.padding(keep=keep.bool())
                     self.ref_logits = ref.decode(ids, mask=mask, positions=positions_from_mask(keep))
