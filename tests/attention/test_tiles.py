@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
+from attnmask import attention as A
 from attnmask import masks
 from attnmask.attention import attention, backends, blocked
 from tests.attention.test_attention import qkv, reference_attention
@@ -179,3 +180,47 @@ def test_dropout_and_raw_tensors_run_as_sdpa(monkeypatch):
     assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     attention(q, k, v, masks.sliding_window(8), backend="tiles", dropout_p=0.1)
     assert calls == []
+
+
+def spy_tiles(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    original = backends.tile_attention
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(backends, "tile_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_auto_takes_tiles_for_a_long_window(grad, monkeypatch):
+    calls = spy_tiles(monkeypatch)
+    q, k, v = qkv(1, 2, 2, 2048, 2048, 16, requires_grad=grad)
+    mask = masks.causal() & masks.sliding_window(64)
+    with torch.set_grad_enabled(grad):
+        out = attention(q, k, v, mask)
+    assert calls == [1]
+    assert_close(out, attention(q, k, v, mask, backend="sdpa"), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_keeps_sdpa_where_tiles_cannot_save(monkeypatch):
+    calls = spy_tiles(monkeypatch)
+    q, k, v = qkv(2, 4, 4, 300, 300, 16)
+    attention(q, k, v, masks.causal() & masks.padding(lengths=[300, 200]))  # float32: SDPA's kernels
+    attention(q, k, v, masks.document(torch.zeros(2, 300, dtype=torch.long)))  # one document: dense
+    attention(q, k, v, masks.sliding_window(8), dropout_p=0.1)  # dropout: not in the tiles
+    assert calls == []
+
+
+@pytest.mark.parametrize("native, expected", [(True, "tiles"), (False, "sdpa")])
+def test_bfloat16_tiles_follow_the_cpus_bfloat16_instructions(native, expected, monkeypatch):
+    """The rule reads what the CPU can do (avx512_bf16 / amx_bf16), never a clock."""
+    monkeypatch.setattr(backends, "_native_bf16", lambda: native)
+    q, k, v = qkv(1, 8, 8, 1024, 1024, 64, dtype=torch.bfloat16)
+    pm = A.prepare_mask(masks.causal(), 1, 8, 1024, 1024)
+    assert backends._cpu_choice(q, k, v, pm, 0.0) == expected
+    assert backends._tile_cost_per_score(torch.bfloat16, True, False) > backends._tile_cost_per_score(
+        torch.bfloat16, True, True
+    )

@@ -21,13 +21,17 @@ be added with :func:`register_backend` without touching them:
 - ``sdpa_blocks``: a causal / contiguous-padding mask run as unmasked SDPA calls over the real
   tokens (see :class:`SdpaCall`), no ``Tq x Tk`` mask; other masks as ``sdpa``. A Python loop of
   kernel calls: for the CPU;
+- ``tiles``: block-sparse attention over the key blocks a structured mask allows (windows, documents,
+  causal, prefix LM, padding and their ``&``/``|``), forward and recomputing backward, never a
+  ``Tq x Tk`` tensor (:mod:`.blocked`). CPU; other masks, devices and dropout run as ``sdpa``;
 - ``flex``: compiled FlexAttention with the mask's ``BlockMask`` (:meth:`attnmask.masks.Mask.block_mask`),
   built once per prepared mask. Training and inference on CUDA; inference only on the CPU (torch has
   no CPU backward for it); no attention dropout;
 - ``auto``: the fastest correct choice for the device: ``reference`` for weights; on the CPU,
   ``math`` for many short problems (bfloat16 with short keys, float32 inference on short rows),
-  ``sdpa_blocks`` when a cost model says the blocks are cheaper than one dense call (measured in
-  docs/benchmarks.md), else ``sdpa``; on an accelerator, ``sdpa`` with ``is_causal`` for pure
+  else the cheapest of ``tiles``, ``sdpa_blocks`` and ``sdpa`` by cost models in SDPA scores
+  (shapes, dtype, pass, the mask's key blocks and whether the CPU multiplies bfloat16 natively;
+  measured in docs/benchmarks.md, never timed at run time); on an accelerator, ``sdpa`` with ``is_causal`` for pure
   causal, ``flex`` for structured masks, ``sdpa`` with the dense mask for literal tensors,
   predicates, and when attention dropout is on -- never a loop of kernel launches.
 
@@ -38,6 +42,7 @@ prepared forms are built from device tensors.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -47,9 +52,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnmask import masks as M
-from attnmask.attention.blocked import TilePlan, plan_tiles, tile_attention
+from attnmask.attention.blocked import TilePlan, estimate, plan_tiles, tile_attention
 from attnmask.attention.plan import PreparedMask, SdpaCall, _host_readable, prepare_mask
 from attnmask.errors import UserError, UserTypeError
+from attnmask.linear import cpu_info
 
 # ---------------------------------------------------------------------------------------------
 # Backends
@@ -234,12 +240,16 @@ def _blocks_cheaper(q: Tensor, k: Tensor, pm: PreparedMask) -> bool:
     B, H, Tq, _ = q.shape
     if len(pm.blocks) == 1 and _covers(pm.blocks[0], B, Tq):
         return True  # one plain SDPA call (is_causal, or keys sliced) never loses to a masked one
-    dense = B * H * Tq * k.shape[2]
-    work = 0.0
+    return _blocks_work(q, pm) <= _MIN_SAVING * B * H * Tq * k.shape[2]
+
+
+def _blocks_work(q: Tensor, pm: PreparedMask) -> float:
+    """The block plan's cost in scores: its rectangles (causal ones as SDPA computes them) and calls."""
+    H, work = q.shape[1], 0.0
     for blk in pm.blocks:
         rect = len(blk.rows) * H * (blk.q1 - blk.q0) * (blk.k1 - blk.k0)
         work += rect * (_causal_cost(blk.k1 - blk.k0, q.device) if blk.diag == 0 else 1.0) + _CALL_COST
-    return work <= _MIN_SAVING * dense
+    return work
 
 
 def _sdpa_blocks(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
@@ -267,6 +277,59 @@ def _tile_plan(q: Tensor, k: Tensor, pm: PreparedMask) -> TilePlan | None:
         q_start = 0 if pm.is_causal else M.query_start(mask, pm.q_len, pm.kv_len, pm.q_offset)
         pm.choices[key] = plan_tiles(mask, pm.batch_size, q.shape[1], pm.q_len, pm.kv_len, q_start)
     return pm.choices[key]
+
+
+# ``auto``'s CPU cost of the tiles backend, in the scores of SDPA's CPU kernel (the unit of the block
+# plan's cost model above): one computed score there costs _TILE_COST[dtype, pass] of SDPA's, and
+# every batched product _TILE_PRODUCT_COST more. Measured on Zen 5 with torch 2.13 (one thread,
+# benchmarks/attention.py; docs/benchmarks.md): in float32 a tile score costs about twice an SDPA
+# score (SDPA's kernel is fused, the tiles are products around a softmax), forward and backward; in
+# bfloat16 the tiles' products run the CPU's bfloat16 instructions (avx512_bf16 / amx_bf16) where
+# SDPA's CPU kernel gains nothing over float32, and a tile score costs 0.8-1.0 of SDPA's forward,
+# 1.1-1.3 forward+backward against a causal call, and less against the block plan's short calls.
+# A CPU without those instructions multiplies bfloat16 (and float16) by conversion: there the tiles
+# are taken only when they skip most of the scores (not measured here).
+_TILE_COST = {("float32", False): 2.0, ("float32", True): 2.0, ("bf16", False): 0.75, ("bf16", True): 1.0}
+_TILE_COST_EMULATED = 4.0  # half types without native products, and float64
+_TILE_PRODUCT_COST = 16384
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo,
+    else what PyTorch's own check says). Read once a process; a fact of the machine, not a timing."""
+    info = cpu_info()
+    if info is not None and info.flags:
+        return bool(info.flags & {"avx512_bf16", "amx_bf16"})
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(check()) if check is not None else False
+
+
+def _tile_cost_per_score(dtype: torch.dtype, training: bool, native_bf16: bool) -> float:
+    """What one score of the tiles backend costs against one of SDPA's CPU kernel (see _TILE_COST)."""
+    if dtype == torch.float32:
+        return _TILE_COST["float32", training]
+    if dtype == torch.bfloat16 and native_bf16:
+        return _TILE_COST["bf16", training]
+    return _TILE_COST_EMULATED
+
+
+def _tiles_cost(q: Tensor, k: Tensor, pm: PreparedMask, training: bool) -> float | None:
+    """The tiles backend's cost for this problem in SDPA scores, from the mask's key blocks (no tile
+    is evaluated), or None where it cannot run (no structured mask, off the CPU, under compile)."""
+    if q.device.type != "cpu" or not _host_readable(q.device) or pm.batch_size is None:
+        return None
+    mask = M.causal() if pm.is_causal else pm.mask
+    if mask is None:
+        return None
+    B, H, Tq, _ = q.shape
+    key = ("tiles-estimate", H)
+    if key not in pm.choices:
+        q_start = 0 if pm.is_causal else M.query_start(mask, pm.q_len, pm.kv_len, pm.q_offset)
+        pm.choices[key] = estimate(mask, B, H, Tq, k.shape[2], q_start)
+    scores, products = pm.choices[key]
+    per_score = _tile_cost_per_score(q.dtype, training, _native_bf16())
+    return scores * per_score + products * _TILE_PRODUCT_COST + _CALL_COST
 
 
 def _tiles(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
@@ -369,6 +432,9 @@ def _flex_suits(pm: PreparedMask) -> bool:
 # batched products measured slower); float32 training over up to 64 keys in at least 32 pairs (at
 # 96-128 keys and 8 heads SDPA catches up). Never when the float32 scores would pass 64 MiB.
 _MATH_MAX_SCORES = 1 << 24
+# float32 inference: at most this many scores per (batch row, head). 20 x 20 and 1 x 256 (one step)
+# measured faster in ``math``, 64 x 64 with 32 pairs slower than SDPA (0.57-0.64 against 0.50-0.54 ms)
+_MATH_MAX_ROW_PAIRS = 2048
 
 
 def _math_suits(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -381,7 +447,7 @@ def _math_suits(q: Tensor, k: Tensor, v: Tensor) -> bool:
     if q.dtype != torch.float32 or B * H < 32:
         return False
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return Tk <= 64 if training else Tq <= 64 and Tk <= 256
+    return Tk <= 64 if training else Tq <= 64 and Tk <= 256 and Tq * Tk <= _MATH_MAX_ROW_PAIRS
 
 
 def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
@@ -389,10 +455,10 @@ def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
 
     - weights: the reference kernel;
     - CPU: ``math`` for many short problems (bfloat16 with short keys, float32 over a batch of
-      short rows: see ``_math_suits``); else a causal / contiguous padding mask runs as unmasked SDPA
-      blocks when the cost model says that is cheaper (measured in docs/benchmarks.md); anything
-      else is SDPA with the mask. Inside ``torch.compile`` the block plan (which reads the mask on
-      the host) is not used;
+      short rows: see ``_math_suits``); else the cheapest by ``_cpu_choice``: the tiles over the
+      key blocks a structured mask allows, a causal / contiguous padding mask as unmasked SDPA
+      blocks, or SDPA with the mask. Inside ``torch.compile`` neither the block plan nor the tiles
+      (which read the mask on the host) are used;
     - GPU: never a Python loop of kernel launches: SDPA ``is_causal`` for pure causal, compiled
       FlexAttention for structured masks (SDPA with the mask when attention dropout is on, which
       FlexAttention lacks), SDPA with the dense mask for literal tensors and predicates.
@@ -404,9 +470,37 @@ def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
             return _flex(q, k, v, pm, scale=scale, dropout_p=0.0, return_weights=False)
     elif _math_suits(q, k, v):
         return _math(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=False)
-    elif not pm.is_causal and _use_blocks(q, k, pm):
-        return _blocks(q, k, v, pm.blocks, scale=scale, dropout_p=dropout_p), None
+    else:
+        choice = _cpu_choice(q, k, v, pm, dropout_p)
+        if choice == "tiles":
+            return tile_attention(q, k, v, _tile_plan(q, k, pm), scale), None
+        if choice == "blocks":
+            return _blocks(q, k, v, pm.blocks, scale=scale, dropout_p=dropout_p), None
     return _sdpa(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=False)
+
+
+def _cpu_choice(q: Tensor, k: Tensor, v: Tensor, pm: PreparedMask, dropout_p: float) -> str:
+    """``"tiles"``, ``"blocks"`` or ``"sdpa"`` for a CPU problem past ``math``'s: the cheapest by the
+    cost models (in SDPA scores: the block plan's, the tiles' by dtype, pass and the CPU's bfloat16
+    instructions), decided once per PreparedMask, head count, dtype and pass. No timing."""
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = ("auto", q.shape[1], q.dtype, training, dropout_p > 0)
+    if key in pm.choices:
+        return pm.choices[key]
+    B, H, Tq, _ = q.shape
+    dense = B * H * Tq * k.shape[2]
+    if pm.is_causal:
+        choice, cost = "sdpa", dense * _causal_cost(k.shape[2], q.device)
+    elif _use_blocks(q, k, pm):
+        choice, cost = "blocks", _blocks_work(q, pm) if pm.blocks else dense
+    else:
+        choice, cost = "sdpa", float(dense)
+    if dropout_p == 0 and dense > 4 * _CALL_COST:  # smaller: a call's overhead is all there is
+        tiles = _tiles_cost(q, k, pm, training)
+        if tiles is not None and tiles <= cost:
+            choice = "tiles"
+    pm.choices[key] = choice
+    return choice
 
 
 register_backend("reference", _reference)

@@ -90,23 +90,12 @@ class TilePlan:
         return (~allowed).expand(allowed.shape[0], n, self.bq, ck).contiguous()  # (B|1, n, bq, ck)
 
 
-def plan_tiles(
-    mask: M.Mask,
-    batch_size: int,
-    heads: int,
-    q_len: int,
-    kv_len: int,
-    q_start: int,
-    *,
-    bq: int | None = None,
-    bk: int = 16,
-    max_keys: int | None = None,
-) -> TilePlan:
-    """The key blocks each query block needs, from the mask's key spans (a superset of the allowed
-    keys; the union over batch rows), grouped by how many they are. Host work of
-    ``(Tq / bq) x (Tk / bk)`` flags plus one evaluation of the mask on the tiles (which rows are
-    empty; the tiles are kept for later calls up to :data:`TILE_CACHE` elements). ``bq=None``
-    picks the query block from the mask's mean span (:func:`query_block`)."""
+def key_blocks(
+    mask: M.Mask, batch_size: int, q_len: int, kv_len: int, q_start: int, *, bq: int | None = None, bk: int = 16
+) -> tuple[int, Tensor]:
+    """``(bq, need)``: the query block size (``bq=None``: from the mask's mean span, see
+    :func:`query_block`) and bool ``(nq, nk)``, the key blocks of ``bk`` keys that query block ``i``
+    reads: those the mask's key spans touch, over every batch row. Nothing is evaluated per tile."""
     spans = mask.key_spans(batch_size, q_len, kv_len, q_start, device="cpu")
     if bq is None:
         bq = query_block(spans, kv_len)
@@ -125,6 +114,37 @@ def plan_tiles(
         last = hi.view(-1, nq, bq).amax(dim=2).amax(dim=0)  # (nq,) past the last one
         start, stop = first.clamp(max=kv_len) // bk, (last + bk - 1).clamp(min=0) // bk
         need |= (kb >= start[:, None]) & (kb < stop[:, None]) & (first < last)[:, None]
+    return bq, need
+
+
+def estimate(mask: M.Mask, batch_size: int, heads: int, q_len: int, kv_len: int, q_start: int) -> tuple[int, int]:
+    """``(scores, products)`` a plan would compute, without building it (no tile is evaluated):
+    query-key pairs over every batch row and head, and about how many batched products they take."""
+    bq, need = key_blocks(mask, batch_size, q_len, kv_len, q_start)
+    scores = int(need.sum()) * 16 * bq * batch_size * heads
+    return scores, len(need.sum(dim=1).unique()) + -(-scores // SCORE_BUDGET)
+
+
+def plan_tiles(
+    mask: M.Mask,
+    batch_size: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    q_start: int,
+    *,
+    bq: int | None = None,
+    bk: int = 16,
+    max_keys: int | None = None,
+) -> TilePlan:
+    """The key blocks each query block needs, from the mask's key spans (a superset of the allowed
+    keys; the union over batch rows), grouped by how many they are. Host work of
+    ``(Tq / bq) x (Tk / bk)`` flags plus one evaluation of the mask on the tiles (which rows are
+    empty; the tiles are kept for later calls up to :data:`TILE_CACHE` elements). ``bq=None``
+    picks the query block from the mask's mean span (:func:`query_block`)."""
+    bq, need = key_blocks(mask, batch_size, q_len, kv_len, q_start, bq=bq, bk=bk)
+    nq = need.shape[0]
+    pad = nq * bq - q_len
     counts = need.sum(dim=1)  # (nq,) key blocks of each query block
     cols = need.nonzero()[:, 1]  # (sum counts,) their indices, block by block
     offsets = counts.cumsum(0) - counts  # (nq,) where each block's indices start in cols
