@@ -10,8 +10,9 @@ scales, 6-bit codes, weight = ``(d * sc) * (q - 32)``.
 
 :func:`repack` moves a GGUF tensor's bytes once into one of three layouts the kernel reads without
 byte shuffles (:data:`LAYOUT`): **4-bit** codes in lane order with float32 ``d`` and ``m`` per 32
-weights (Q4_1; Q4_K with ``d = d * sc`` and ``m = -(dmin * mn)``), **8-bit** signed codes in lane
-order with a float32 ``d`` per 32 weights (Q8_0; Q5_0 as ``q - 16``) and **8-bit/16**, the same with
+weights (Q4_1; Q4_K with ``d = d * sc`` and ``m = -(dmin * mn)``), **8-bit** signed codes in planes
+of 8 weights, two blocks side by side, with a float32 ``d`` per 32 weights (Q8_0; Q5_0 as ``q - 16``)
+and **8-bit/16**, the same with
 a ``d`` per 16 weights (Q6_K: ``q - 32`` and ``d * sc``). The values are unchanged: the K-quants'
 scale products are taken once per sub-block in float32, as ``gguf.dequantize`` takes them, and
 :func:`unpack` gives back the weight ``gguf.dequantize`` gives, bit for bit. (The 8-bit layout
@@ -137,8 +138,10 @@ def repack(blocks: Tensor, kind: str, in_features: int) -> dict[str, Tensor]:
         q = q.reshape(n, nbp // 2, 4, 2, 8)  # weight 8k + i of a pair, k = 2c + h: (pair, c, h, i)
         lanes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 1, 3, 2)  # byte c of lane i: (pair, i, c)
         return {"codes": lanes.reshape(n, nbp * 16).contiguous(), "d": d.contiguous(), "m": m.contiguous()}
-    lanes = q.view(torch.uint8).reshape(n, nb, 4, 8).transpose(2, 3)  # byte k of lane i = weight 8k + i
-    return {"codes": lanes.reshape(n, nb * QK).contiguous(), "d": d.contiguous()}
+    q, pairs = q.view(torch.uint8), nb // 2 * 2
+    planes = q[:, :pairs].reshape(n, nb // 2, 2, 4, 8).transpose(2, 3)  # plane k: weights 8k..8k + 7 of both blocks
+    codes = torch.cat([planes.reshape(n, -1), q[:, pairs:].reshape(n, -1)], dim=1)  # an odd last block in order
+    return {"codes": codes.contiguous(), "d": d.contiguous()}
 
 
 def unpack(packed: dict[str, Tensor], kind: str, in_features: int) -> Tensor:
@@ -151,7 +154,10 @@ def unpack(packed: dict[str, Tensor], kind: str, in_features: int) -> Tensor:
         q = torch.stack([lanes & 15, lanes >> 4], dim=3).reshape(n, nbp, QK)[:, :nb]  # (n, nb, 32)
         w = d[:, :nb, None] * q.float() + packed["m"][:, :nb, None]
     else:
-        q = codes.reshape(n, nb, 8, 4).transpose(2, 3).contiguous().view(torch.int8)  # (n, nb, 4, 8)
+        pairs = nb // 2 * 2
+        planes = codes[:, : pairs * QK].reshape(n, nb // 2, 4, 2, 8).transpose(2, 3)  # (pair, block, k, i)
+        q = torch.cat([planes.reshape(n, pairs, QK), codes[:, pairs * QK :].reshape(n, -1, QK)], dim=1)
+        q = q.view(torch.int8)  # (n, nb, 32) in weight order
         per = d.shape[1] // nb  # scales per block: 1, or 2 (Q6_K: weights 0..15 and 16..31)
         w = q.reshape(n, nb * per, QK // per).float() * d[:, :, None]
     return w.reshape(n, in_features)

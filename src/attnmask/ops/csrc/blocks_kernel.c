@@ -1,14 +1,18 @@
 /*
  * y = x W^T with W held in llama.cpp's block formats, float32 activations (attnmask.ops.blocks).
  *
- * A GGUF block holds 32 weights: Q4_1 weight j = d * q_j + m (q_j in 0..15), Q8_0 weight j = d * q_j
- * (q_j in -128..127), d and m float16. attnmask.ops.blocks.repack repacks each row once, at load time, into a
- * layout these loops read without byte shuffles (values unchanged):
+ * Two kinds of loops, by the layout attnmask.ops.blocks.repack moves a GGUF tensor into once, at load
+ * time (values unchanged; blocks.LAYOUT says which format takes which):
  *
- *   Q4_1: blocks in pairs (a zero block pads an odd count); per pair 8 uint32 lanes, lane i holding
- *         in bits 4k..4k+3 (k = 0..7) the code of weight 8k + i of the pair (weights 0..31 = first
- *         block, 32..63 = second); then d[nbp] and m[nbp] as float32 arrays of their own.
- *   Q8_0: per block 8 uint32 lanes, lane i holding in byte k (k = 0..3) weight 8k + i; then d[nb].
+ *   4-bit (Q4_1; Q4_K with its sub-block products d * sc and -(dmin * m)): weight j of a block of 32 =
+ *         d * q_j + m, q_j in 0..15. Blocks in pairs (a zero block pads an odd count); per pair 8
+ *         uint32 lanes, lane i holding in bits 4k..4k+3 (k = 0..7) the code of weight 8k + i of the
+ *         pair (weights 0..31 = first block, 32..63 = second); then d[nbp] and m[nbp] as float32
+ *         arrays of their own.
+ *   8-bit (Q8_0; Q5_0 as q - 16; Q6_K as q - 32, `sub16`): weight j of a block of 32 = d * q_j, q_j in
+ *         -128..127, d per block (sub16: d per 16 weights). Per pair of blocks 4 planes of 16 bytes,
+ *         plane k holding weights 8k..8k + 7 of the first block, then of the second (an odd last
+ *         block: its 32 codes in order); then d[nb] (sub16: d[2 nb]) as float32.
  *
  * Each block's sum is regrouped, not approximated: sum_j (d q_j + m) x_j = d * sum_j q_j x_j +
  * m * sum_j x_j, with x never quantized. A Q4_1 code k < 7 is taken out of its lane in place, as
@@ -316,18 +320,28 @@ void attnmask_q4_1_dequantize(const uint32_t *codes, const float *d, const float
 /* `sub16` (a constant at every call, so each format gets its own loops): the scales d are per 16
  * weights, d[2b] for weights 0..15 of block b (bytes k = 0, 1 of its lanes), d[2b + 1] for 16..31
  * (k = 2, 3); each half's sum is scaled on its own: d[2b] * (q . x)_0..15 + d[2b + 1] * (q . x)_16..31. */
+/* Where the codes of weights 8k..8k + 7 of block b sit in a row of nb blocks: plane8(...) + k * plane_step(...)
+ * (blocks in pairs: 64 bytes a pair, plane k at 16 k, the second block 8 bytes on; an odd last block in order).
+ * Decoding a plane (8 or 16 codes) is one sign extension, and the codes are converted to float exactly. */
+static inline const uint8_t *plane8(const uint32_t *codes, int64_t b, int64_t nb) {
+    const uint8_t *row = (const uint8_t *)codes;
+    return b < nb / 2 * 2 ? row + (b / 2) * 64 + (b % 2) * 8 : row + b * QK;
+}
+static inline int64_t plane_step(int64_t b, int64_t nb) { return b < nb / 2 * 2 ? 16 : 8; }
+
 #if BLOCKS_AVX2
 /* block b of the row in the 8-lane order, its activations at x + at: Q8_0 adds d[b] * (q . x) to
  * acc0 (b even) or acc1 (b odd), sub16 the first half's scaled sum to acc0 and the second's to acc1 */
 static inline __attribute__((always_inline)) void q8_block8(const uint32_t *codes, const float *d, const float *x,
                                                             __m256 *acc0, __m256 *acc1, const int R, int64_t K,
                                                             int64_t b, int64_t at, const int sub16) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + b * 8));
+    const uint8_t *q = plane8(codes, b, K / QK);
+    const int64_t step = plane_step(b, K / QK);
     ahead(codes + b * 8, CODES_AHEAD);
-    const __m256 v0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
-    const __m256 v1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 16), 24));
-    const __m256 v2 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 8), 24));
-    const __m256 v3 = _mm256_cvtepi32_ps(_mm256_srai_epi32(raw, 24));
+    const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+    const __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + step))));
+    const __m256 v2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 2 * step))));
+    const __m256 v3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 3 * step))));
     if (sub16) {
         if (!(b & 7)) ahead(d + 2 * b, CODES_AHEAD / 4); /* 8 bytes of scales per 32 of codes */
         const __m256 lo = _mm256_broadcast_ss(d + 2 * b), hi = _mm256_broadcast_ss(d + 2 * b + 1);
@@ -356,12 +370,12 @@ static inline __attribute__((always_inline)) void q8_block8(const uint32_t *code
 static inline __attribute__((always_inline)) void q8_group(const uint32_t *codes, const float *d, const float *x,
                                                            __m512 *acc0, __m512 *acc1, const int R, int64_t K,
                                                            int64_t g, const int sub16) {
-    const __m512i raw = _mm512_loadu_si512((const void *)(codes + g * 16));
+    const __m128i *planes = (const __m128i *)(codes + g * 16); /* 4 planes of 16 codes, one per k */
     ahead(codes + g * 16, CODES_AHEAD);
-    const __m512 v0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 24), 24));
-    const __m512 v1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 16), 24));
-    const __m512 v2 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 8), 24));
-    const __m512 v3 = _mm512_cvtepi32_ps(_mm512_srai_epi32(raw, 24));
+    const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(planes)));
+    const __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(planes + 1)));
+    const __m512 v2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(planes + 2)));
+    const __m512 v3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(planes + 3)));
     if (sub16) {
         /* d[4g .. 4g + 3]: block 2g's halves, then block 2g + 1's; lanes 0..7 scale block 2g, 8..15 block 2g + 1 */
         const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
@@ -463,14 +477,15 @@ static void q8_row(const uint32_t *codes, const float *d, const float *x, float 
 static void q8_row(const uint32_t *codes, const float *d, const float *x, float *y, int64_t R, int64_t N, int64_t K,
                    const int sub16) {
     const int64_t nb = K / QK;
-    const int8_t *q = (const int8_t *)codes;
     for (int64_t r = 0; r < R; r++) {
         float total = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
+            const int8_t *q = (const int8_t *)plane8(codes, b, nb);
+            const int64_t step = plane_step(b, nb);
             float t[2] = {0.0f, 0.0f}; /* sub16: weights 0..15 (k = 0, 1) and 16..31 (k = 2, 3) */
             for (int k = 0; k < 4; k++)
                 for (int i = 0; i < 8; i++)
-                    t[sub16 ? k / 2 : 0] += (float)q[b * QK + i * 4 + k] * x[r * K + b * QK + k * 8 + i];
+                    t[sub16 ? k / 2 : 0] += (float)q[k * step + i] * x[r * K + b * QK + k * 8 + i];
             total += sub16 ? d[2 * b] * t[0] + d[2 * b + 1] * t[1] : d[b] * t[0];
         }
         y[r * N] = total;
@@ -478,7 +493,7 @@ static void q8_row(const uint32_t *codes, const float *d, const float *x, float 
 }
 #endif
 
-/* y (M, N) = x (M, K) @ W^T. codes: N rows of K uint8 (as K / 4 uint32); d: N rows of K / 32 float32
+/* y (M, N) = x (M, K) @ W^T. codes: N rows of K uint8 (read as K / 4 uint32); d: N rows of K / 32 float32
  * (sub16: K / 16). Returns 0, or -1 if the scratch buffer (AVX-512: x in lane_order) cannot be allocated. */
 static int q8_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N, int64_t K,
                      int threads, const int sub16) {
@@ -535,13 +550,12 @@ int attnmask_q6_k_matmul(const uint32_t *codes, const float *d, const float *x, 
 /* out (N, K) float32 = the dequantized weight, d * q with d per `sub` weights (32 or 16) */
 static void q8_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads, int sub) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *q = (const int8_t *)(codes + n * (K / 4));
+    for (int64_t n = 0; n < N; n++)
         for (int64_t j = 0; j < K; j++) {
             const int64_t b = j / QK, k = (j % QK) / 8, i = j % 8;
-            out[n * K + j] = d[n * (K / sub) + j / sub] * (float)q[b * QK + i * 4 + k];
+            const int8_t *q = (const int8_t *)plane8(codes + n * (K / 4), b, K / QK);
+            out[n * K + j] = d[n * (K / sub) + j / sub] * (float)q[k * plane_step(b, K / QK) + i];
         }
-    }
 }
 
 void attnmask_q8_0_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads) {
