@@ -291,6 +291,41 @@ def test_stop_ids_stop_strings_and_max_tokens():
     assert got["0"] == (tokens[:2], [None, None], "length")  # no logprobs unless asked
 
 
+def test_a_late_stop_string_across_textless_tokens_ends_a_long_request_where_the_whole_text_would():
+    """Stop strings are searched in the text of the last tokens only, yet found where searching all the
+    generated text at every token finds them: here 400 sampled tokens, most of which give no text, so
+    the stop string (taken from late in the text) spans many more tokens than it has characters."""
+
+    def text_of(t: int) -> str:  # two ids in three give no text (bytes of a split character); the rest letters
+        return "" if t % 3 else chr(ord("a") + t) * (1 + t % 2)
+
+    calls = []
+
+    def detokenize(ids: list[int]) -> str:
+        calls.append(len(ids))
+        return "".join(text_of(t) for t in ids)
+
+    n = 400
+    m = model("rotary-gqa")
+    engine = Engine(m, num_blocks=2 + (8 + n) // 16, block_size=16, eos_ids=[], detokenize=detokenize)
+    params = dict(max_tokens=n, sampling=Sampling(temperature=1.0), seed=3)
+    [free] = engine.generate([INPUTS[0]], RequestParams(**params))
+    assert len(free.tokens) == n and free.finish_reason == "length"
+    texts = [text_of(t) for t in free.tokens]
+    at = sum(len(t) for t in texts[:330])
+    stop = "".join(texts)[at : at + 12]  # 12 letters from late in the text
+    first = next(i for i in range(n) if stop in "".join(texts[: i + 1]))  # the whole text at every token
+    assert first >= 300, "the stop string should first appear late"
+    start = next(j for j in range(first, -1, -1) if stop in "".join(texts[j : first + 1]))
+    assert first + 1 - start > len(stop) + 8  # it spans more tokens than it has characters, and a margin
+
+    calls.clear()
+    [got] = engine.generate([INPUTS[0]], RequestParams(**params, stop=(stop,)))
+    assert got.tokens == free.tokens[: first + 1] and got.finish_reason == "stop"
+    assert len(calls) >= first + 1  # every token was searched
+    assert max(calls) <= 120  # and none decoded the whole generated text (over 300 tokens by then)
+
+
 def test_a_model_context_ends_a_request_and_bounds_what_it_may_ask():
     m = tiny_model("decoder", vocab=24, std=0.5, positions="learned", max_seq_len=12)
     engine = Engine(m, num_blocks=64, block_size=4)

@@ -37,6 +37,8 @@ from attnmask.errors import UserError
 
 __all__ = ["Completion", "Engine", "EngineStats", "RequestParams", "TokenEvent"]
 
+TAIL_MARGIN = 8  # characters a stop-string search's window holds beyond the stop string and the newest token
+
 
 @dataclass(frozen=True)
 class RequestParams:
@@ -110,6 +112,7 @@ class _Request:
     params: RequestParams
     generator: torch.Generator
     stops: frozenset[int]
+    tail: int = 0  # tokens of the last stop-string search's window (see Engine._tail_text)
 
 
 class Engine:
@@ -281,11 +284,7 @@ class Engine:
         seq.tokens.append(token)
         self._tokens_out += 1
         reason = None
-        if (
-            token in request.stops
-            or params.stop
-            and any(s in self.detokenize(seq.tokens[seq.prompt_len :]) for s in params.stop)
-        ):
+        if token in request.stops or params.stop and _holds_any(self._tail_text(request), params.stop):
             reason = "stop"
         elif seq.generated >= params.max_tokens or (self.max_len is not None and len(seq.tokens) >= self.max_len):
             reason = "length"
@@ -294,12 +293,31 @@ class Engine:
             del self._requests[seq.request_id]
         return TokenEvent(seq.request_id, token, seq.generated - 1, logprob, reason)
 
-    def _tail_text(self, seq: SeqState, stops: tuple[str, ...]) -> str:
-        """The text of the last tokens, enough to hold any stop string that the newest token completes
-        (each token gives at least one character but for a few bytes of a split character, hence the
-        margin): decoding all the generated text at every token would cost O(n^2)."""
-        tail = max(len(s) for s in stops) + 8
-        return self.detokenize(seq.tokens[max(seq.prompt_len, len(seq.tokens) - tail) :])
+    def _tail_text(self, request: _Request) -> str:
+        """The text of the request's last tokens, where a stop string that the newest token completes
+        lies whole, however many tokens it spans.
+
+        Earlier tokens were searched as they came, so only an occurrence that ends in the newest
+        token's text is new: it starts at most ``len(stop) - 1`` characters before that text. The
+        window takes enough of the last tokens that their text is at least the longest stop string,
+        the newest token's own text and :data:`TAIL_MARGIN` long (the margin covers what decoding the
+        window alone may change at its start: a character split at the cut, a dropped leading space).
+        Tokens may give no text (bytes of a split character, skipped special tokens), so the window
+        doubles until its text is that long or it holds every generated token, and the next token's
+        search starts at the size that sufficed. Each token then costs about the stop strings' length
+        in detokenizing, where decoding all the generated text at every token costs O(n^2) over a
+        request."""
+        seq = request.seq
+        generated = len(seq.tokens) - seq.prompt_len
+        need = max(len(s) for s in request.params.stop) + TAIL_MARGIN + len(self.detokenize(seq.tokens[-1:]))
+        n = max(request.tail, need)  # most tokens give a character or more
+        while True:
+            n = min(n, generated)
+            text = self.detokenize(seq.tokens[len(seq.tokens) - n :])
+            if len(text) >= need or n == generated:
+                request.tail = n
+                return text
+            n *= 2
 
     # ---- conveniences ------------------------------------------------------------------------
     def run(self) -> Iterator[TokenEvent]:
@@ -322,3 +340,7 @@ class Engine:
             if event.finished:
                 c.finish_reason = event.finish_reason
         return [done[rid] for rid in ids]
+
+
+def _holds_any(text: str, strings: tuple[str, ...]) -> bool:
+    return any(s in text for s in strings)
