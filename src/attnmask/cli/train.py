@@ -132,6 +132,13 @@ _FLAGS = (
         "torch.compile the model step, batch lengths rounded to multiples of 16 (off by default: on a 2-core CPU "
         "~10%% faster per step, but compiling takes minutes; worth it for long runs)",
     ),
+    (
+        "--fsdp",
+        "fsdp",
+        "store_true",
+        "under torchrun: shard parameters, gradients and optimizer state over the processes (FSDP2); "
+        "checkpoints are shards that a --resume on another number of processes reads",
+    ),
     ("--no-progress", "progress", "store_false", "no progress bar"),
 )
 
@@ -156,7 +163,7 @@ def add_parser(sub) -> None:
         description="Train an encoder-decoder translator (--task translation --src F --tgt F) or a decoder-only "
         "language model (--task lm --text F) with teacher forcing. The run directory gets the config, tokenizer, "
         "weights (safetensors), resumable trainer state, metrics.jsonl, TensorBoard scalars (tb/) and loss.png. "
-        "Several processes: torchrun --nproc-per-node N -m attnmask train ... "
+        "Several processes: torchrun --nproc-per-node N -m attnmask train ... (--fsdp to shard the model) "
         "Exit status: 0 done, 130 after Ctrl-C and 143 after SIGTERM (checkpoint saved; continue with --resume).",
     )
     group = p

@@ -234,9 +234,15 @@ class RunConfig:
     # shapes of Multi30k took ~155 s with a cold inductor cache (~10 s warm), more than the 2-minute
     # demo gains (docs/benchmarks.md); not measured on a GPU
     compile: bool = False
+    # shard parameters, gradients and optimizer state over torchrun's processes (FSDP2); checkpoints
+    # as torch.distributed.checkpoint shards, which a resume on another number of processes reads
+    # (attnmask.train.fsdp)
+    fsdp: bool = False
 
     def __post_init__(self):
         _choice("precision", self.precision, PRECISIONS)
+        if self.fsdp and self.compile:
+            raise UserError("fsdp=True with compile=True: sharded training runs eagerly; drop --compile")
         _positive(self, ("eval_every", "eval_sentences", "log_every", "save_every"), allow_zero=True)
         _positive(self, ("eval_max_tokens",))
 

@@ -1,9 +1,11 @@
 """Data-parallel plumbing for ``torchrun``: who am I, and the few collectives training needs.
 
-``torchrun --nproc-per-node N -m attnmask.cli train ...`` sets ``RANK``, ``WORLD_SIZE``,
+``torchrun --nproc-per-node N -m attnmask train ...`` sets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; :func:`setup` reads them and starts the
 process group (gloo on CPU, nccl on CUDA). Without them everything degrades to one process and
-every collective here is the identity, so the training loop has a single code path.
+every collective here is the identity, so the training loop has a single code path. Sharded
+training (``--fsdp``, :mod:`attnmask.train.fsdp`) needs the group even for one process, and refuses
+to start without torchrun.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ class Dist:
         return self.rank == 0
 
 
-def setup(device: str = "auto") -> Dist:
+def setup(device: str = "auto", *, fsdp: bool = False) -> Dist:
     """Join the process group if launched by torchrun; pick this rank's device.
+
+    ``fsdp``: start the group for a single process too (FSDP shards over it), and refuse to run
+    outside torchrun (or a group the caller started).
 
     ``device``: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
     Under torchrun with CUDA, each rank takes ``cuda:LOCAL_RANK``; with more local ranks than GPUs,
@@ -44,7 +49,7 @@ def setup(device: str = "auto") -> Dist:
 
     Raises:
         ValueError: ``device`` asks for CUDA but none is available (or fewer GPUs than local
-            ranks), or is not a device name.
+            ranks), or is not a device name; ``fsdp`` without torchrun.
     """
     try:
         want = torch.device(
@@ -54,10 +59,14 @@ def setup(device: str = "auto") -> Dist:
         raise UserError(f"--device {device!r} is not a device name; expected auto, cpu, cuda or cuda:N") from err
     if want.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {device!r} asks for CUDA, but torch.cuda.is_available() is False")
+    if fsdp:
+        require_launcher()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
+    if fsdp and dist.is_initialized():
+        world_size = dist.get_world_size()
+    if world_size <= 1 and not fsdp:
         return Dist(device=want)
-    rank = int(os.environ["RANK"])
+    rank = dist.get_rank() if fsdp and dist.is_initialized() else int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if want.type == "cuda":
         want = _rank_device(device, rank, local_rank)
@@ -68,6 +77,23 @@ def setup(device: str = "auto") -> Dist:
         dist.init_process_group(backend="nccl" if want.type == "cuda" else "gloo")
         started = True
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=want, started_group=started)
+
+
+def require_launcher() -> None:
+    """``--fsdp`` needs a process group: torchrun's environment, or one the caller started.
+
+    Raises:
+        ValueError: neither (a plain ``python -m attnmask train --fsdp``).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise UserError(
+            f"--fsdp shards the model over torchrun's processes, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set; launch with "
+            "torchrun --nproc-per-node N -m attnmask train ... --fsdp"
+        )
 
 
 def _rank_device(device: str, rank: int, local_rank: int) -> torch.device:

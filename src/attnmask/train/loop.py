@@ -24,7 +24,9 @@ describes itself; :class:`~attnmask.train.rundir.RunDir` owns the files and
 :class:`~attnmask.train.logger.TrainLogger` every report.
 
 Data-parallel: launched by ``torchrun``, each rank draws its own shard of the batches, DDP
-all-reduces gradients, rank 0 alone writes files, and evaluation is summed over ranks.
+all-reduces gradients, rank 0 alone writes files, and evaluation is summed over ranks. With
+``--fsdp`` the model, gradients and optimizer state are sharded instead (:mod:`attnmask.train.fsdp`),
+and the sharded checkpoints resume on any number of processes.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from attnmask.errors import UserError
 from attnmask.model import Transformer
 from attnmask.model.lora import add_lora, load_lora, lora_modules, lora_state_dict
 from attnmask.model.loss import head_loss
-from attnmask.train import checkpoint, distributed, precision
+from attnmask.train import checkpoint, distributed, fsdp, precision
 from attnmask.train.chat import chat_task
 from attnmask.train.config import RESUME_OVERRIDES, OptimConfig, TrainConfig, resume_changes
 from attnmask.train.logger import TrainLogger
@@ -162,7 +164,7 @@ def train(
             already in ``out`` without ``resume``, a resume whose settings differ, or a damaged
             checkpoint. A run that fails before its first file is written leaves no directory.
     """
-    ctx = distributed.setup(cfg.run.device)
+    ctx = distributed.setup(cfg.run.device, fsdp=cfg.run.fsdp)
     try:
         return Trainer(cfg, ctx, on_step=on_step, log=log).run()
     finally:
@@ -179,6 +181,9 @@ class Trainer:
         self.step, self.elapsed = 0, 0.0
         self.signal_name: str | None = None
         self._resumed_engine: str | None = None
+        self.grad_accum = cfg.optim.grad_accum  # micro-batches of this rank a step (--fsdp resumes adapt it)
+        self.sharded: fsdp.Sharded | None = None  # --fsdp: the sharded model's root unit
+        self._precision: tuple[str, str] | None = None  # (precision, why), chosen before sharding
         created = False
         try:
             state = self._check_run_dir()
@@ -201,6 +206,9 @@ class Trainer:
             if created and not self.dir.has_checkpoint:  # nothing of value in it: leave no trace
                 shutil.rmtree(self.dir.path, ignore_errors=True)
             raise
+        if cfg.run.fsdp:  # every rank takes rank 0's precision: the shards must agree on their dtype
+            self._precision = distributed.all_gather_objects(ctx, precision.choose(cfg.run.precision, ctx.device))[0]
+            self.sharded = fsdp.shard(self.model, ctx, bf16=self._precision[0] == "bf16")
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, cfg.optim.weight_decay),
             lr=cfg.optim.lr,
@@ -214,7 +222,7 @@ class Trainer:
             self._restore(state)
         self.batches = Prefetcher(self.task)  # the next batch is built while a step runs
         self.ddp = self.model
-        if ctx.enabled:
+        if ctx.enabled and self.sharded is None:
             from torch.nn.parallel import DistributedDataParallel
 
             self.ddp = DistributedDataParallel(
@@ -250,7 +258,7 @@ class Trainer:
                 self.dir.truncate_metrics(0)
             return None
         state = self.dir.load_trainer_state()
-        if len(state["ranks"]) != ctx.world_size:
+        if len(state["ranks"]) != ctx.world_size and not cfg.run.fsdp:  # sharded checkpoints reshard
             raise UserError(
                 f"{self.dir} was saved by {len(state['ranks'])} processes, this resume has "
                 f"{ctx.world_size}; expected the same number (torchrun --nproc-per-node)"
@@ -285,7 +293,7 @@ class Trainer:
         return lora_state_dict(self.model) if lora_modules(self.model) else self.model.state_dict()
 
     def _autocast(self):
-        self.precision, why = precision.choose(self.cfg.run.precision, self.ctx.device)
+        self.precision, why = self._precision or precision.choose(self.cfg.run.precision, self.ctx.device)
         self.logger.line(f"precision: {self.precision} ({why})")
         if self.ctx.device.type == "cpu":
             # one library for every rank and for the whole run, resumes included: the same sums
@@ -313,28 +321,61 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def _restore(self, state: dict) -> None:
-        if lora_modules(self.model):
-            load_lora(self.model, state["model"])
+        if self.sharded is not None:
+            mine = self._restore_sharded(state)
         else:
-            self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        mine = state["ranks"][self.ctx.rank]
-        self.task.load_state_dict(mine["data"])
+            if lora_modules(self.model):
+                load_lora(self.model, state["model"])
+            else:
+                self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            mine = state["ranks"][self.ctx.rank]
+        if mine["data"] is not None:
+            self.task.load_state_dict(mine["data"])
         checkpoint.set_rng_state(mine["rng"])
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
         self._resumed_engine = state.get("matmul_engine")  # absent in runs saved before it was kept
         if self.ctx.is_main:
             self.dir.truncate_metrics(self.step)  # the steps after the checkpoint run again
-            name = ADAPTERS if lora_modules(self.model) else WEIGHTS
-            if not self.dir.weights_readable(name):  # e.g. cut short by a full disk after trainer_state.pt
-                self.dir.save_weights(self.model, self.step)
-                self.logger.line(f"{self.dir / name} was damaged; rewrote it from {TRAINER_STATE} (step {self.step})")
+        name = ADAPTERS if lora_modules(self.model) else WEIGHTS
+        if self.sharded is not None and not self.dir.weights_readable(name):  # every rank gathers
+            fsdp.save_weights(self.sharded, self.dir, int(state["step"]), self.ctx)
+            self.logger.line(f"{self.dir / name} was damaged; rewrote it from the sharded checkpoint")
+        elif self.ctx.is_main and self.sharded is None and not self.dir.weights_readable(name):
+            # e.g. cut short by a full disk after trainer_state.pt
+            self.dir.save_weights(self.model, self.step)
+            self.logger.line(f"{self.dir / name} was damaged; rewrote it from {TRAINER_STATE} (step {self.step})")
         self.logger.line(f"resumed {self.dir} at step {self.step}")
+
+    def _restore_sharded(self, state: dict) -> dict:
+        """Model and optimizer shards for this number of processes; this rank's data position and
+        random state; the accumulation that keeps the run's global batch."""
+        ctx, saved = self.ctx, len(state["ranks"])
+        fsdp.load(self.sharded, self.optimizer, self.dir / state["sharded"])
+        self.grad_accum = fsdp.accumulation(state["micro_batches"], ctx.world_size, saved, self.dir)
+        data, note = fsdp.data_state([r["data"] for r in state["ranks"]], ctx.rank, ctx.world_size)
+        if saved != ctx.world_size:
+            each = f"{self.grad_accum} micro-batch{'es' if self.grad_accum != 1 else ''}"
+            self.logger.line(
+                f"resuming on {ctx.world_size} process{'es' if ctx.world_size != 1 else ''} a run saved by {saved}: "
+                f"{each} a process and step ({state['micro_batches']} in all, as before)"
+            )
+        for line in distributed.all_gather_objects(ctx, note):
+            if line:
+                self.logger.line(line)
+        return {"data": data, "rng": state["ranks"][ctx.rank % saved]["rng"]}
 
     def save(self) -> None:
         """Write both checkpoint files (rank 0), with every rank's RNG and data position."""
         mine = {"rng": checkpoint.rng_state(), "data": self.batches.state_dict()}
         ranks = distributed.all_gather_objects(self.ctx, mine)
+        if self.sharded is not None:
+            state = {
+                "format": FORMAT_VERSION, "step": self.step, "elapsed": self.elapsed, "ranks": ranks,
+                "micro_batches": self.ctx.world_size * self.grad_accum, "matmul_engine": linear.engine(),
+            }  # fmt: skip
+            fsdp.save(self.sharded, self.optimizer, self.dir, state, self.ctx)
+            return
         if not self.ctx.is_main:
             return
         state = {
@@ -353,7 +394,7 @@ class Trainer:
         """One optimizer step. Reads nothing back from the device: the loss and gradient norm
         stay tensors until :meth:`_settle` reads a window of them at once."""
         cfg, ctx = self.cfg, self.ctx
-        micro: list[Batch] = [self.batches.next_batch() for _ in range(cfg.optim.grad_accum)]
+        micro: list[Batch] = [self.batches.next_batch() for _ in range(self.grad_accum)]
         (global_tokens,) = distributed.all_reduce_sum(ctx, [sum(b.tokens for b in micro)])
         lr = learning_rate(cfg.optim, self.step, self.elapsed, self._time_end)
         for group in self.optimizer.param_groups:
@@ -363,16 +404,21 @@ class Trainer:
             sync = k == len(micro) - 1 or not ctx.enabled
             if cfg.run.compile:
                 b = round_lengths(b, COMPILE_ROUND_TO, self.model.config.pad_id)
-            with contextlib.nullcontext() if sync else self.ddp.no_sync(), self.autocast():
-                hidden = self._hidden(b)  # (B, T, C)
-                # W_pred and the summed cross-entropy in chunks, never the (B, T, V) logits
-                part = head_loss(hidden, self.model.lm_head, b.labels, label_smoothing=cfg.label_smoothing)
-            # DDP averages gradients over ranks: scaling by world_size / global tokens turns that
+            if self.sharded is not None:  # FSDP reduce-scatters every micro-batch's gradients
+                with self.autocast():
+                    part = self.sharded.root(b.inputs, b.src, b.labels, b.segments, b.src_segments,
+                                             label_smoothing=cfg.label_smoothing)  # fmt: skip
+            else:
+                with contextlib.nullcontext() if sync else self.ddp.no_sync(), self.autocast():
+                    hidden = self._hidden(b)  # (B, T, C)
+                    # W_pred and the summed cross-entropy in chunks, never the (B, T, V) logits
+                    part = head_loss(hidden, self.model.lm_head, b.labels, label_smoothing=cfg.label_smoothing)
+            # DDP (and FSDP) averages gradients over ranks: scaling by world_size / global tokens turns that
             # average into the mean over every real token of the global batch.
             (part * (ctx.world_size / max(global_tokens, 1))).backward()
             loss_sum = part.detach().float() if loss_sum is None else loss_sum + part.detach().float()
         clip = cfg.optim.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = fsdp.full_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -409,7 +455,10 @@ class Trainer:
         pending.clear()
 
     def evaluate(self) -> dict:
-        return self.task.evaluate(self.model, self.ctx, self.autocast)
+        if self.sharded is None:
+            return self.task.evaluate(self.model, self.ctx, self.autocast)
+        with self.sharded.gathered() as model:  # the full weights on every rank, for this evaluation
+            return self.task.evaluate(model, self.ctx, self.autocast)
 
     # -- the loop -----------------------------------------------------------------------------
     def _should_stop(self, invocation_s: float) -> str | None:
@@ -458,7 +507,11 @@ class Trainer:
         self.logger.line(f"optimizer: lr {o.lr:g}, warmup {o.warmup}, cosine to {o.min_lr_ratio:g} x lr, "
                          f"weight decay {o.weight_decay:g}")  # fmt: skip
         self.logger.line(f"data: {self.task.describe()}")
-        if self.ctx.enabled:
+        if self.sharded is not None:
+            how = "bfloat16 gathers, float32 reductions" if self._precision[0] == "bf16" else "float32"
+            self.logger.line(f"distributed: FSDP over {self.ctx.world_size} processes "
+                             f"({torch.distributed.get_backend()}, {how})")  # fmt: skip
+        elif self.ctx.enabled:
             self.logger.line(f"distributed: {self.ctx.world_size} processes ({torch.distributed.get_backend()})")
 
     def run(self) -> TrainResult:
