@@ -90,6 +90,22 @@ def test_left_padded_prompt_decodes_as_alone_with_every_position_kind():
         assert batched == alone, positions
 
 
+@pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
+def test_rmsnorm_swiglu_decoders_without_rotary_decode_as_seed_000_fused_or_not(positions):
+    from attnmask.decode.step import fused_plan
+    from attnmask.model import fuse_projections_
+    from attnmask.ops import available
+
+    kw = dict(positions=positions, norm="rmsnorm", activation="swiglu", n_kv_heads=2)
+    for fused in (False, True):
+        model = random_model("decoder", seed=5, **kw)
+        if fused:
+            fuse_projections_(model)
+            assert (fused_plan(model) is not None) == available()  # the one native call, where it is built
+        got = decode.greedy(model, prompts=INPUTS, max_new_tokens=15)
+        assert got == [seed_greedy(model, row, 15) for row in INPUTS], (positions, fused)
+
+
 # ---------------------------------------------------------------------------------------------
 # Models whose <eos> steps are known
 # ---------------------------------------------------------------------------------------------

@@ -256,7 +256,8 @@ def _has_gemma_parts(model) -> bool:
     per layer, an MLP whose activation is not SiLU, per-layer windows."""
     cfg = model.config
     layer_rotary = getattr(model, "layer_rotary", None)
-    if layer_rotary is not None and any(layer_rotary(i) is not model.rotary for i in range(len(model.layers))):
+    rotary = getattr(model, "rotary", None)  # None: learned or sinusoidal positions
+    if layer_rotary is not None and any(layer_rotary(i) is not rotary for i in range(len(model.layers))):
         return True
     if len({_layer_window(cfg, i) for i in range(len(model.layers))}) > 1:
         return True
