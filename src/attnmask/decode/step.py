@@ -30,8 +30,9 @@ whole product otherwise): the same guarantee, slower. A module a hook watches is
 on all the rows (the hook sees the call; the BLAS then decides the bits).
 
 For a Llama-style float32 / GGUF-block model the whole step is one native call (``packed_step``,
-:func:`fused_plan`); every other model (post-norm, LayerNorm, biases, cross-attention, per-layer
-windows, Gemma 3's extra norms) takes the per-operation path, batch-invariant too.
+:func:`fused_plan`); every other model (post-norm, LayerNorm, GELU, unfused projections,
+cross-attention, per-layer windows, Gemma 3's extra norms) takes the per-operation path,
+batch-invariant too.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Serving: many requests decoded together, each answer independent of who else is in the batch.
 
-- :mod:`.cache`: the paged key/value cache (block pool, block tables);
-- :mod:`.step`: one forward step over a packed batch of sequences (the mask algebra's
-  ``document & causal`` with per-sequence offsets, lowered to the native ``paged_attend``);
+- :mod:`.cache`: the paged key/value cache (reference-counted block pool, block tables), defined in
+  :mod:`attnmask.model.cache`, where every decoding path runs on it;
+- :mod:`.step`: the one forward step over a packed batch of sequences that every decoding path runs
+  (:mod:`attnmask.decode.step`: the mask algebra's ``document & causal`` with per-sequence offsets,
+  lowered to the native ``paged_attend``; one native ``packed_step`` call for Llama-style models);
 - :mod:`.scheduler`: continuous batching, chunked prefill, admission by free blocks, preemption;
 - :mod:`.engine`: :class:`Engine` (``add_request``, ``step``, ``cancel``, ``run``, ``generate``).
 """
