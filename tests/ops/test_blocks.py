@@ -70,6 +70,14 @@ def quantized_blocks(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, 
     return raw, gguf_weight(raw, kind)
 
 
+def layer_of(kind: str, n: int, k: int, seed: int) -> BlockLinear:
+    """A layer of random blocks: ``gguf.quantize``'s for Q4_1 and Q8_0, random bytes for the new formats."""
+    if kind in NEW:
+        return BlockLinear.from_numpy(random_bytes_blocks(kind, n, k, seed)[0], kind, k)
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return BlockLinear.from_numpy(gguf.quantize(w, qtype(kind)), kind, k)
+
+
 def float32_error_bound(x: torch.Tensor, w: torch.Tensor, factor: float = 4.0) -> tuple[torch.Tensor, float]:
     """(float64 ``x @ w.T``, the largest error allowed against it): ``factor`` times plain float32's own
     largest error, or one float32 ulp of the largest ``|x| @ |w|.T`` where that error is smaller."""
@@ -139,10 +147,7 @@ def test_a_row_is_the_same_bits_alone_in_any_batch_and_thread_count(kind, thread
     four at a time), on one thread and on two (threads split W's rows, never a sum)."""
     native_or_skip()
     n, k = (203, 1536) if BLOCK_WEIGHTS[kind] == 256 else (203, 640)  # 203: a 16-row task ends on an odd row
-    raw, _ = random_bytes_blocks(kind, n, k, seed=7) if kind in NEW else (None, None)
-    if raw is None:
-        raw = gguf.quantize(np.random.default_rng(7).standard_normal((n, k)).astype(np.float32), qtype(kind))
-    layer = BlockLinear.from_numpy(raw, kind, k)
+    layer = layer_of(kind, n, k, seed=7)
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(7))
     torch.set_num_threads(1)
     with torch.no_grad():
@@ -172,6 +177,26 @@ def test_q4_k_and_q5_0_take_the_decoding_steps_4_bit_and_8_bit_kinds():
         m = tensors[2] if want == 1 else None
         step = torch.ops.attnmask.block_matmul(tensors[0], tensors[1], m, x, ["Q4_1", "Q8_0"][want - 1], 512)
         assert torch.equal(step, layer(x))
+
+
+def test_formats_of_one_layout_concatenate_into_one_product():
+    """Gemma's q/k (Q5_0) and v (Q8_0) projections stack into one 8-bit product, Q4_K with Q4_1 into one
+    4-bit product: each output the same bits as its own layer's; other mixes are refused."""
+    native_or_skip()
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(6))
+    for kinds, fused_kind in (
+        (["Q5_0", "Q5_0", "Q8_0"], "Q8_0"),
+        (["Q4_K", "Q4_1"], "Q4_1"),
+        (["Q6_K", "Q6_K"], "Q6_K"),
+    ):
+        layers = [layer_of(kind, 8 + i, 512, seed=i) for i, kind in enumerate(kinds)]
+        fused = BlockLinear.concat(layers)
+        assert fused.kind == fused_kind and fused.out_features == sum(layer.out_features for layer in layers)
+        with torch.no_grad():
+            assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], -1)), kinds
+        assert torch.equal(fused.dequantize(), torch.cat([layer.dequantize() for layer in layers]))
+    with pytest.raises(ValueError, match="only layers of one format and input size concatenate"):
+        BlockLinear.concat([layer_of("Q5_0", 8, 512, seed=1), layer_of("Q6_K", 8, 512, seed=1)])
 
 
 def test_k_quant_shapes_and_buffers_are_checked():

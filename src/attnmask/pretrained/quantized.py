@@ -80,14 +80,23 @@ class BlockLinear(nn.Module):
 
     @classmethod
     def concat(cls, layers: list[BlockLinear]) -> BlockLinear:
-        """One layer computing ``cat([layer(x) for layer in layers], -1)`` in one product (rows stacked)."""
+        """One layer computing ``cat([layer(x) for layer in layers], -1)`` in one product (rows stacked).
+
+        Formats repacked into one layout stack too (Q5_0 with Q8_0, Q4_K with Q4_1: ``LAYOUT``), each row
+        keeping its values; the fused layer is then named by the layout's first format (``Q8_0``,
+        ``Q4_1``), whose kernel it runs. Each output is the same bits as in its own layer."""
         kinds, ins = {layer.kind for layer in layers}, {layer.in_features for layer in layers}
-        if len(kinds) != 1 or len(ins) != 1:
-            raise UserError(f"only layers of one format and input size concatenate; got {kinds} and {ins}")
+        if len({LAYOUT[kind] for kind in kinds}) != 1 or len(ins) != 1:
+            raise UserError(
+                f"only layers of one format and input size concatenate (or formats of one layout: Q5_0 and "
+                f"Q8_0, Q4_K and Q4_1); got {sorted(kinds)} and {sorted(ins)}"
+            )
+        layout = LAYOUT[next(iter(kinds))]
+        kind = kinds.pop() if len(kinds) == 1 else next(k for k in LAYOUT if LAYOUT[k] == layout)
         packed = {name: torch.cat([layer._packed()[name] for layer in layers]) for name in layers[0]._packed()}
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
-        fused._adopt(packed, kinds.pop(), ins.pop())
+        fused._adopt(packed, kind, ins.pop())
         return fused
 
     @classmethod
