@@ -1,13 +1,13 @@
-"""Decoding speed: the KV cache against full recomputation, and batch translation against Hugging Face.
+"""Decoding speed: the KV cache against recomputation, translation against Hugging Face, framework work per token.
 
-Two measurements (``--part cache``, ``--part translate``, or both):
+Three measurements (``--part cache``, ``--part translate``, ``--part framework``, or all):
 
 1. **Cache vs recomputation.** A decoder-only model of realistic small size (C=512, 6 layers, 8 heads,
    FFN 2048, V=8192, random weights) greedily generates N = 16 / 64 / 256 / 1024 tokens after a
    16-token prompt, batch 1, never stopping early. "cached" is :func:`attnmask.decode.greedy`
-   (prefill, then one-token steps through the KV cache). "recompute" runs the whole sequence through
-   ``model.decode(..., last_only=True)`` every step, seed 000's loop with no cache. Both produce the
-   same tokens (checked). tokens/s = N / wall time.
+   (the prompt prefilled, then one token a step, both through the packed step over a paged KV cache).
+   "recompute" runs the whole sequence through ``model.decode(..., last_only=True)`` every step, seed
+   000's loop with no cache. Both produce the same tokens (checked). tokens/s = N / wall time.
 
 2. **Batch translation.** The 1000 German sentences of Multi30k's test set (test_2016_flickr) are
    translated with greedy decoding and beam 4 by attnmask and by Hugging Face ``generate`` on a
@@ -23,25 +23,26 @@ Two measurements (``--part cache``, ``--part translate``, or both):
    3 key-value heads of 64, rotary, RMSNorm, SwiGLU, fused projections) at width 64, FFN 128 and a
    512-token vocabulary, random weights: the matrix products are negligible, so what a token costs is
    the framework (norms, rotary, cache writes, attention, sampling, the loop, Python). Rows: the
-   step through the general :meth:`Transformer.decode` (how attnmask decoded before
-   :func:`attnmask.decode.static.decode_one`), ``decode_one`` eager, and ``decode_one`` compiled
-   (:class:`attnmask.decode.static.CompiledStep`, inductor). Reported as CPU time of the process per
-   token (``time.process_time``; less sensitive to other jobs on a shared machine than wall time,
-   which is given too), best of 3, 128 tokens after a 5-token prompt minus 8 tokens.
-
-``--compile`` adds a "cached, compiled" column to part 1 (the compile time is printed, not timed).
+   packed step (:func:`attnmask.decode.step.packed_forward`) as one native call (``packed_step``,
+   what Llama-style float32 and GGUF-block models run), the same step operation by operation (what
+   every other model runs: encoder-decoders, post-norm, LayerNorm, per-layer windows), and one
+   request through the serving :class:`attnmask.engine.Engine` (its scheduler and block tables around
+   the one-call step). Reported as CPU time of the process per token (``time.process_time``; less
+   sensitive to other jobs on a shared machine than wall time, which is given too), best of 3, 128
+   tokens after a 5-token prompt minus 8 tokens. Both paths' tokens are compared.
 
 Every part runs under :func:`attnmask.allocator.keep_freed_memory`, applied here because the script
 owns its process (as the CLI's compute commands do; both peers alike; ``ATTNMASK_MALLOC=default``
 leaves glibc's own policy), named in the header.
 
-Run: ``python benchmarks/decode.py [--part cache|translate|framework|all] [--threads N] [--compile]``.
+Run: ``python benchmarks/decode.py [--part cache|translate|framework|all] [--threads N]``.
 Timings are wall clock on whatever machine runs it unless said otherwise; nothing here is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import sys
@@ -51,7 +52,9 @@ from pathlib import Path
 import torch
 
 from attnmask import allocator, decode, masks
+from attnmask.decode import steps
 from attnmask.decode.beam import beam_search
+from attnmask.decode.step import fused_plan
 from attnmask.model import ModelConfig, Transformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +89,7 @@ def timed(fn, repeats: int):
     return best, result
 
 
-def bench_cache(lengths: list[int], recompute_max: int, compile_too: bool = False) -> list[str]:
+def bench_cache(lengths: list[int], recompute_max: int) -> list[str]:
     torch.manual_seed(0)
     cfg = ModelConfig(
         vocab_size=8192, arch="decoder", dim=512, n_layers=6, n_heads=8, ffn_dim=2048, max_seq_len=16 + max(lengths)
@@ -94,42 +97,23 @@ def bench_cache(lengths: list[int], recompute_max: int, compile_too: bool = Fals
     model = Transformer(cfg).eval()
     prompt = torch.randint(4, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
     decode.greedy(model, prompts=[prompt], max_new_tokens=8, eos_id=None)  # warm-up
-    step = None
-    if compile_too:
-        from attnmask.decode.static import CompiledStep
-
-        step = CompiledStep(model)
-        t = time.perf_counter()
-        for n in lengths:  # every bucket the rows below use, compiled before the timings
-            decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None, compile=step)
-        print(f"# compiling the step for every bucket took {time.perf_counter() - t:.0f} s ({step.failed})")
     rows = [
         f"decoder-only C={cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, FFN {cfg.ffn_dim}, "
         f"V={cfg.vocab_size}, {model.num_parameters() / 1e6:.1f}M parameters; batch 1, 16-token prompt",
         "",
-        "| new tokens | cached tok/s | cached, compiled tok/s | recompute tok/s | speed-up | same tokens |",
-        "|---:|---:|---:|---:|---:|:---:|",
+        "| new tokens | cached tok/s | recompute tok/s | speed-up | same tokens |",
+        "|---:|---:|---:|---:|:---:|",
     ]
     print("\n".join(rows), flush=True)
     for n in lengths:
         t_cache, cached = timed(
             lambda n=n: decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None)[0], 3 if n <= 256 else 1
         )
-        compiled = ""
-        if step is not None:
-            t_comp, out = timed(
-                lambda n=n: decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None, compile=step)[0],
-                3 if n <= 256 else 1,
-            )
-            compiled = f"{n / t_comp:.1f}" + ("" if out == cached else " (tokens differ)")
         if n <= recompute_max:
             t_full, full = timed(lambda n=n: recompute_greedy(model, prompt, n), 2 if n <= 64 else 1)
-            row = (
-                f"| {n} | {n / t_cache:.1f} | {compiled} | {n / t_full:.1f} | {t_full / t_cache:.1f}x "
-                f"| {cached == full} |"
-            )
+            row = f"| {n} | {n / t_cache:.1f} | {n / t_full:.1f} | {t_full / t_cache:.1f}x | {cached == full} |"
         else:
-            row = f"| {n} | {n / t_cache:.1f} | {compiled} | (not run) | | |"
+            row = f"| {n} | {n / t_cache:.1f} | (not run) | | |"
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -288,24 +272,20 @@ def bench_translate(batch_size: int, max_new: int, n_sentences: int | None, beam
 # ---------------------------------------------------------------------------------------------
 # 3. framework work per token
 # ---------------------------------------------------------------------------------------------
-def general_step(model, state, tokens, step=None):
-    """One step through the general :meth:`Transformer.decode` (masks prepared per step, attention
-    backends): how :func:`attnmask.decode.decode_step` ran before ``decode_one``."""
-    logits = model.decode(
-        tokens[:, None],
-        memory_mask=state.cross_mask,
-        mask=state.step_mask(),
-        positions=state.next_pos[:, None],
-        cache=state.cache,
-        last_only=True,
-    )  # (B, 1, V)
-    state.next_pos += 1
-    return logits[:, 0]
+@contextlib.contextmanager
+def per_operation():
+    """:func:`attnmask.decode.greedy` with the packed step taken operation by operation (the path of
+    models the native ``packed_step`` does not make) instead of in one native call."""
+    original = steps.fused_plan
+    steps.fused_plan = lambda model: None
+    try:
+        yield
+    finally:
+        steps.fused_plan = original
 
 
-def bench_framework(compile_too: bool) -> list[str]:
-    from attnmask.decode import static, steps
-    from attnmask.decode.static import CompiledStep
+def bench_framework() -> list[str]:
+    from attnmask.engine import Engine, RequestParams
     from attnmask.model import fuse_projections_
 
     cfg = ModelConfig(
@@ -315,26 +295,32 @@ def bench_framework(compile_too: bool) -> list[str]:
     torch.manual_seed(0)
     model = fuse_projections_(Transformer(cfg).eval())
     prompt = [5, 6, 7, 8, 9]
-    variants = {
-        "Transformer.decode per step (before)": (general_step, {}),
-        "decode_one, PyTorch operations (before the fused operators)": ("unfused", {}),
-        "decode_one": (None, {}),
-    }
-    if compile_too:
-        variants["decode_one compiled (inductor)"] = (None, {"compile": CompiledStep(model)})
+    fused = fused_plan(model) is not None
 
-    def run(step_fn, n, kw):
-        original, fusable = steps.decode_step, static._fusable
-        if step_fn == "unfused":
-            static._fusable = lambda *args: False
-        elif step_fn is not None:
-            steps.decode_step = step_fn
-        try:
-            c, w = time.process_time(), time.perf_counter()
-            decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None, **kw)
-            return time.process_time() - c, time.perf_counter() - w
-        finally:
-            steps.decode_step, static._fusable = original, fusable
+    def greedy(n):
+        decode.greedy(model, prompts=[prompt], max_new_tokens=n, eos_id=None)
+
+    def greedy_per_operation(n):
+        with per_operation():
+            greedy(n)
+
+    def engine(n):
+        Engine(model, num_blocks=2 + (len(prompt) + n) // 16, block_size=16).generate(
+            [prompt], RequestParams(max_tokens=n, ignore_eos=True)
+        )
+
+    variants = {
+        "decode.greedy, the packed step in one native call (packed_step)": greedy,
+        "decode.greedy, the packed step operation by operation": greedy_per_operation,
+        "Engine, one request (scheduler, block tables, the packed step)": engine,
+    }
+    if not fused:
+        print("# the native kernels are not built here: every row runs the packed step operation by operation")
+
+    def run(fn, n):
+        c, w = time.process_time(), time.perf_counter()
+        fn(n)
+        return time.process_time() - c, time.perf_counter() - w
 
     rows = [
         "SmolLM2-135M's structure at width 64 (30 layers, 9/3 heads of 64, rotary, RMSNorm, SwiGLU, fused "
@@ -344,24 +330,22 @@ def bench_framework(compile_too: bool) -> list[str]:
         "|---|---:|---:|",
     ]
     print("\n".join(rows), flush=True)
-    for name, (fn, kw) in variants.items():
-        t = time.perf_counter()
-        run(fn, 128, kw)  # warm-up (compiles the 64 and 256 buckets)
-        if kw:
-            print(f"# {name}: first run {time.perf_counter() - t:.0f} s (compiling)", flush=True)
-        best = min(
-            (tuple((a - b) / 120 * 1e3 for a, b in zip(run(fn, 128, kw), run(fn, 8, kw))) for _ in range(3)),
-        )
+    for name, fn in variants.items():
+        run(fn, 128)  # warm-up
+        best = min(tuple((a - b) / 120 * 1e3 for a, b in zip(run(fn, 128), run(fn, 8))) for _ in range(3))
         row = f"| {name} | {best[0]:.2f} | {best[1]:.2f} |"
         print(row, flush=True)
         rows.append(row)
+    with per_operation():
+        slow = decode.greedy(model, prompts=[prompt], max_new_tokens=32, eos_id=None)
+    same = slow == decode.greedy(model, prompts=[prompt], max_new_tokens=32, eos_id=None)
+    print(f"# the two paths give the same 32 tokens: {same}", flush=True)
     return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("cache", "translate", "framework", "all"), default="all")
-    p.add_argument("--compile", action="store_true", help="add compiled rows (inductor; compiling takes minutes)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--lengths", default="16,64,256,1024", help="new tokens for the cache benchmark")
     p.add_argument("--recompute-max", type=int, default=1024, help="skip recomputation above this many tokens")
@@ -379,11 +363,11 @@ def main(argv=None) -> int:
         flush=True,
     )
     if args.part in ("cache", "all"):
-        bench_cache([int(x) for x in args.lengths.split(",")], args.recompute_max, args.compile)
+        bench_cache([int(x) for x in args.lengths.split(",")], args.recompute_max)
     if args.part in ("translate", "all"):
         bench_translate(args.batch_size, args.max_new, args.sentences, [int(b) for b in args.beams.split(",")])
     if args.part in ("framework", "all"):
-        bench_framework(args.compile)
+        bench_framework()
     return 0
 
 
