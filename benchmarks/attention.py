@@ -70,10 +70,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
+import json
 import math
 import os
 import platform
 import re
+import resource
 import subprocess
 import sys
 import tarfile
@@ -86,7 +88,7 @@ import torch
 import torch.nn.functional as F
 
 from attnmask import masks
-from attnmask.attention import attention
+from attnmask.attention import attention, backends
 
 H, D = 8, 64
 SECTION = "## Attention"
@@ -190,6 +192,31 @@ def contenders(case: Case, q, k, v, lengths: list[int], baseline=None):
     return fns
 
 
+ROUTES = {"_blocks": "sdpa_blocks", "tile_attention": "tiles", "_math": "math", "_sdpa": "sdpa"}
+
+
+def auto_route(q, k, v, mask) -> str:
+    """The backend ``auto`` runs for this call, seen by wrapping the kernels it may call once."""
+    seen: list[str] = []
+    originals = {name: getattr(backends, name) for name in ROUTES}
+
+    def spy(name):
+        def call(*args, **kwargs):
+            seen.append(ROUTES[name])
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name in ROUTES:
+            setattr(backends, name, spy(name))
+        attention(q, k, v, mask, backend="auto")
+    finally:
+        for name, fn in originals.items():
+            setattr(backends, name, fn)
+    return seen[0]
+
+
 def run_case(case: Case, repeats: int, baseline=None) -> dict[str, float | None]:
     """Best wall time in ms of each contender: one warm-up run each, then rounds that run every
     contender once in turn (so that all of them see the same load on a shared machine), at least
@@ -200,7 +227,9 @@ def run_case(case: Case, repeats: int, baseline=None) -> dict[str, float | None]
         torch.randn(case.B, H, case.T, D, generator=g).to(case.dtype).requires_grad_(case.backward) for _ in range(3)
     )  # (B, H, T, D)
     grad = torch.randn(case.B, H, case.T, D, generator=g).to(case.dtype)  # (B, H, T, D)
-    fns = contenders(case, q, k, v, lengths_for(case.B, case.T, case.pad), baseline)
+    lengths = lengths_for(case.B, case.T, case.pad)
+    fns = contenders(case, q, k, v, lengths, baseline)
+    route = auto_route(q, k, v, masks.causal() & masks.padding(lengths=lengths))
 
     def once(fn) -> tuple[float, torch.Tensor]:
         for t in (q, k, v):
@@ -227,7 +256,7 @@ def run_case(case: Case, repeats: int, baseline=None) -> dict[str, float | None]
     tol = 2e-2 if case.dtype == torch.bfloat16 else 1e-4
     for name, out in outs.items():
         torch.testing.assert_close(out, outs["formula"], rtol=tol, atol=tol, msg=lambda m, n=name: f"{n} is wrong: {m}")
-    return {name: None if fn is None else best[name] * 1e3 for name, fn in fns.items()}
+    return {name: None if fn is None else best[name] * 1e3 for name, fn in fns.items()} | {"route": route}
 
 
 BACKEND_NAMES = ("math", "sdpa", "sdpa_blocks", "tiles")  # what auto chooses from on the CPU
@@ -257,7 +286,8 @@ def table(rows: list[tuple[Case, dict]], base_rev: str | None = None) -> str:
     )
     if "auto@base" in names:
         head += " t(b) / t(d) | t(f) / t(d) |"
-    head += " best backend | best / auto |" + (" best / auto@base |" if "auto@base" in names else "")
+    head += " best backend | best / auto | auto runs | best / that |"
+    head += " best / auto@base |" if "auto@base" in names else ""
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for case, t in rows:
         ms = [("n/a" if t[n] is None else f"{t[n]:.2f}") for n in names]
@@ -265,7 +295,7 @@ def table(rows: list[tuple[Case, dict]], base_rev: str | None = None) -> str:
         if "auto@base" in names:
             speed += [f"{t['sdpa+mask'] / t['auto']:.2f}", f"{t['auto@base'] / t['auto']:.2f}"]
         best = min(BACKEND_NAMES, key=lambda n: t[n])
-        speed += [best, f"{t[best] / t['auto']:.2f}"]
+        speed += [best, f"{t[best] / t['auto']:.2f}", t["route"], f"{t[best] / t[t['route']]:.2f}"]
         if "auto@base" in names:
             speed.append(f"{t[best] / t['auto@base']:.2f}")
         dtype = str(case.dtype).removeprefix("torch.")
@@ -298,6 +328,134 @@ def write_docs(path: str, header: str, body: str) -> None:
         lines = [*lines[:start], *section, "", *lines[end:]]
     with open(path, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Long sequences: structured masks, time and peak memory per cell in a fresh process
+# ---------------------------------------------------------------------------------------------
+LONG_TS = [1024, 2048, 4096, 8192, 16384, 32768]
+LONG_MASKS = ("window", "documents", "docs+window")
+LONG_H, WINDOW = 4, 256
+DENSE_MAX_T = {False: 16384, True: 8192}  # the dense-mask baseline's largest T, forward / forward+backward
+
+
+def long_mask(name: str, T: int, masks_mod=masks):
+    """The structured mask of a long cell: a causal window of 256 keys, causal packed documents of
+    256-2048 tokens (seeded by T), or both."""
+    window = masks_mod.causal() & masks_mod.sliding_window(WINDOW)
+    if name == "window":
+        return window
+    g = torch.Generator().manual_seed(T)
+    lengths, total = [], 0
+    while total < T:
+        lengths.append(int(torch.randint(256, 2049, (1,), generator=g)))
+        total += lengths[-1]
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:T]  # (T,) document ids
+    docs = masks_mod.document(seg[None]) & masks_mod.causal()
+    return docs if name == "documents" else docs & masks_mod.sliding_window(WINDOW)
+
+
+def long_cell(spec: dict) -> dict:
+    """One long cell in this process: the best time of its runs (ms) and the growth of the peak RSS
+    over the cell (MB, ``resource.getrusage``), from after the inputs exist to the end."""
+    torch.set_num_threads(spec["threads"])
+    dtype, T, backward = getattr(torch, spec["dtype"]), spec["T"], spec["backward"]
+    mask_mod, attend = masks, attention
+    if spec["backend"] == "auto@base":
+        mask_mod, attend = load_baseline(spec["baseline"])
+    backend = "auto" if spec["backend"] == "auto@base" else spec["backend"]
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, LONG_H, T, D, generator=g).to(dtype).requires_grad_(backward) for _ in range(3))
+    grad = torch.randn(1, LONG_H, T, D, generator=g).to(dtype)  # (1, H, T, D)
+    mask = long_mask(spec["mask"], T, mask_mod)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    while len(times) < spec["repeats"] + 1 and (sum(times) < SLOW_S or len(times) < 2):
+        for t in (q, k, v):
+            t.grad = None
+        start = time.perf_counter()
+        out = attend(q, k, v, mask, backend=backend)  # (1, H, T, D)
+        if backward:
+            out.backward(grad)
+        times.append(time.perf_counter() - start)
+        if not bool(torch.isfinite(out).all()):
+            raise SystemExit(f"{spec} gave non-finite output")
+        del out
+        if times[0] > SLOW_S:
+            break
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB on Linux
+    best = min(times[1:]) if len(times) > 1 else times[0]
+    return {"ms": best * 1e3, "first_ms": times[0] * 1e3, "mb": grown / 1024}
+
+
+def main_long(args) -> int:
+    Ts = [int(t) for t in args.T.split(",")] if args.T else LONG_TS
+    dtypes = [d.strip() for d in args.dtypes.split(",")]
+    names = ["auto", "tiles"] + (["auto@base"] if args.baseline else [])
+    print(machine())
+    print(f"B=1, H={LONG_H}, D={D}; a fresh process per cell; ms = best run, MB = peak RSS growth")
+    rows = []
+    for mask_name in LONG_MASKS:
+        for dtype in dtypes:
+            for backward in (False, True):
+                for T in Ts:
+                    res = {}
+                    for name in names:
+                        if name == "auto@base" and DENSE_MAX_T[backward] < T:
+                            res[name] = None
+                            continue
+                        spec = {
+                            "mask": mask_name,
+                            "dtype": dtype,
+                            "T": T,
+                            "backward": backward,
+                            "backend": name,
+                            "baseline": args.baseline,
+                            "threads": args.threads or torch.get_num_threads(),
+                            "repeats": args.repeats or 3,
+                        }
+                        run = subprocess.run(
+                            [sys.executable, __file__, "--long-cell", json.dumps(spec)],
+                            capture_output=True,
+                            text=True,
+                        )
+                        if run.returncode:
+                            raise SystemExit(f"{spec}: {run.stderr[-2000:]}")
+                        res[name] = json.loads(run.stdout.strip().splitlines()[-1])
+                    rows.append((mask_name, dtype, backward, T, res))
+                    cells = "  ".join(f"{n}={_long_cell_text(r)}" for n, r in res.items())
+                    print(f"{mask_name} {dtype} {'fwd+bwd' if backward else 'fwd'} T={T}: {cells}")
+                    sys.stdout.flush()
+    print()
+    print(long_table(rows, names, args.baseline))
+    return 0
+
+
+def _long_cell_text(r: dict | None) -> str:
+    return "skipped" if r is None else f"{r['ms']:.1f}ms/{r['mb']:.0f}MB"
+
+
+def long_table(rows, names: list[str], base_rev: str | None) -> str:
+    label = {"auto": "auto", "tiles": "tiles", "auto@base": f"auto@{base_rev}"}
+    head = "| mask | dtype | pass | T | " + " | ".join(f"{label[n]} ms | {label[n]} MB" for n in names) + " |"
+    if "auto@base" in names:
+        head += " time before / after | memory before / after |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for mask_name, dtype, backward, T, res in rows:
+        cells = []
+        for n in names:
+            r = res[n]
+            cells += ["skipped", "skipped"] if r is None else [f"{r['ms']:.1f}", f"{r['mb']:.0f}"]
+        if "auto@base" in names:
+            base, now = res["auto@base"], res["auto"]
+            cells += (
+                ["", ""]
+                if base is None
+                else [f"{base['ms'] / now['ms']:.1f}×", f"{base['mb'] / max(now['mb'], 1):.1f}×"]
+            )
+        pas = "fwd+bwd" if backward else "fwd"
+        lines.append(f"| {mask_name} | {dtype} | {pas} | {T} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,9 +644,16 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", metavar="REV", help="CPU: also time `auto` of attnmask at git revision REV")
     p.add_argument("--write-docs", metavar="FILE", help="write the table into FILE's attention section")
     p.add_argument("--gpu-suite", action="store_true", help="GPU suite on the CPU (forward only: a smoke test)")
+    p.add_argument("--long", action="store_true", help="CPU: windows and documents at T = 1k..32k, time and memory")
+    p.add_argument("--long-cell", metavar="JSON", help=argparse.SUPPRESS)  # one long cell, in a child process
     args = p.parse_args(argv)
+    if args.long_cell:
+        print(json.dumps(long_cell(json.loads(args.long_cell))))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.long:
+        return main_long(args)
     if args.device != "cpu" or args.gpu_suite:
         return main_gpu(args, argv)
     if args.tokens and args.write_docs:
@@ -510,7 +675,9 @@ def main(argv=None) -> int:
     for case in cases:
         t = run_case(case, repeats, baseline)
         rows.append((case, t))
-        cells = "  ".join(f"{n}={'n/a' if v is None else f'{v:.2f}ms'}" for n, v in t.items())
+        cells = "  ".join(
+            f"{n}={'n/a' if v is None else v if isinstance(v, str) else f'{v:.2f}ms'}" for n, v in t.items()
+        )
         print(f"{case.dtype} {'fwd+bwd' if case.backward else 'fwd'} T={case.T} B={case.B} pad={case.pad:.0%}: {cells}")
         sys.stdout.flush()
     out = table(rows, args.baseline)

@@ -26,6 +26,7 @@ from attnmask import masks as M
 
 SCORE_BUDGET = 1 << 19  # score elements (B·H·rows·keys) per batched product: 2 MiB in float32
 MAX_KEYS = 2048  # keys per query block and segment; more are merged by the online softmax
+KEY_QUANTUM = 128  # keys a query block reads are rounded up to a multiple of this
 TILE_CACHE = 1 << 24  # mask elements (bool) a plan keeps between calls; larger plans re-evaluate
 
 
@@ -121,8 +122,9 @@ def estimate(mask: M.Mask, batch_size: int, heads: int, q_len: int, kv_len: int,
     """``(scores, products)`` a plan would compute, without building it (no tile is evaluated):
     query-key pairs over every batch row and head, and about how many batched products they take."""
     bq, need = key_blocks(mask, batch_size, q_len, kv_len, q_start)
-    scores = int(need.sum()) * 16 * bq * batch_size * heads
-    return scores, len(need.sum(dim=1).unique()) + -(-scores // SCORE_BUDGET)
+    keys = (need.sum(dim=1) * 16 + KEY_QUANTUM - 1) // KEY_QUANTUM * KEY_QUANTUM  # (nq,) as planned
+    scores = int(keys.sum()) * bq * batch_size * heads
+    return scores, len(keys.unique()) + -(-scores // SCORE_BUDGET)
 
 
 def plan_tiles(
@@ -143,18 +145,27 @@ def plan_tiles(
     empty; the tiles are kept for later calls up to :data:`TILE_CACHE` elements). ``bq=None``
     picks the query block from the mask's mean span (:func:`query_block`)."""
     bq, need = key_blocks(mask, batch_size, q_len, kv_len, q_start, bq=bq, bk=bk)
-    nq = need.shape[0]
+    nq, nk = need.shape
     pad = nq * bq - q_len
     counts = need.sum(dim=1)  # (nq,) key blocks of each query block
     cols = need.nonzero()[:, 1]  # (sum counts,) their indices, block by block
     offsets = counts.cumsum(0) - counts  # (nq,) where each block's indices start in cols
     seg_blocks = max(1, (MAX_KEYS if max_keys is None else max_keys) // bk)
+    # Few distinct shapes: a block's key count is rounded up to KEY_QUANTUM (the extra keys sit past
+    # Tk and are masked), so that products come in a handful of shapes. Every new shape costs a
+    # oneDNN kernel and its scratch memory (measured: ~2 MB each in bfloat16, 70 shapes for packed
+    # documents at T=16k before rounding).
+    quantum = max(1, KEY_QUANTUM // bk)
+    padded = (counts + quantum - 1) // quantum * quantum  # (nq,)
     groups = []
-    for c in counts.unique().tolist():
+    for c in padded.unique().tolist():
         if c == 0:
             continue
-        blocks = (counts == c).nonzero()[:, 0]  # (n,) query blocks that read c key blocks
-        idx = cols[offsets[blocks, None] + torch.arange(c)]  # (n, c) their key blocks
+        blocks = (padded == c).nonzero()[:, 0]  # (n,) query blocks that read up to c key blocks
+        ar = torch.arange(c)  # (c,)
+        real = ar < counts[blocks, None]  # (n, c)
+        at = (offsets[blocks, None] + ar).clamp(max=max(len(cols) - 1, 0))  # (n, c)
+        idx = torch.where(real, cols[at], nk + ar)  # (n, c) their key blocks; past the last: masked
         for s0 in range(0, c, seg_blocks):
             part = idx[:, s0 : s0 + seg_blocks]  # (n, c') one segment of them
             keys = (part[:, :, None] * bk + torch.arange(bk)).reshape(len(blocks), -1)  # (n, c' * bk)
@@ -276,7 +287,11 @@ class _TileAttention(torch.autograd.Function):
         do = _blocked_q(grad.to(dt), Hkv, bq, nq)  # (B, Hkv, nq, G * bq, D)
         if plan.live is not None:
             do = do.masked_fill(_dead(plan, do.shape), 0.0)  # no gradient through empty rows
-        delta = (do.float() * _blocked_q(out, Hkv, bq, nq).float()).sum(dim=-1)  # (B, Hkv, nq, G·bq): rowsum(dO∘O)
+        ob = _blocked_q(out, Hkv, bq, nq)  # (B, Hkv, nq, G * bq, D)
+        delta = torch.empty(do.shape[:-1])  # (B, Hkv, nq, G·bq): rowsum(dO∘O), a few blocks at a time
+        step = max(1, SCORE_BUDGET // max(1, B * Hkv * do.shape[3] * D))
+        for i in range(0, nq, step):
+            delta[:, :, i : i + step] = (do[:, :, i : i + step].float() * ob[:, :, i : i + step].float()).sum(dim=-1)
         acc = torch.float32
         dq = torch.zeros(qb.shape, dtype=acc)  # (B, Hkv, nq, G * bq, D)
         dk = torch.zeros(k.shape, dtype=acc)  # (B, Hkv, Tk, D)
