@@ -60,7 +60,9 @@ def settings(out: Path, **overrides) -> dict:
 def torchrun(cfg: dict, tmp: Path) -> None:
     script = tmp / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # torchrun sets each worker's rank and rendezvous; none of this process's (the one_rank fixture's)
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(script), json.dumps(cfg)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
@@ -81,10 +83,10 @@ def one_rank(monkeypatch):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One unsharded process, two micro-batches a step, six steps: (run directory, losses)."""
+    """One unsharded process, two micro-batches a step, six steps: (run directory, losses, evaluation)."""
     out = tmp_path_factory.mktemp("single") / "run"
     result = train(TrainConfig.of(**settings(out, max_steps=6, grad_accum=2)), log=lambda msg: None)
-    return out, result.losses
+    return out, result.losses, result.eval
 
 
 def train_losses(run: Path) -> list[float]:
@@ -94,9 +96,14 @@ def train_losses(run: Path) -> list[float]:
 
 
 def assert_same_run(sharded: Path, reference) -> None:
-    """Losses and final weights of ``sharded`` match the unsharded reference run."""
-    single_dir, single_losses = reference
+    """Losses, final evaluation and weights of ``sharded`` match the unsharded reference run."""
+    single_dir, single_losses, single_eval = reference
     assert_close(torch.tensor(train_losses(sharded)), torch.tensor(single_losses), rtol=1e-5, atol=1e-6)
+    # evaluated on the weights gathered onto every rank: validation loss and greedy translations
+    final = [r for r in read_metrics(sharded) if r["split"] == "valid"][-1]
+    assert (final["step"], final["tokens"], final["sentences"]) == (6, single_eval["tokens"], 8)
+    assert final["loss"] == pytest.approx(single_eval["loss"], rel=1e-4)
+    assert final["chrf"] == pytest.approx(single_eval["chrf"], abs=1e-6)
     want, got = load_run(single_dir).model, load_run(sharded).model
     for (name, p), q in zip(want.named_parameters(), got.parameters()):
         assert_close(q, p, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

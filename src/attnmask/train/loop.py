@@ -509,7 +509,8 @@ class Trainer:
         self.logger.line(f"data: {self.task.describe()}")
         if self.sharded is not None:
             how = "bfloat16 gathers, float32 reductions" if self._precision[0] == "bf16" else "float32"
-            self.logger.line(f"distributed: FSDP over {self.ctx.world_size} processes "
+            n = self.ctx.world_size
+            self.logger.line(f"distributed: FSDP over {n} process{'es' if n != 1 else ''} "
                              f"({torch.distributed.get_backend()}, {how})")  # fmt: skip
         elif self.ctx.enabled:
             self.logger.line(f"distributed: {self.ctx.world_size} processes ({torch.distributed.get_backend()})")
