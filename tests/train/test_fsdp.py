@@ -219,6 +219,16 @@ def test_fsdp_without_torchrun_is_one_line_exit_2(tmp_path, capsys, monkeypatch)
     assert not out.exists()
 
 
+def test_a_resume_whose_shards_are_gone_names_the_directory(tmp_path, one_rank):
+    out = tmp_path / "run"
+    train(TrainConfig.of(**settings(out, max_steps=1, fsdp=True, eval_sentences=0)), log=lambda msg: None)
+    shards = out / load_torch(out / "trainer_state.pt")["sharded"]
+    (shards / ".metadata").unlink()
+    resume = TrainConfig.of(**settings(out, max_steps=2, fsdp=True, eval_sentences=0, resume=True))
+    with pytest.raises(ValueError, match=r"step-00000001: missing or incomplete sharded checkpoint \(no \.metadata\)"):
+        train(resume, log=lambda msg: None)
+
+
 def test_fsdp_with_compile_is_refused():
     with pytest.raises(
         ValueError, match=r"^fsdp=True with compile=True: sharded training runs eagerly; drop --compile"
