@@ -318,8 +318,8 @@ void attnmask_q4_1_dequantize(const uint32_t *codes, const float *d, const float
 /* 8-bit codes: Q8_0 (and Q5_0, repacked as q - 16), scales per 32 weights; Q6_K (q - 32), per 16  */
 /* ------------------------------------------------------------------------------------------ */
 /* `sub16` (a constant at every call, so each format gets its own loops): the scales d are per 16
- * weights, d[2b] for weights 0..15 of block b (bytes k = 0, 1 of its lanes), d[2b + 1] for 16..31
- * (k = 2, 3); each half's sum is scaled on its own: d[2b] * (q . x)_0..15 + d[2b + 1] * (q . x)_16..31. */
+ * weights, d[2b] for weights 0..15 of block b (planes k = 0, 1), d[2b + 1] for 16..31 (planes 2, 3);
+ * each half's sum is scaled on its own: d[2b] * (q . x)_0..15 + d[2b + 1] * (q . x)_16..31. */
 /* Where the codes of weights 8k..8k + 7 of block b sit in a row of nb blocks: plane8(...) + k * plane_step(...)
  * (blocks in pairs: 64 bytes a pair, plane k at 16 k, the second block 8 bytes on; an odd last block in order).
  * Decoding a plane (8 or 16 codes) is one sign extension, and the codes are converted to float exactly. */
