@@ -126,11 +126,12 @@ def test_beams_share_their_prefix_blocks():
         pool = state.cache.pool
         used = pool.used
         state.select(torch.tensor([0, 0]))  # two beams of one prompt
-        assert pool.used == used and state.tables[0] == state.tables[1]
-        assert all(pool.refs(b) == 2 for b in state.tables[0])
+        rows = state.tables[0]  # the one layer group's table of each row
+        assert pool.used == used and rows[0] == rows[1]
+        assert all(pool.refs(b) == 2 for b in rows[0])
         a = decode.decode_step(model, state, torch.tensor([5, 9]))  # each beam writes position 18
-        assert state.tables[0][0] == state.tables[1][0]  # the full block stays shared
-        assert state.tables[0][1] != state.tables[1][1]  # the partial one was copied for one beam
+        assert rows[0][0] == rows[1][0]  # the full block stays shared
+        assert rows[0][1] != rows[1][1]  # the partial one was copied for one beam
         assert pool.used == used + 1
     with torch.no_grad():
         for r, t in enumerate([5, 9]):

@@ -37,6 +37,7 @@ batch-invariant too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -347,7 +348,7 @@ def packed_forward(
     tokens: Tensor,
     positions: Tensor,
     row_seq: Tensor,
-    tables: Tensor,
+    tables: Tensor | Sequence[Tensor],
     logit_rows: Tensor,
     plan: tuple | None = None,
     *,
@@ -360,7 +361,9 @@ def packed_forward(
         tokens, positions, row_seq: ``(N,)`` int64: each row's token, its position in its sequence,
             and the index of its sequence in ``tables``.
         tables: ``(Q, W)`` int64 block tables, one row per scheduled sequence, covering every position
-            up to the last one scheduled (unused entries: the null block 0).
+            up to the last one scheduled (unused entries: the null block 0); a list of them, one per
+            group of ``cache.groups``, where the cache has several (layers of several windows, each
+            group's window blocks freed: its entries below a row's window may be null, never read).
         logit_rows: ``(M,)`` rows whose next-token logits are wanted (a sequence's last scheduled
             row, when it is to sample): only they go through the final norm and the head.
         plan: :func:`fused_plan` of ``model`` (read once by the caller): the whole step in one
@@ -374,16 +377,19 @@ def packed_forward(
     cfg = model.config
     if model.is_encoder_decoder and (memory is None or row_src is None):
         raise UserError("an encoder-decoder model's packed step needs memory= (SourceMemory) and row_src=")
+    tables = [tables] if isinstance(tables, Tensor) else list(tables)
+    if len(tables) != len(cache.groups):
+        raise UserError(f"the cache has {len(cache.groups)} layer groups; got {len(tables)} block tables (one a group)")
     x = model._embed(tokens[None], positions[None], source=False)[0]  # (N, C)
-    slots = slots_of(tables, row_seq, positions, cache.block_size)  # (N,)
+    slots = [slots_of(t, row_seq, positions, cache.block_size) for t in tables]  # (N,) each group
     ropes = _rotaries(model, positions)
-    if plan is not None and memory is None:
+    if plan is not None and memory is None and len(tables) == 1:
         weights, eps, products, kinds, H, Hkv, D = plan
         rope = ropes[0]
         cos, signed = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (x.new_empty(0), x.new_empty(0))
         return decoding.packed_step(
             x.contiguous(), cos.contiguous(), signed.contiguous(), weights, eps, products, kinds, cache.k, cache.v,
-            tables, row_seq, positions, slots, logit_rows, _layer_window(cfg, 0), H, Hkv, D**-0.5,
+            tables[0], row_seq, positions, slots[0], logit_rows, _layer_window(cfg, 0), H, Hkv, D**-0.5,
         )  # fmt: skip
     src_tables = src_last = src_real = None
     if memory is not None:
@@ -396,8 +402,8 @@ def packed_forward(
         mods = layer._modules
         window = _layer_window(cfg, i)
 
-        def attend(h, attn=mods["self_attn"], i=i, window=window):
-            return _self_attention(attn, h, ropes[i], cache, i, slots, tables, row_seq, positions, window)
+        def attend(h, attn=mods["self_attn"], i=i, window=window, g=cache.layer_group[i]):
+            return _self_attention(attn, h, ropes[i], cache, i, slots[g], tables[g], row_seq, positions, window)
 
         sublayers = [(mods["self_norm"], attend, getattr(layer, "post_self_norm", None))]
         if mods.get("cross_attn") is not None:

@@ -44,7 +44,7 @@ from attnmask.data.tokenizer import EOS_ID, SOS_ID
 from attnmask.decode.sampling import GREEDY, Sampling, sample
 from attnmask.decode.step import SourceMemory, fused_plan, packed_forward
 from attnmask.errors import UserError
-from attnmask.model.cache import PagedKVCache
+from attnmask.model.cache import BlockPool, PagedKVCache, Paging, layer_groups
 
 Ids = Sequence[Sequence[int]] | Tensor  # token ids: lists of rows, or a (B, T) tensor
 
@@ -127,83 +127,126 @@ PREFILL_TOKENS = 512  # prompt tokens per packed step at most while prefilling (
 class DecodeState:
     """What one decoding run carries from step to step: one row per running sequence (or hypothesis).
 
-    Row ``r`` owns block table ``tables[r]`` in ``cache``; blocks may be held by several rows (the
-    beams of a sentence share their prefix): a row about to write into a shared block gets a copy of
-    it first. ``next_pos (b,)``: the position each row feeds next; ``row_src (b,)``: the source of
-    each row in ``memory`` (encoder-decoder models).
+    Row ``r`` owns block table ``tables[g][r]`` of each layer group ``g`` of ``cache`` (one group unless
+    the model's layers have several windows); blocks may be held by several rows (the beams of a
+    sentence share their prefix): a row about to write into a shared block gets a copy of it first. A
+    window group's blocks that fall out of every later row's window go back to the pool as the row
+    advances (:meth:`~attnmask.model.cache.Paging.forget`). ``next_pos (b,)``: the position each row
+    feeds next; ``row_src (b,)``: the source of each row in ``memory`` (encoder-decoder models).
     """
 
     model: object
     cache: PagedKVCache
-    tables: list[list[int]]
+    tables: list[list[list[int]]]  # [group][row]: block ids
     next_pos: Tensor  # (b,)
     memory: SourceMemory | None = None
     row_src: Tensor | None = None  # (b,)
     plan: tuple | None = None  # fused_plan of the model, read once
-    _table_tensor: Tensor | None = None  # tables as (b, W), rebuilt when they change
+    _table_tensors: list[Tensor] | None = None  # each group's tables as (b, W), rebuilt when they change
 
     @property
     def rows(self) -> int:
         return self.next_pos.shape[0]
 
-    def _table(self) -> Tensor:
-        if self._table_tensor is None:
-            width = max(1, max(len(t) for t in self.tables))
-            padded = [t + [0] * (width - len(t)) for t in self.tables]  # unused entries: the null block
-            self._table_tensor = torch.tensor(padded, dtype=torch.long, device=self.cache.k[0].device)
-        return self._table_tensor
+    def row_tables(self, r: int) -> list[list[int]]:
+        """Row ``r``'s table in each group (the lists themselves: changing them changes the state)."""
+        return [group[r] for group in self.tables]
+
+    def _tables(self) -> list[Tensor]:
+        if self._table_tensors is None:
+            out = []
+            for group in self.tables:
+                width = max(1, max(len(t) for t in group))
+                padded = [t + [0] * (width - len(t)) for t in group]  # unused entries: the null block
+                out.append(torch.tensor(padded, dtype=torch.long, device=self.cache.k[0].device))
+            self._table_tensors = out
+        return self._table_tensors
+
+    def forget(self) -> None:
+        """Free the window groups' blocks that no row reads again (rows read from ``next_pos`` on)."""
+        paging = self.cache.paging
+        positions = self.next_pos.tolist() if any(w > 0 for w in paging.windows) else []
+        if sum(paging.forget(self.row_tables(r), p) for r, p in enumerate(positions)):
+            self._table_tensors = None
+
+    def grow(self, rows: list[int], first: list[int], last: list[int]) -> None:
+        """Give row ``rows[i]`` blocks for its positions up to ``last[i]`` (it computes from ``first[i]``
+        on: a window group's blocks below that window are freed first)."""
+        paging = self.cache.paging
+        changed = False
+        for r, a, b in zip(rows, first, last):
+            tables = self.row_tables(r)
+            changed |= paging.forget(tables, a) > 0
+            need = paging.missing(tables, b + 1, a)
+            if need:
+                if need > paging.pool.free:
+                    raise MemoryError(f"decoding needs {need} more cache blocks, {paging.pool.free} free")
+                paging.extend(tables, b + 1, a)
+                changed = True
+        if changed:
+            self._table_tensors = None
 
     def _writable(self, positions: list[int]) -> None:
         """Make the block that each row writes next its own: a fresh block where the row enters a new one,
-        a copy where its block is shared with another row (copy on write)."""
+        a copy where its block is shared with another row (copy on write), in every group; first free the
+        window groups' blocks that the rows no longer read."""
         pool, S = self.cache.pool, self.cache.block_size
-        fresh = sum(1 for t, p in zip(self.tables, positions) if p // S >= len(t))
+        changed = sum(self.cache.paging.forget(self.row_tables(r), p) for r, p in enumerate(positions)) > 0
+        fresh = sum(1 for group in self.tables for t, p in zip(group, positions) if p // S >= len(t))
         shared = [
-            r for r, (t, p) in enumerate(zip(self.tables, positions)) if p // S < len(t) and pool.refs(t[p // S]) > 1
+            (group, r)
+            for group in self.tables
+            for r, (t, p) in enumerate(zip(group, positions))
+            if p // S < len(t) and pool.refs(t[p // S]) > 1
         ]
         if fresh + len(shared) > pool.free:
             raise MemoryError(f"decoding needs {fresh + len(shared)} more cache blocks, {pool.free} free")
         src, dst = [], []
-        for r in shared:
+        for group, r in shared:
             j = positions[r] // S
-            old, new = self.tables[r][j], pool.allocate(1)[0]
+            old, new = group[r][j], pool.allocate(1)[0]
             src.append(old)
             dst.append(new)
             pool.release([old])
-            self.tables[r][j] = new
+            group[r][j] = new
         self.cache.copy_blocks(src, dst)
-        for t, p in zip(self.tables, positions):
-            if p // S >= len(t):
-                t += pool.allocate(p // S + 1 - len(t))
-        if fresh or shared:
-            self._table_tensor = None
+        for group in self.tables:
+            for t, p in zip(group, positions):
+                if p // S >= len(t):
+                    t += pool.allocate(p // S + 1 - len(t))
+        if changed or fresh or shared:
+            self._table_tensors = None
 
     def select(self, index: Tensor, *, cross: bool = True) -> None:
         """Keep rows ``index`` (b',) in that order (drop finished rows; reorder or copy beams): row ``r``
-        becomes a fork of old row ``index[r]``, holding the same blocks (``cross``: kept for callers of
-        the earlier cache; every row keeps its source either way)."""
+        becomes a fork of old row ``index[r]``, holding the same blocks in every group (``cross``: kept
+        for callers of the earlier cache; every row keeps its source either way)."""
         index_list = [int(i) for i in index.tolist()] if isinstance(index, Tensor) else [int(i) for i in index]
-        old = self.tables
-        if any(not 0 <= i < len(old) for i in index_list):
-            raise UserError(f"select index must hold rows in [0, {len(old)}), got {index_list}")
-        self.tables = [list(old[i]) for i in index_list]
+        rows = self.rows
+        if any(not 0 <= i < rows for i in index_list):
+            raise UserError(f"select index must hold rows in [0, {rows}), got {index_list}")
         pool = self.cache.pool
-        for t in self.tables:
-            pool.share(t)
-        for t in old:
-            pool.release(t)
+        old = self.tables
+        self.tables = [[list(group[i]) for i in index_list] for group in old]
+        for group in self.tables:
+            for t in group:
+                pool.share(t)
+        for group in old:
+            for t in group:
+                pool.release(t)
         idx = torch.tensor(index_list, dtype=torch.long, device=self.next_pos.device)
         self.next_pos = self.next_pos.index_select(0, idx)
         if self.row_src is not None:
             self.row_src = self.row_src.index_select(0, idx)
-        self._table_tensor = None
+        self._table_tensors = None
 
     def release(self) -> None:
         """Give every row's blocks back to the pool."""
-        for t in self.tables:
-            self.cache.pool.release(t)
-        self.tables = []
-        self._table_tensor = None
+        for group in self.tables:
+            for t in group:
+                self.cache.pool.release(t)
+        self.tables = [[] for _ in self.tables]
+        self._table_tensors = None
 
     def forward(self, rows: list[int], positions: list[int], tokens: Tensor, logit_rows: Tensor) -> Tensor:
         """One packed step: ``tokens (N,)`` of rows ``rows`` at ``positions`` -> the logits of ``logit_rows``."""
@@ -212,7 +255,7 @@ class DecodeState:
         row_pos = torch.tensor(positions, dtype=torch.long, device=device)  # (N,)
         row_src = None if self.row_src is None else self.row_src.index_select(0, row_seq)
         return packed_forward(
-            self.model, self.cache, tokens, row_pos, row_seq, self._table(), logit_rows, self.plan,
+            self.model, self.cache, tokens, row_pos, row_seq, self._tables(), logit_rows, self.plan,
             memory=self.memory, row_src=row_src,
         )  # fmt: skip
 
@@ -310,14 +353,17 @@ def start(
     limits = _row_limits(max_new_tokens, B, room)  # (B,)
 
     S = BLOCK_SIZE
-    per_row = [-(-(len(s) + int(n)) // S) for s, n in zip(seqs, limits.tolist())]
-    # each hypothesis may come to hold all its blocks alone, and a step copies at most one more each
-    num_blocks = 1 + sum((beams + 1) * n for n in per_row) + beams * B
-    cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=S, zeroed=False)
+    windows = tuple(g.window for g in layer_groups(cfg, by_window=True))
+    paging = Paging(BlockPool(2), S, windows)  # for its arithmetic only
+    # a row's blocks at most (a window group's: those of its window and one prefill chunk); each
+    # hypothesis may come to hold all its blocks alone, and a step copies at most one more each (a group)
+    per_row = [paging.peak(len(s) + int(n), PREFILL_TOKENS) for s, n in zip(seqs, limits.tolist())]
+    num_blocks = 1 + sum((beams + 1) * n for n in per_row) + beams * B * len(windows)
+    cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=S, zeroed=False, by_window=True)
     state = DecodeState(
         model=model,
         cache=cache,
-        tables=[[] for _ in seqs],
+        tables=[[[] for _ in seqs] for _ in windows],
         next_pos=torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device),
         memory=memory,
         row_src=None if memory is None else torch.arange(B, device=device),
@@ -326,16 +372,20 @@ def start(
     # the prompts packed, PREFILL_TOKENS tokens a step: each row's keys reach the cache before its
     # later tokens (or a later step) attend to them, and its last token gives its first logits
     flat = [(r, p, t) for r, s in enumerate(seqs) for p, t in enumerate(s)]
-    state.tables = [cache.pool.allocate(cache.blocks_for(len(s))) for s in seqs]
     logits = [None] * B
     for a in range(0, len(flat), PREFILL_TOKENS):
         chunk = flat[a : a + PREFILL_TOKENS]
+        spans: dict[int, list[int]] = {}  # row -> [first, last] position in this chunk
+        for r, p, _ in chunk:
+            spans.setdefault(r, [p, p])[1] = p
+        state.grow(list(spans), [f for f, _ in spans.values()], [b for _, b in spans.values()])
         last = [i for i, (r, p, _) in enumerate(chunk) if p == len(seqs[r]) - 1]
         tokens = torch.tensor([t for _, _, t in chunk], dtype=torch.long, device=device)
         out = state.forward([r for r, _, _ in chunk], [p for _, p, _ in chunk], tokens,
                             torch.tensor(last, dtype=torch.long, device=device))  # fmt: skip
         for i, row in zip(last, out):
             logits[chunk[i][0]] = row
+    state.forget()
     return state, torch.stack(logits), limits.to(device)
 
 

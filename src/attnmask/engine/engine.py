@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from attnmask.decode.sampling import GREEDY, Sampling, sample
-from attnmask.engine.cache import PagedKVCache, blocks_for_memory
+from attnmask.engine.cache import PagedKVCache, blocks_for_memory, layer_groups
 from attnmask.engine.scheduler import Chunk, Scheduler
 from attnmask.engine.scheduler import Sequence as SeqState
 from attnmask.engine.step import check_servable, fused_plan, packed_forward
@@ -121,6 +121,10 @@ class Engine:
     Args:
         model: a decoder-only :class:`attnmask.model.Transformer` (eval mode is set).
         kv_cache_mib: memory for keys and values of every layer (the cache's bound); or ``num_blocks``.
+            A model whose layers have several windows (Gemma 3) keeps a block table per layer group in
+            one pool whose blocks hold one group's layers (:func:`~attnmask.model.cache.layer_groups`):
+            the budget is not split between groups, each sequence takes blocks of the full groups for
+            all its positions and of a window group for the last ``window + max_batch_tokens`` at most.
         block_size: positions per cache block.
         max_batch_tokens: tokens computed per step at most (prefill chunks and decode tokens).
         max_seqs: requests running at once at most.
@@ -152,19 +156,26 @@ class Engine:
         cfg = model.config
         first = next(model.parameters())
         dtype = first.dtype if first.dtype.is_floating_point else torch.float32
+        groups = layer_groups(cfg, by_window=True)
         if num_blocks is None:
             num_blocks = blocks_for_memory(
-                kv_cache_mib, n_layers=cfg.n_layers, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                kv_cache_mib, n_layers=len(groups[0].layers), kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                 block_size=block_size, dtype=dtype,
             )  # fmt: skip
         if num_blocks < 2:
             raise UserError(f"--kv-cache-mib {kv_cache_mib} holds {num_blocks} blocks of {block_size}; need >= 2")
-        self.cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=block_size)
-        self.scheduler = Scheduler(self.cache.pool, block_size, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
+        self.cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=block_size, by_window=True)
+        self.scheduler = Scheduler(
+            self.cache.pool, block_size, windows=self.cache.windows, max_batch_tokens=max_batch_tokens,
+            max_seqs=max_seqs,
+        )  # fmt: skip
         self.plan = fused_plan(self.model)  # the whole step in one native call, where the model allows
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.detokenize = detokenize
         self.max_len = cfg.max_seq_len if cfg.positions != "rotary" else None
+        self._capacity = self.scheduler.paging.most_positions(max_batch_tokens)
+        if self._capacity is None:  # window groups alone: the cache bounds no request, the context does
+            self._capacity = cfg.max_seq_len
         self._requests: dict[str, _Request] = {}
         self._inbox: deque = deque()  # ("add", request) / ("cancel", id): from any thread
         self._ids = itertools.count()
@@ -174,9 +185,10 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        """Positions one request may hold at most: the whole cache (and the model's context)."""
-        positions = self.cache.pool.capacity * self.cache.block_size
-        return positions if self.max_len is None else min(positions, self.max_len)
+        """Positions one request may hold at most: the whole cache (and the model's context). With window
+        groups, the most positions whose blocks at their peak (every full group's, a window group's
+        last ``window + max_batch_tokens``) fit the pool."""
+        return self._capacity if self.max_len is None else min(self._capacity, self.max_len)
 
     def add_request(self, prompt: Sequence[int], params: RequestParams | None = None, *, request_id=None) -> str:
         """Queue a request; returns its id. Raises UserError for an empty prompt, ids outside the
@@ -250,6 +262,7 @@ class Engine:
         for c in chunks:
             c.seq.computed += c.n
             self._tokens_in += c.n if c.start < c.seq.prompt_len else 0
+            self.scheduler.forget(c.seq)  # window groups: blocks the next chunk will not read go back now
         for row, chunk in zip(logits, sampling):
             events.append(self._sample(chunk.seq, row))
         self._steps += 1
@@ -264,14 +277,17 @@ class Engine:
             row_seq += [i] * c.n
             if c.sample:
                 logit_rows.append(len(tokens) - 1)
-        width = max(len(c.seq.blocks) for c in chunks)
-        tables = torch.zeros(len(chunks), width, dtype=torch.long)  # unused entries: the null block
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.seq.blocks)] = torch.tensor(c.seq.blocks)
+        tables = []  # one (Q, W) tensor a layer group
+        for g in range(len(self.cache.groups)):
+            width = max(len(c.seq.tables[g]) for c in chunks)
+            table = torch.zeros(len(chunks), width, dtype=torch.long)  # unused entries: the null block
+            for i, c in enumerate(chunks):
+                table[i, : len(c.seq.tables[g])] = torch.tensor(c.seq.tables[g])
+            tables.append(table.to(device))
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         with torch.inference_mode():
             return packed_forward(
-                self.model, self.cache, as_long(tokens), as_long(positions), as_long(row_seq), tables.to(device),
+                self.model, self.cache, as_long(tokens), as_long(positions), as_long(row_seq), tables,
                 as_long(logit_rows), self.plan,
             )  # fmt: skip
 

@@ -10,6 +10,14 @@ preempted by its own prefill. When a running sequence needs one more block and n
 most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
 the queue, to be prefilled again (prompt and tokens so far) when blocks free up. Its result does not
 change: every step computes each row independently of the others (:mod:`attnmask.engine.step`).
+
+Models whose layers have several windows (Gemma 3) keep a block table per sequence per layer group,
+all in the one pool (:class:`~attnmask.model.cache.Paging`). A window group's blocks are taken chunk by
+chunk and given back as they fall out of the window (before each chunk is scheduled and after it is
+computed), so a sequence holds at most ``ceil((window + max_batch_tokens) / S) + 1`` of them: admission
+waits for the blocks of everything a request has in the full groups plus that many (or fewer, for a
+short request) in each window group, and allocates those of the full groups and of its first chunk; a
+later chunk that finds no block free preempts, as a decode token does.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from attnmask.engine.cache import BlockPool
+from attnmask.engine.cache import BlockPool, Paging
 
 __all__ = ["Chunk", "Scheduler", "Sequence"]
 
@@ -30,10 +38,15 @@ class Sequence:
     tokens: list[int]  # the prompt, then every token generated so far
     prompt_len: int
     max_tokens: int
-    blocks: list[int] = field(default_factory=list)  # its block table
+    tables: list[list[int]] = field(default_factory=lambda: [[]])  # its block table in each layer group
     computed: int = 0  # leading tokens whose keys and values are in the cache
     admitted: int = -1  # admission order, for preemption (latest first)
     preemptions: int = 0
+
+    @property
+    def blocks(self) -> list[int]:
+        """Its block table in the first layer group (the only one unless the model has several windows)."""
+        return self.tables[0]
 
     @property
     def generated(self) -> int:
@@ -63,12 +76,22 @@ class Scheduler:
     """Continuous batching over one :class:`BlockPool` of ``block_size``-position blocks.
 
     Args:
+        windows: the window of each layer group of the cache (0: full), one block table per group.
         max_batch_tokens: tokens computed per step at most (decode tokens and prefill chunks).
         max_seqs: sequences running at once at most.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, *, max_batch_tokens: int = 256, max_seqs: int = 64):
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        *,
+        windows: tuple[int, ...] = (0,),
+        max_batch_tokens: int = 256,
+        max_seqs: int = 64,
+    ):
         self.pool, self.block_size = pool, block_size
+        self.paging = Paging(pool, block_size, tuple(windows))
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -78,7 +101,13 @@ class Scheduler:
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
 
+    def most_blocks(self, positions: int) -> int:
+        """The most blocks a sequence of ``positions`` positions holds at once (every group)."""
+        return self.paging.peak(positions, self.max_batch_tokens)
+
     def add(self, seq: Sequence) -> None:
+        if len(seq.tables) != len(self.paging.windows):
+            seq.tables = self.paging.new()
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -87,27 +116,31 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.release(seq.blocks)
-        seq.blocks = []
+        self.paging.release(seq.tables)
+
+    def forget(self, seq: Sequence) -> None:
+        """Give back the window groups' blocks that ``seq`` no longer reads (from ``seq.computed`` on)."""
+        self.paging.forget(seq.tables, seq.computed)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.release(seq.blocks)
-        seq.blocks, seq.computed, seq.preemptions = [], 0, seq.preemptions + 1
+        self.paging.release(seq.tables)
+        seq.computed, seq.preemptions = 0, seq.preemptions + 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _grow(self, seq: Sequence, positions: int) -> bool:
-        """Give ``seq`` blocks for ``positions`` positions, preempting later sequences if needed;
-        False if ``seq`` itself had to go."""
-        need = self.blocks_for(positions) - len(seq.blocks)
+        """Give ``seq`` blocks for ``positions`` positions (a window group's old ones given back first),
+        preempting later sequences if needed; False if ``seq`` itself had to go."""
+        self.forget(seq)
+        need = self.paging.missing(seq.tables, positions, seq.computed)
         while need > self.pool.free:
             victim = max(self.running, key=lambda s: s.admitted)
             self._preempt(victim)
             if victim is seq:
                 return False
         if need > 0:
-            seq.blocks += self.pool.allocate(need)
+            self.paging.extend(seq.tables, positions, seq.computed)
         return True
 
     def schedule(self) -> list[Chunk]:
@@ -127,13 +160,15 @@ class Scheduler:
         budget = self.max_batch_tokens - sum(c.n for c in chunks)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            if self.blocks_for(len(seq.tokens)) > self.pool.free:
+            if self.most_blocks(len(seq.tokens)) > self.pool.free:
                 break  # first come, first served: the head of the queue waits for blocks
             self.waiting.popleft()
-            seq.blocks = self.pool.allocate(self.blocks_for(len(seq.tokens)))
+            n = min(seq.pending, budget)
+            # the full groups: everything it has; the window groups: its first chunk
+            upto = [len(seq.tokens) if w == 0 else seq.computed + n for w in self.paging.windows]
+            self.paging.extend(seq.tables, upto, seq.computed)
             seq.admitted, self._admissions = self._admissions, self._admissions + 1
             self.running.append(seq)
-            n = min(seq.pending, budget)
             chunks.append(Chunk(seq, seq.computed, n))
             budget -= n
         return chunks
