@@ -4,13 +4,9 @@
 - :mod:`.layers`: norms, the MLP, sinusoidal and rotary positions;
 - :mod:`.transformer`: the Transformer layer and model, the loss, fused projections;
 - :mod:`.loss`: the training loss through ``W_pred`` in chunks, without the whole logits;
-- :mod:`.cache`: the KV cache that decoding fills one token at a time.
+- :mod:`.cache`: the paged KV cache that decoding fills (:class:`~attnmask.model.cache.PagedKVCache`).
 """
 
-from attnmask.model.cache import (  # noqa: F401
-    KVCache,
-    LayerCache,
-)
 from attnmask.model.config import (  # noqa: F401
     ACTIVATIONS,
     ARCHS,
