@@ -113,12 +113,12 @@ def load_model(args):
         from attnmask.train.rundir import load_run
 
         run = load_run(args.run)
-        if run.task != "lm" or run.model.is_encoder_decoder:
+        if run.task not in ("lm", "chat") or run.model.is_encoder_decoder:
             raise UserError(
-                f"--run {args.run} is a {run.task!r} run; serve needs a decoder-only language model (task 'lm')"
+                f"--run {args.run} is a {run.task!r} run; serve needs a decoder-only language model (task lm or chat)"
             )
         name = args.served_model_name or Path(args.run).resolve().name
-        return run.model, run.tokenizer, None, name
+        return run.model, run.tokenizer, getattr(run, "chat_template", None), name
     from attnmask.pretrained import load
 
     model, tokenizer, chat_template = load(args.model, quantized=args.quantized)
@@ -182,7 +182,7 @@ def serve(args, sock: socket.socket) -> int:
     )
     ops.available()  # build the native kernels now (once, about a minute) rather than in the first request
     loop = EngineLoop(engine)  # stepped on this thread below (run_here)
-    app = create_app(loop, tokenizer, chat_template, name)
+    app = create_app(loop, tokenizer, chat_template, name, start_loop=False)
     server = make_server(app, loop, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     logging.getLogger("attnmask.serve").setLevel(args.log_level.upper())
     sock.listen(2048)  # before the address is announced: a client that connects at once is queued, not refused

@@ -203,12 +203,15 @@ class _Service:
         yield "data: [DONE]\n\n"
 
 
-def create_app(engine_loop: EngineLoop, tokenizer, chat_template, model_name: str) -> Starlette:
+def create_app(
+    engine_loop: EngineLoop, tokenizer, chat_template, model_name: str, *, start_loop: bool = True
+) -> Starlette:
     """An ASGI app serving ``engine_loop``'s model under ``model_name``.
 
     Args:
-        engine_loop: the :class:`EngineLoop` (started with the app if it is not running; its owner
-            shuts it down).
+        engine_loop: the :class:`EngineLoop`; with ``start_loop`` the app starts its thread at startup
+            (if it is not running); without, the caller steps it (``EngineLoop.run_here``, what
+            ``attnmask serve`` does). Its owner shuts it down.
         tokenizer: ``encode(text) -> ids`` and ``decode(ids, skip_special=True) -> text``.
         chat_template: ``chat_template(messages, add_generation_prompt=True) -> str``, or None when the
             model has none (chat requests are then answered 400).
@@ -218,7 +221,8 @@ def create_app(engine_loop: EngineLoop, tokenizer, chat_template, model_name: st
 
     @asynccontextmanager
     async def lifespan(app):
-        engine_loop.start()
+        if start_loop:
+            engine_loop.start()
         yield
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
