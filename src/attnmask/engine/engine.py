@@ -223,7 +223,8 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         """Stop a request (queued or running) and free its blocks at the next step; unknown ids are ignored."""
-        self._inbox.append(("cancel", str(request_id)))
+        with self._lock:  # add_request reads the inbox under the lock
+            self._inbox.append(("cancel", str(request_id)))
 
     def has_work(self) -> bool:
         return bool(self._inbox or self.scheduler.running or self.scheduler.waiting)
@@ -242,9 +243,11 @@ class Engine:
     def _drain(self) -> list[TokenEvent]:
         events = []
         while self._inbox:
-            op, item = self._inbox.popleft()
+            with self._lock:  # add_request reads the inbox and the requests' ids on other threads
+                op, item = self._inbox.popleft()
+                if op == "add":
+                    self._requests[item.seq.request_id] = item
             if op == "add":
-                self._requests[item.seq.request_id] = item
                 self.scheduler.add(item.seq)
             elif (request := self._requests.pop(item, None)) is not None:
                 self.scheduler.finish(request.seq)
