@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnmask import masks
+from attnmask import decode, masks
 from attnmask.errors import UserError
-from attnmask.model import KVCache, ModelConfig, Transformer
+from attnmask.model import ModelConfig, Transformer
 
 
 def _config(**kw) -> ModelConfig:
@@ -128,15 +128,15 @@ def test_geglu_tanh_is_gelu_tanh_of_the_gate_times_up():
         torch.testing.assert_close(mlp(x), expected)
 
 
-def test_cached_decoding_equals_the_full_forward_past_the_window():
-    model = _model(_gemma_like(), seed=1)
-    ids = torch.randint(0, 50, (2, 12))
+def test_decoding_steps_equal_the_full_forward_past_the_window():
+    model = _model(_gemma_like(), seed=1)  # pad_id None: every id is a token
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(ids).logits  # (B, T, V)
-        cache = KVCache.for_model(model, batch_size=2, max_len=12)
-        steps = [model.decode(ids[:, :5], cache=cache)]
-        steps += [model.decode(ids[:, t : t + 1], cache=cache) for t in range(5, 12)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # the packed step over the paged cache: a 5-token prompt, then one token a step
+        state, first, _ = decode.start(model, prompts=ids[:, :5], max_new_tokens=8)
+        steps = [first] + [decode.decode_step(model, state, ids[:, t]) for t in range(5, 12)]
+    torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 4:], rtol=1e-5, atol=1e-5)
 
 
 def test_config_checks_the_new_fields():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnmask import masks
+from attnmask import decode, masks
 from attnmask.model import ModelConfig
 from attnmask.pretrained.hf import (
     config_from_hf,
@@ -166,18 +166,16 @@ def test_gpt2_logits_match(kw):
         assert_close(ours.decode(ids), hf(ids).logits, **TOL)
 
 
-def test_gpt2_cached_decoding_matches_hf_past_key_values():
-    from attnmask.model.cache import KVCache
-
+def test_gpt2_decoding_steps_match_the_hf_forward():
     hf = _gpt2()
     ours = transformer_from_hf_model(hf)
-    ids = _ids(1, 12, 101, seed=6)
-    cache = KVCache.for_model(ours, batch_size=1, max_len=16)
+    ids = _ids(2, 12, 101, seed=6)
     with torch.no_grad():
-        expected = hf(ids).logits
-        first = ours.decode(ids[:, :8], cache=cache)
-        steps = [ours.decode(ids[:, t : t + 1], cache=cache) for t in range(8, 12)]
-    assert_close(torch.cat([first, *steps], dim=1), expected, **TOL)
+        expected = hf(ids).logits  # (B, 12, V)
+    with torch.inference_mode():  # the packed step over the paged cache: 8 prompt tokens, then one a step
+        state, first, _ = decode.start(ours, prompts=ids[:, :8], max_new_tokens=5)
+        steps = [first] + [decode.decode_step(ours, state, ids[:, t]) for t in range(8, 12)]
+    assert_close(torch.stack(steps, dim=1), expected[:, 7:], **TOL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,22 +240,16 @@ def test_marian_logits_match_with_source_padding(kw):
     assert_close(memory[src_keep], hf_memory[src_keep], **TOL)
 
 
-def test_marian_cached_decoding_matches_full_hf_pass():
-    from attnmask.model.cache import KVCache
-
+def test_marian_decoding_steps_match_the_full_hf_pass():
     hf = _marian()
     ours = transformer_from_hf_model(hf)
     src, src_keep, tgt = _marian_batch()
-    memory_mask = ours.source_mask(src)
-    cache = KVCache.for_model(ours, batch_size=3, max_len=9)
     with torch.no_grad():
-        expected = hf(input_ids=src, attention_mask=src_keep.long(), decoder_input_ids=tgt).logits
-        memory = ours.encode(src)
-        steps = [
-            ours.decode(tgt[:, t : t + 1], memory, memory_mask=memory_mask, mask=masks.causal(), cache=cache)
-            for t in range(9)
-        ]
-    assert_close(torch.cat(steps, dim=1), expected, **TOL)
+        expected = hf(input_ids=src, attention_mask=src_keep.long(), decoder_input_ids=tgt).logits  # (B, 9, V)
+    with torch.inference_mode():  # the packed step: the padded sources encoded once, then one token a step
+        state, first, _ = decode.start(ours, src=src, max_new_tokens=10, sos_id=PAD)  # tgt[:, 0] is PAD
+        steps = [first] + [decode.decode_step(ours, state, tgt[:, t]) for t in range(1, 9)]
+    assert_close(torch.stack(steps, dim=1), expected, **TOL)
 
 
 def test_marian_separate_vocabularies():

@@ -1,4 +1,4 @@
-"""The attention module: projections, rotary positions, KV cache, grouped-query heads."""
+"""The attention module: projections, rotary positions, grouped-query heads."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ class MultiHeadAttention(nn.Module):
         self.k_norm: nn.Module | None = None
 
     def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values ``(B, Hkv, Tk, D)`` of ``context`` (B, Tk, C) — cacheable for cross-attention."""
+        """Keys and values ``(B, Hkv, Tk, D)`` of ``context`` (B, Tk, C): what a cross-attention reads,
+        computed once per source where decoding keeps them (:class:`attnmask.decode.step.SourceMemory`)."""
         if self.k_proj is None:
             raise UserError(_FUSED_SELF_ONLY)
         B, Tk, _ = context.shape
@@ -76,17 +77,12 @@ class MultiHeadAttention(nn.Module):
         mask=None,
         *,
         rope: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
-        kv_cache=None,
-        static_kv: tuple[Tensor, Tensor] | None = None,
-        q_offset: int = 0,
         return_weights: bool = False,
     ):
         """Args:
             x: ``(B, Tq, C)``; context: ``(B, Tk, C)`` for cross-attention.
             mask: as for :func:`attention` (a PreparedMask avoids rebuilding it in every layer).
             rope: ``rope(q, k) -> (q, k)`` applying rotary positions to ``(B, H|Hkv, T, D)``.
-            kv_cache: an object with ``update(k, v) -> (k_all, v_all)`` (see :mod:`attnmask.model.cache`).
-            static_kv: precomputed cross-attention ``(k, v)`` (encoder computed once per source).
         Returns ``(B, Tq, C)`` (and the weights with ``return_weights``).
         """
         if x.dim() != 3 or x.shape[-1] != self.dim:
@@ -96,24 +92,19 @@ class MultiHeadAttention(nn.Module):
             raise UserError(f"context has shape {tuple(context.shape)}, expected (B={B}, Tk, C={self.dim})")
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            if context is not None or static_kv is not None:
+            if context is not None:
                 raise UserError(_FUSED_SELF_ONLY)
             q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = q.view(B, Tq, H, D).transpose(1, 2)  # (B, H, Tq, D)
             k, v = (t.view(B, Tq, Hkv, D).transpose(1, 2) for t in (k, v))  # (B, Hkv, Tq, D)
         else:
             q = self.q_proj(x).view(B, Tq, H, D).transpose(1, 2)  # (B, H, Tq, D)
-        if static_kv is not None:
-            k, v = static_kv
-        else:
-            if self.qkv_proj is None:
-                k, v = self.project_kv(x if context is None else context)  # (B, Hkv, Tk, D)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)  # over D, each head alone
-            if rope is not None:
-                q, k = rope(q, k)
-            if kv_cache is not None:
-                k, v = kv_cache.update(k, v)  # (B, Hkv, Tpast + Tq, D)
+        if self.qkv_proj is None:
+            k, v = self.project_kv(x if context is None else context)  # (B, Hkv, Tk, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over D, each head alone
+        if rope is not None:
+            q, k = rope(q, k)
         res = attention(
             q,
             k,
@@ -122,7 +113,6 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend,
             return_weights=return_weights,
-            q_offset=q_offset,
         )
         out, weights = res if return_weights else (res, None)
         out = self.o_proj(out.transpose(1, 2).reshape(B, Tq, self.num_heads * self.head_dim))  # (B, Tq, C)

@@ -67,7 +67,7 @@ class TransformerLayer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def _sublayer(self, x: Tensor, norm: nn.Module, fn, post: nn.Module | None = None) -> Tensor:
-        # dropout only when training: in eval it is an identity call, 3 per layer per decoded token
+        # dropout only when training: in eval it is an identity call, 3 per layer
         if self.pre:
             h = fn(norm(x))
             if post is not None:
@@ -82,19 +82,15 @@ class TransformerLayer(nn.Module):
         self_mask,
         *,
         rope=None,
-        kv_cache=None,
-        q_offset: int = 0,
-        cross_kv: tuple[Tensor, Tensor] | None = None,
+        memory: Tensor | None = None,
         cross_mask=None,
     ) -> Tensor:
+        """``x (B, T, C)``; ``memory (B, S, C)``: the encoder output a decoder layer's cross-attention reads."""
         x = self._sublayer(
-            x,
-            self.self_norm,
-            lambda h: self.self_attn(h, mask=self_mask, rope=rope, kv_cache=kv_cache, q_offset=q_offset),
-            self.post_self_norm,
+            x, self.self_norm, lambda h: self.self_attn(h, mask=self_mask, rope=rope), self.post_self_norm
         )
         if self.cross_attn is not None:
-            x = self._sublayer(x, self.cross_norm, lambda h: self.cross_attn(h, mask=cross_mask, static_kv=cross_kv))
+            x = self._sublayer(x, self.cross_norm, lambda h: self.cross_attn(h, context=memory, mask=cross_mask))
         return self._sublayer(x, self.mlp_norm, self.mlp, self.post_mlp_norm)
 
 
@@ -139,7 +135,8 @@ class Transformer(nn.Module):
     """Encoder-decoder or decoder-only Transformer (see :class:`ModelConfig`).
 
     - ``encode(src_ids) -> memory (B, S, C)`` (encoder-decoder only), run once per source;
-    - ``decode(ids, memory, ...) -> logits (B, T, V)``, with an optional KV cache;
+    - ``decode(ids, memory, ...) -> logits (B, T, V)``: the decoder over whole sequences (one token a
+      step over a KV cache is :mod:`attnmask.decode`'s packed step);
     - ``forward(input_ids, src_ids=None, labels=None)`` for teacher forcing.
     """
 
@@ -283,61 +280,41 @@ class Transformer(nn.Module):
         memory_mask: masks.Mask | None = None,
         mask: masks.Mask | None = None,
         positions: Tensor | None = None,
-        cache=None,
         last_only: bool = False,
         return_hidden: bool = False,
     ) -> Tensor:
-        """Decoder stack and prediction head.
+        """Decoder stack and prediction head over whole sequences (teacher forcing; decoding one token
+        at a time is :mod:`attnmask.decode`'s packed step over a paged cache).
 
         Args:
-            ids: ``(B, T)`` decoder input (the new tokens only when ``cache`` is given).
-            memory: encoder output ``(B, S, C)`` for encoder-decoder models (may be None when the
-                cache already holds the cross-attention keys/values).
+            ids: ``(B, T)`` decoder input.
+            memory: encoder output ``(B, S, C)`` for encoder-decoder models.
             memory_mask: key padding over ``memory`` (``source_mask(src_ids)``).
-            mask: self-attention mask over ``(T, past + T)``; default look-ahead & key padding
-                from ``ids`` (without cache) or look-ahead alone (with cache: pass padding
-                explicitly, :mod:`attnmask.decode` does).
-            positions: ``(B, T)`` absolute positions; default ``past + arange(T)``.
-            cache: a :class:`attnmask.model.cache.KVCache`; advanced by T in place.
-            last_only: only the last position goes through ``W_pred`` (decoding).
+            mask: self-attention mask over ``(T, T)``; default look-ahead & key padding from ``ids``.
+            positions: ``(B, T)`` absolute positions; default ``arange(T)``.
+            last_only: only the last position goes through ``W_pred``.
         Returns logits ``(B, T|1, V)`` (hidden states ``(B, T, C)`` with ``return_hidden``).
         """
         B, T = ids.shape
-        past = cache.pos if cache is not None else 0
+        if self.is_encoder_decoder and memory is None:
+            raise UserError("an encoder-decoder model's decoder needs memory: the encoder output (B, S, C)")
         if positions is None:
-            positions = (past + torch.arange(T, device=ids.device)).expand(B, T)  # (B, T)
+            positions = torch.arange(T, device=ids.device).expand(B, T)  # (B, T)
         self._check_positions(positions)
         if mask is None:
-            mask = masks.causal() if cache is not None else self.target_mask(ids)
+            mask = self.target_mask(ids)
         x = self._embed(ids, positions, source=False)
-        layer_pm = self.layer_masks(mask, B, T, past + T, x.device)
+        layer_pm = self.layer_masks(mask, B, T, T, x.device)
         cross_pm = None
         if self.is_encoder_decoder:
-            S = memory.shape[1] if memory is not None else cache.cross_len
-            cross_pm = prepare_mask(memory_mask, B, self.config.n_heads, T, S, device=x.device)
+            cross_pm = prepare_mask(memory_mask, B, self.config.n_heads, T, memory.shape[1], device=x.device)
         ropes = {}  # one cos/sin per rotary module, shared by its layers
         for i in range(self.config.n_layers):
             rotary = self.layer_rotary(i)
             if id(rotary) not in ropes:
                 ropes[id(rotary)] = self._rope(positions, rotary)
         for i, layer in enumerate(self.layers):
-            cross_kv = None
-            if self.is_encoder_decoder:
-                cross_kv = (
-                    cache.cross_kv(i, layer.cross_attn, memory)
-                    if cache is not None
-                    else (layer.cross_attn.project_kv(memory))
-                )
-            x = layer(
-                x,
-                layer_pm[i],
-                rope=ropes[id(self.layer_rotary(i))],
-                kv_cache=cache.layer(i) if cache is not None else None,
-                cross_kv=cross_kv,
-                cross_mask=cross_pm,
-            )
-        if cache is not None:
-            cache.advance(T)
+            x = layer(x, layer_pm[i], rope=ropes[id(self.layer_rotary(i))], memory=memory, cross_mask=cross_pm)
         x = self.norm(x)
         if last_only:
             x = x[:, -1:]  # (B, 1, C)
