@@ -2,10 +2,10 @@
 
 ``torchrun --nproc-per-node N -m attnmask train ... --fsdp`` shards every parameter, gradient and
 optimizer state over the N processes (``torch.distributed.fsdp.fully_shard``): each Transformer
-layer is one unit, gathered just before it runs and freed after, and a root unit (:class:`LossStep`:
-the model's forward *and* the prediction-head loss, so the tied ``W_pred`` is used inside the unit
-that owns it) holds the rest (embeddings, final norm, ``W_pred``). A decoder layer is gathered for
-its cross-attention's ``project_kv`` too, which the decoder calls before the layer.
+layer is one unit, gathered just before it runs and freed after (a decoder layer's cross-attention
+projects the encoder's output inside it), and a root unit (:class:`LossStep`: the model's forward
+*and* the prediction-head loss, so the tied ``W_pred`` is used inside the unit that owns it) holds
+the rest (embeddings, final norm, ``W_pred``).
 Gradients are reduce-scattered, averaged over ranks as DDP does, so the loop's loss scaling is the same.
 
 - ``--precision bf16``: parameters are gathered and used in bfloat16, gradients reduced in float32,
@@ -114,7 +114,7 @@ def shard(model: Transformer, ctx: distributed.Dist, *, bf16: bool) -> Sharded:
     Build the optimizer afterwards, from ``model.parameters()`` (now sharded ``DTensor``s).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     replica = _meta_copy(model)
     tied = _tied_names(model)
@@ -123,8 +123,6 @@ def shard(model: Transformer, ctx: distributed.Dist, *, bf16: bool) -> Sharded:
     layers = [*getattr(model, "encoder_layers", []), *model.layers]
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-        if getattr(layer, "cross_attn", None) is not None:
-            _gather_for_project_kv(layer, register_fsdp_forward_method)
     root = LossStep(model)
     fully_shard(root, mesh=mesh, mp_policy=mp)
     return Sharded(root=root, lora=bool(lora_modules(model)), tied=tied, _replica=replica)
@@ -289,22 +287,6 @@ def _to_meta(model: nn.Module) -> None:
         for name, p in module._parameters.items():
             if p is not None and p.device.type != "meta":
                 module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-
-
-def _gather_for_project_kv(layer: nn.Module, register_fsdp_forward_method) -> None:
-    """The decoder projects the encoder's memory with ``layer.cross_attn.project_kv`` before calling
-    the layer: route that call through the layer's unit, so its weights are gathered for it too.
-    The keys and values come back as tensors of their own, not views: FSDP's backward hook on a
-    unit's outputs would be lost by an in-place change of a view (it warns)."""
-    project_kv = layer.cross_attn.project_kv
-
-    def project_memory(context: Tensor) -> tuple[Tensor, Tensor]:
-        k, v = project_kv(context)  # (B, Hkv, Tk, D) each
-        return k.contiguous(), v.contiguous()
-
-    layer.project_memory = project_memory
-    register_fsdp_forward_method(layer, "project_memory")
-    layer.cross_attn.project_kv = layer.project_memory
 
 
 def _tie_like(replica: nn.Module, model: nn.Module) -> None:
