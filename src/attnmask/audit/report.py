@@ -30,7 +30,7 @@ from torch import Tensor
 
 from attnmask.audit.findings import Finding, Report, json_number
 
-__all__ = ["Leak", "CheckResult", "AuditReport"]
+__all__ = ["Leak", "CheckResult", "AuditReport", "LayerReach"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,31 @@ class CheckResult(Finding):
 
 
 @dataclass
+class LayerReach:
+    """How far back one decoder layer, alone, reaches from the last position (the ``layer reach`` check)."""
+
+    layer: int  # index in the decoder stack
+    window: int  # declared: 0 = every earlier key, w = the last w keys (the query's own included)
+    allowed: int  # how far back the declared mask lets the last position see
+    reach: int  # how far back it has a gradient (the farthest earlier key that moves its output)
+    beyond: float | None  # max |Δ output| when every key beyond the window is perturbed; None: no such key
+    edge: float  # |Δ output| / tolerance when only the oldest allowed key is perturbed
+    passed: bool  # reaches exactly as far as it may, and keys beyond its window leave it unchanged
+    gradient: Tensor  # (T,) ‖∂(r·output_q)/∂input_j‖ for every key j
+
+    def to_dict(self) -> dict:
+        return {
+            "layer": self.layer,
+            "window": self.window,
+            "allowed": self.allowed,
+            "reach": self.reach,
+            "beyond_deviation": None if self.beyond is None else json_number(self.beyond),
+            "edge_ratio": json_number(self.edge),
+            "passed": self.passed,
+        }
+
+
+@dataclass
 class AuditReport(Report):
     """Everything one audit found. ``passed`` is False as soon as one check failed."""
 
@@ -114,6 +139,7 @@ class AuditReport(Report):
     intended: Tensor  # (T, T) bool: the mask the decoder is meant to have (True = may depend)
     dependency: Tensor | None = None  # (T, T) max |Δ logits_i| when token j is replaced
     gradient: Tensor | None = None  # (T, T) max ‖∂(r·logits_i)/∂embeds_j‖
+    layer_reach: list[LayerReach] | None = None  # the layer reach check's measurement, one per decoder layer
     notes: list[str] = field(default_factory=list)
 
     def findings(self) -> list[CheckResult]:
@@ -155,6 +181,7 @@ class AuditReport(Report):
             "intended": self.intended.int().tolist(),
             "dependency": None if self.dependency is None else _matrix(self.dependency),
             "gradient": None if self.gradient is None else _matrix(self.gradient),
+            "layer_reach": None if self.layer_reach is None else [r.to_dict() for r in self.layer_reach],
             "notes": self.notes,
         }
 
@@ -191,6 +218,8 @@ class AuditReport(Report):
             lines.append("(i,*): output i changed with the amount of padding itself")
         if self.dependency is not None:
             lines += ["", "measured dependency of output i (rows) on token j (columns):", self.dependency_grid()]
+        if self.layer_reach:
+            lines += ["", self.reach_table()]
         for note in self.notes:
             lines.append(f"note: {note}")
         lines.append("")
@@ -218,6 +247,28 @@ class AuditReport(Report):
             rows.append(str(i).rjust(width) + " │ " + " ".join(cells))
         rows.append("■ depends (allowed)  ○ allowed, no dependence  · blocked  ✗ LEAK")
         return "\n".join(rows)
+
+    def reach_table(self) -> str:
+        """The ``layer reach`` check's table: per decoder layer, its window, how far back it may and does reach."""
+        T = len(self.layer_reach[0].gradient)
+        header = ["layer", "window", "may reach", "reaches", "|Δ| beyond window", "oldest key moves"]
+        body = []
+        for r in self.layer_reach:
+            verdict = "ok" if r.passed else "✗ FAIL"
+            body.append([
+                str(r.layer),
+                str(r.window) if r.window else "full",
+                f"{r.allowed} back",
+                f"{r.reach} back",
+                "-" if r.beyond is None else f"{r.beyond:.3g}",
+                f"{r.edge:.3g}x tol",
+                verdict,
+            ])  # fmt: skip
+        widths = [max(len(row[k]) for row in [header + [""], *body]) for k in range(len(header) + 1)]
+        fmt = lambda row: "  " + "  ".join(c.rjust(wd) for c, wd in zip(row, widths)).rstrip()  # noqa: E731
+        lines = [f"layer reach: each decoder layer alone, its output at position {T - 1} of T={T}:"]
+        lines += [fmt(header + [""]), *(fmt(row) for row in body)]
+        return "\n".join(lines)
 
     def save_png(self, path: str | Path) -> Path:
         """The intended mask next to the measured dependency matrices (leaks outlined)."""

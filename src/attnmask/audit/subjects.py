@@ -18,7 +18,8 @@ Optional extras turn on more checks: ``forward_with_embeds`` (same arguments, re
 ``(logits, embeds)`` with ``embeds`` the decoder's input embeddings ``(B, T, C)`` as a leaf that
 requires grad) for the gradient check, and ``cached_forward`` (same arguments, same logits computed
 token by token with a KV cache, the way the model generates) for cache parity and for causality along
-the generation path.
+the generation path; ``layer_windows`` and ``layer_calls`` (same arguments, returns each decoder
+layer alone, :class:`~attnmask.audit.layers.LayerCall`) for the per-layer reach check.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from attnmask import masks
+from attnmask.audit.layers import LayerCall, decoder_layers, hf_layer_windows, record_layer_calls
 from attnmask.decode.step import SourceMemory, fused_plan, packed_forward
 from attnmask.errors import UserError, UserTypeError
 from attnmask.model.cache import PagedKVCache
@@ -58,6 +60,10 @@ class Subject:
     # sequences (lists of ids) -> each one's logits (T_i, V), all run together through the serving
     # engine's packed step over a paged cache, ``chunk`` tokens of each a step
     packed_forward: Callable[..., list[Tensor]] | None = None
+    # each decoder layer's declared self-attention window (0: every earlier key; w: the last w keys)
+    layer_windows: tuple[int, ...] | None = None
+    # same arguments as forward -> each decoder layer alone, on what it received in that forward
+    layer_calls: Callable[..., list[LayerCall]] | None = None
     max_len: int | None = None  # longest sequence the model takes
     dtype: torch.dtype | None = None  # dtype of the logits (picks the tolerance); None = as returned
     device: torch.device = torch.device("cpu")  # where the audit puts the ids it makes
@@ -142,7 +148,7 @@ def from_transformer(model, *, name: str | None = None) -> Subject:
         smask = masks.padding(keep=keep) if pad is None else model.source_mask(src.masked_fill(~keep, pad))
         return model.encode(src, smask), smask
 
-    def run(args, *, embeds_hook: bool = False):
+    def run(args, *, embeds_hook: bool = False, hidden: bool = False):
         if enc_dec:
             src, src_mask, ids, mask = args
             memory, memory_mask = memory_of(src, src_mask)
@@ -166,7 +172,8 @@ def from_transformer(model, *, name: str | None = None) -> Subject:
                 memory_mask=memory_mask,
                 mask=self_mask(ids, keep),
                 positions=positions_from_mask(keep),
-            )  # (B, T, V)
+                return_hidden=hidden,
+            )  # (B, T, V), or (B, T, C) with hidden
         finally:
             if handle is not None:
                 handle.remove()
@@ -197,6 +204,8 @@ def from_transformer(model, *, name: str | None = None) -> Subject:
         forward_with_embeds=lambda *args: run(args, embeds_hook=True),
         cached_forward=cached,
         packed_forward=None if enc_dec else lambda seqs, chunk=4: packed(model, seqs, chunk),
+        layer_windows=tuple(cfg.layer_window(i) for i in range(cfg.n_layers)),
+        layer_calls=lambda *args: record_layer_calls(model.layers, lambda: run(args, hidden=True)),
         vocab_size=cfg.vocab_size,
         src_vocab_size=cfg.src_vocab_size,
         encoder_decoder=enc_dec,
@@ -321,10 +330,20 @@ def from_hf(model, *, name: str | None = None) -> Subject:
             out.append(res.logits)  # (B, 1, V)
         return torch.cat(out, dim=1)  # (B, T, V)
 
+    layers = decoder_layers(model)
+
+    def layer_calls(ids: Tensor, mask: Tensor | None = None) -> list[LayerCall]:
+        keep = _keep(ids, mask)
+        base = model.base_model  # the stack without its LM head: hidden states, no (B, T, V) logits
+        kwargs = {"attention_mask": keep.long(), "position_ids": positions_from_mask(keep), "use_cache": False}
+        return record_layer_calls(layers, lambda: base(input_ids=ids, **kwargs))
+
     return Subject(
         forward=forward,
         forward_with_embeds=forward_with_embeds,
         cached_forward=cached,
+        layer_windows=None if layers is None else tuple(w or 0 for w in hf_layer_windows(cfg)),
+        layer_calls=None if layers is None else layer_calls,
         vocab_size=vocab,
         name=label,
         pad_id=0 if pad is None else pad,

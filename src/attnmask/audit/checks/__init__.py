@@ -7,7 +7,9 @@
 - :mod:`.cache_parity`: cached token-by-token logits equal the full forward;
 - :mod:`.fully_padded`: ``fully padded rows``: an all-pad row gives finite logits, disturbs nothing;
 - :mod:`.cross_request`: ``cross-request``: requests packed into one step of the serving engine never
-  see each other, bit for bit.
+  see each other, bit for bit;
+- :mod:`.layer_reach`: ``layer reach``: each decoder layer alone, at the last position, reaches no
+  further back than its own window (Gemma 3's sliding layers), and as far as it declares.
 
 :mod:`.probe` is what they share (the random inputs, the forward calls, the perturbation
 measurement); :mod:`.runner` runs them and assembles the :class:`~attnmask.audit.report.AuditReport`.

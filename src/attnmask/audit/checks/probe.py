@@ -88,6 +88,7 @@ class Probe:
         # what the checks measured beyond pass or fail, for the report
         self.dependency: Tensor | None = None  # (T, T) max |Δ logits_i| when token j is replaced
         self.gradient: Tensor | None = None  # (T, T) max ‖∂(r·logits_i)/∂embeds_j‖
+        self.layer_reach: list | None = None  # one LayerReach per decoder layer
         self.notes: list[str] = list(subject.notes)
 
     # -- random ids ------------------------------------------------------------------------------

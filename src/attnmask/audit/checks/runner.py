@@ -12,6 +12,7 @@ from attnmask.audit.checks.causality import check_causality
 from attnmask.audit.checks.cross_request import check_cross_request
 from attnmask.audit.checks.fully_padded import check_fully_padded_rows
 from attnmask.audit.checks.gradient import check_gradient
+from attnmask.audit.checks.layer_reach import check_layer_reach
 from attnmask.audit.checks.padding import check_padding, check_source_padding
 from attnmask.audit.checks.probe import Probe
 from attnmask.audit.report import AuditReport, CheckResult
@@ -29,6 +30,7 @@ _CHECKS: dict[str, Callable[[Probe], CheckResult]] = {
     "cache parity": check_cache_parity,
     "fully padded rows": check_fully_padded_rows,
     "cross-request": check_cross_request,  # decoder-only attnmask models: the serving engine's packed step
+    "layer reach": check_layer_reach,  # decoder-only: each decoder layer alone against its own window
 }
 CHECKS = tuple(_CHECKS)
 
@@ -106,5 +108,6 @@ def audit(
         intended=probe.intended,
         dependency=probe.dependency,
         gradient=probe.gradient,
+        layer_reach=probe.layer_reach,
         notes=probe.notes,
     )
