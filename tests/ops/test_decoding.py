@@ -74,7 +74,8 @@ STEPS = torch.randint(4, 24, (3, 5), generator=torch.Generator().manual_seed(0))
 
 
 def _counted(monkeypatch, *names):
-    """Count the calls decode_one makes to these operators of attnmask.ops.decoding."""
+    """Count the calls that decoding (decode.start, decode.decode_step) makes to these operators of
+    attnmask.ops.decoding."""
     calls = {name: 0 for name in names}
     for name in names:
         real = getattr(decoding, name)

@@ -427,10 +427,10 @@ def _flex_suits(pm: PreparedMask) -> bool:
 # ``auto`` on the CPU takes ``math`` for many short problems, where SDPA's fused kernels lose
 # (measured on Zen 5 with torch 2.13: docs/benchmarks.md, attention): bfloat16 with up to 128 keys
 # (at 256 keys SDPA is faster); float32 at inference for up to 64 queries over up to 256 keys in at
-# least 32 (batch row, head) pairs, as a batch of short sentences through the encoder or one-token
-# steps through ``Transformer.decode`` (``decode_one`` has its own attention and keeps SDPA, where
-# batched products measured slower); float32 training over up to 64 keys in at least 32 pairs (at
-# 96-128 keys and 8 heads SDPA catches up). Never when the float32 scores would pass 64 MiB.
+# least 32 (batch row, head) pairs, as a batch of short sentences through the encoder or a short
+# decoder forward (decoding steps attend through the paged cache's ``paged_attend``, not here);
+# float32 training over up to 64 keys in at least 32 pairs (at 96-128 keys and 8 heads SDPA catches
+# up). Never when the float32 scores would pass 64 MiB.
 _MATH_MAX_SCORES = 1 << 24
 # float32 inference: at most this many scores per (batch row, head). 20 x 20 and 1 x 256 (one step)
 # measured faster in ``math``, 64 x 64 with 32 pairs slower than SDPA (0.57-0.64 against 0.50-0.54 ms)

@@ -1,9 +1,10 @@
 """attnmask's operators with native kernels: every C/C++ source of the project and its Python face.
 
-- :mod:`.blocks`: products with GGUF block weights (Q4_1, Q8_0) as stored, ``block_matmul`` and
-  ``block_dequantize``, and the layout the kernel reads (``repack`` / ``unpack``);
-- :mod:`.decoding`: the one-token decoding step's operators (norms, rotary + attention against a
-  cache, SwiGLU, few-row products, the whole step in one call);
+- :mod:`.blocks`: products with GGUF block weights (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) as stored,
+  ``block_matmul`` and ``block_dequantize``, and the layouts the kernel reads (``repack`` / ``unpack``);
+- :mod:`.decoding`: the packed decoding step's operators (norms, SwiGLU, few-row products,
+  ``paged_attend``: attention through a paged cache's block tables, ``packed_step``: the whole step
+  in one call);
 - :mod:`.native`: the one native library holding their CPU kernels (``csrc/``), built on first use
   (:func:`available`, :func:`load`, :func:`status`); ``attnmask kernels`` shows and builds it;
 - :mod:`.build`: the loader (``load_library``: content-hashed name, atomic publish, a notice before

@@ -5,10 +5,12 @@
 - :mod:`.chat`: the pretrained tokenizer (its own special tokens) and chat template;
 - :mod:`.cache`: converted checkpoints kept as safetensors files (``cache_dir`` says where);
 - :mod:`.build`: a checkpoint into a ``Transformer`` without random initialisation;
-- :mod:`.hf`: Hugging Face Llama / GPT-2 / Marian checkpoints imported;
+- :mod:`.hf`: Hugging Face Llama / GPT-2 / Marian / Gemma 3 checkpoints imported;
+- :mod:`.gemma3`: Gemma 3 (text) between Hugging Face's spelling and attnmask's config, both ways;
 - :mod:`.gguf_file`: GGUF files read (weights, tokenizer, chat template);
-- :mod:`.quantized`: ``BlockLinear``, a linear layer with Q4_1 / Q8_0 blocks as stored (its product
-  is :mod:`attnmask.ops.blocks`'s operator).
+- :mod:`.sentencepiece`: a GGUF file's SentencePiece (BPE) vocabulary as a ``tokenizers.Tokenizer``;
+- :mod:`.quantized`: ``BlockLinear``, a linear layer with GGUF blocks as stored (Q4_1, Q8_0, Q5_0,
+  Q4_K, Q6_K; its product is :mod:`attnmask.ops.blocks`'s operator).
 """
 
 from attnmask.ops.blocks import BLOCK_BYTES, QK, dequantize_blocks, repack, unpack  # noqa: F401

@@ -150,7 +150,7 @@ class BlockLinear(nn.Module):
     def matmul_rows(self, x: Tensor) -> Tensor:
         """:meth:`forward` for ``x (rows, K)``, float32, on the CPU, without its per-call checks where the
         native kernels are loaded (the operator checks every buffer itself): what the decoding step
-        calls when it makes its calls from Python (:func:`attnmask.decode.static._project`). Anything
+        calls when it makes its calls from Python (``_product`` of :mod:`attnmask.decode.step`). Anything
         else goes through :meth:`forward`."""
         fits = x.dim() == 2 and x.is_cpu and x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad
         if fits and ops.available():
@@ -159,7 +159,7 @@ class BlockLinear(nn.Module):
         return self(x)
 
     def decoder_operands(self) -> tuple[int, list[Tensor]] | None:
-        """This layer as :func:`attnmask.ops.decoding.decoder_step` multiplies by it: ``(kind, [codes,
+        """This layer as :func:`attnmask.ops.decoding.packed_step` multiplies by it: ``(kind, [codes,
         d(, m)])``, kind 1 for the 4-bit layout (Q4_1, and Q4_K repacked into it) and 2 for the 8-bit one
         (Q8_0, Q5_0); None where the kernels are not built, or for Q6_K, which the step has no kind for
         (the layer then multiplies by its weight itself, which the step leaves to the module)."""

@@ -3,9 +3,17 @@
 - :mod:`.config`: ``TrainConfig`` split by concern (data, model, optimisation, run);
 - :mod:`.loop`: the trainer and ``train``;
 - :mod:`.tasks`: translation and language-model tasks behind one protocol;
+- :mod:`.chat`: the chat fine-tuning task (conversations in a pretrained model's template, packed
+  rows, the loss on the assistant's tokens);
+- :mod:`.init`: ``--init MODEL``, the pretrained model, tokenizer and chat template a fine-tuning
+  run starts from;
 - :mod:`.evaluate`: validation loss, BLEU / chrF / exact match, perplexity;
 - :mod:`.rundir`: the run directory's layout and ``load_run``;
-- :mod:`.checkpoint`, :mod:`.distributed`: atomic files and exact resume; DDP with torchrun.
+- :mod:`.checkpoint`, :mod:`.distributed`: atomic files and exact resume; DDP with torchrun;
+- :mod:`.fsdp`: ``--fsdp``, FSDP2 under torchrun, sharded checkpoints that resume on any number of
+  processes;
+- :mod:`.export`: a trained decoder (LoRA adapters merged) as a Hugging Face directory or a GGUF
+  file (``attnmask export``).
 """
 
 from attnmask.train.checkpoint import (  # noqa: F401

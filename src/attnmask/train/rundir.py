@@ -18,13 +18,18 @@ Layout of a run directory::
     adapters.safetensors LoRA runs instead of model.safetensors: the adapters alone (the base model is
                          --init's, loaded again; attnmask.model.lora)
     trainer_state.pt     resume state: step, weights, optimizer, RNG states of every rank, data
-                         position of every rank, elapsed time (attnmask.train.checkpoint)
+                         position of every rank, elapsed time (attnmask.train.checkpoint); in --fsdp
+                         runs without weights and optimizer, naming the checkpoint/ step directory
+    checkpoint/          --fsdp runs only: step-NNNNNNNN/, the model and optimizer shards of the
+                         last checkpoint, written by every rank (torch.distributed.checkpoint;
+                         attnmask.train.fsdp)
     metrics.jsonl        one JSON object a line: {"step", "split": "train"|"valid"|"test", ...}
     tb/                  TensorBoard event files (the same scalars)
     loss.png             loss curves, written at the end of training
 
 ``config.json`` and the tokenizers are written once when a run starts; the two checkpoint files
-are replaced atomically at every save.
+are replaced atomically at every save (an --fsdp run's older step directory is removed once
+``trainer_state.pt`` names the new one).
 """
 
 from __future__ import annotations

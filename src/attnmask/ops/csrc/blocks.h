@@ -1,5 +1,5 @@
 // What other native code of attnmask may call of blocks.cpp: the declared dependency of
-// decoding.cpp's decoder_step on the block-weight product (the same function the operator
+// decoding.cpp's packed_step on the block-weight product (the same function the operator
 // attnmask::block_matmul runs on the CPU, called directly rather than looked up by name).
 #pragma once
 
