@@ -321,4 +321,3 @@ class PagedKVCache:
     def nbytes(self) -> int:
         """Bytes of the pool tensors (each counted once)."""
         return sum(t.numel() * t.element_size() for t in self._tensors())
-
