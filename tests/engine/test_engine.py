@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from attnmask import decode
 from attnmask.data.tokenizer import EOS_ID
 from attnmask.decode.sampling import GREEDY, Sampling
-from attnmask.engine import Engine, RequestParams
+from attnmask.engine import BlockPool, Engine, Paging, RequestParams, layer_groups
 from attnmask.errors import UserError
 from tests.conftest import run_python, tiny_model
 from tests.engine.test_step import MODELS, model_of
@@ -108,6 +108,11 @@ def test_greedy_engine_equals_decode_greedy(variant):
 VARIANTS = list(MODELS)
 
 
+def windows(variant: str) -> tuple[int, ...]:
+    """The window of each layer group of the engine's cache for ``variant``."""
+    return tuple(g.window for g in layer_groups(model(variant).config, by_window=True))
+
+
 @st.composite
 def workloads(draw, sampled: bool):
     variant = draw(st.sampled_from(VARIANTS))
@@ -115,13 +120,16 @@ def workloads(draw, sampled: bool):
     prompts = draw(st.lists(st.lists(st.integers(3, 23), min_size=1, max_size=12), min_size=n, max_size=n))
     max_tokens = draw(st.lists(st.integers(1, 10), min_size=n, max_size=n))
     block_size = draw(st.sampled_from([1, 2, 3, 4, 8]))
-    need = max(-(-(len(p) + m) // block_size) for p, m in zip(prompts, max_tokens))  # the largest request
+    max_batch_tokens = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 64]))
+    # the blocks of the largest request at its peak, in every layer group of the engine's cache
+    paging = Paging(BlockPool(2), block_size, windows(variant))
+    need = max(paging.peak(len(p) + m, max_batch_tokens) for p, m in zip(prompts, max_tokens))
     return dict(
         variant=variant,
         requests=[(tuple(p), m, sampled, 100 + i) for i, (p, m) in enumerate(zip(prompts, max_tokens))],
         arrivals=draw(st.lists(st.sampled_from([0, 0, 1, 2, 5]), min_size=n, max_size=n)),
         order=draw(st.permutations(range(n))),
-        max_batch_tokens=draw(st.sampled_from([1, 2, 3, 5, 8, 16, 64])),
+        max_batch_tokens=max_batch_tokens,
         block_size=block_size,
         num_blocks=1 + need + draw(st.sampled_from([0, 0, 1, 3, 100])),  # 0: one request fills the cache
     )
@@ -178,6 +186,36 @@ PREEMPTING = dict(
 
 def test_preempted_requests_are_bitwise_their_solo_runs():
     assert check_invariant(PREEMPTING) > 0, "this workload is meant to preempt"
+
+
+def test_preempted_requests_with_window_groups_are_bitwise_their_solo_runs():
+    """Three layer groups (a full layer, two of window 3) in one pool: the largest request needs 9 full
+    blocks and 6 of each window group at its peak (blocks of 2, chunks of 6 at most), 21 of 27 or 28."""
+    assert windows("rotary-windows") == (0, 3, 3)
+    preempted = [check_invariant({**PREEMPTING, "variant": "rotary-windows", "num_blocks": n}) for n in (28, 29)]
+    assert sum(preempted) > 0, "these pools are meant to preempt"
+
+
+def test_window_groups_give_their_blocks_back_as_a_request_grows():
+    """A 20-token prompt and 30 new tokens, blocks of 2, chunks of 4: the full group holds every
+    position's block, each window group (window 3) the last 2 or 3 blocks only, counted by stats()."""
+    engine = engine_of("rotary-windows", block_size=2, max_batch_tokens=4, num_blocks=64, eos_ids=[])
+    rid = engine.add_request(list(range(3, 23)), greedy_params(30, ignore_eos=True))
+    seq = engine.scheduler.running[0] if engine.scheduler.running else None
+    held = []
+    while engine.has_work():
+        engine.step()
+        seq = seq or engine.scheduler.running[0]
+        if engine.scheduler.running:
+            full, *local = seq.tables
+            assert 0 not in full and len(full) == -(-max(seq.computed, seq.prompt_len) // 2)
+            assert all(sum(1 for b in t if b) <= 3 for t in local), f"window blocks kept: {local}"
+            held.append(engine.stats().blocks_used)
+    assert engine.stats().blocks_used == 0 and seq.request_id == rid
+    # after the 29th token, positions 0..47 computed: 24 full blocks; the next row (48) reads 46..48, and
+    # each window group keeps block 23 (46, 47) only
+    assert held[-1] == 24 + 2 * 1
+    assert max(held) <= 24 + 2 * 3 and len(held) == 5 + 28  # 5 prefill steps (chunks of 4), 28 decodes
 
 
 def test_two_threads_give_the_bits_of_one():

@@ -244,6 +244,20 @@ MODELS = {
     "learned-layernorm-gelu": dict(positions="learned", norm="layernorm", activation="gelu"),
     "learned-post-norm": dict(positions="learned", norm_position="post"),
     "sinusoidal-tied": dict(positions="sinusoidal", tie_embeddings=True),
+    # windows: two layers of three see their last 3 positions (three layer groups in the engine's cache,
+    # their old blocks freed); every layer's window 4 (one group, freed, the one-call step where built)
+    "rotary-windows": dict(
+        positions="rotary",
+        n_kv_heads=2,
+        norm="rmsnorm",
+        activation="swiglu",
+        n_layers=3,
+        sliding_window=3,
+        layer_types=("sliding", "full", "sliding"),
+    ),
+    "rotary-fused-window": dict(
+        positions="rotary", n_kv_heads=2, norm="rmsnorm", activation="swiglu", fuse=True, sliding_window=4
+    ),
 }
 
 
