@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from attnmask.audit.findings import Finding, Report, json_number
+from attnmask.errors import UserError
 
 __all__ = ["Leak", "CheckResult", "AuditReport", "LayerReach"]
 
@@ -270,6 +271,13 @@ class AuditReport(Report):
         lines += [fmt(header + [""]), *(fmt(row) for row in body)]
         return "\n".join(lines)
 
+    def save_reach_png(self, path: str | Path) -> Path:
+        """The layer reach check's measurement: a row per decoder layer, its gradient on every key."""
+        if not self.layer_reach:
+            raise UserError("no layer reach was measured: run the audit with the layer reach check")
+        verdict = "PASSED" if self.check("layer reach").passed else "FAILED"
+        return _save_reach_png(path, self.layer_reach, f"{self.model}: layer reach {verdict}")
+
     def save_png(self, path: str | Path) -> Path:
         """The intended mask next to the measured dependency matrices (leaks outlined)."""
         from attnmask.viz import save_dependency_png
@@ -282,6 +290,42 @@ class AuditReport(Report):
         leaks = [(lk.i, lk.j) for c in self.checks if c.name in ("causality", "gradient") for lk in c.leaks]
         verdict = "PASSED" if self.passed else f"FAILED ({len(self.leaks)} leaks)"
         return save_dependency_png(path, self.intended, measured, leaks=leaks, title=f"{self.model}: {verdict}")
+
+
+def _save_reach_png(path: str | Path, rows: list[LayerReach], title: str) -> Path:
+    """Each decoder layer's gradient on every key (a row per layer, log scale, zeros blank), the first
+    key its window lets it see marked, keys beyond its window that it reaches outlined in red."""
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    from attnmask.viz import _save
+
+    grad = torch.stack([r.gradient for r in rows]).double()  # (L, T)
+    L, T = grad.shape
+    q = T - 1
+    fig = Figure(figsize=(min(16.0, 4.0 + T / 40), 1.5 + 0.3 * L))
+    ax = fig.subplots()
+    values = grad.numpy().copy()
+    positive = values[values > 0]
+    values[values <= 0] = float("nan")  # exact independence: blank
+    if positive.size:
+        norm = LogNorm(vmin=max(positive.min(), positive.max() * 1e-12), vmax=positive.max())
+        img = ax.imshow(values, cmap="viridis", norm=norm, aspect="auto", interpolation="nearest")
+        fig.colorbar(img, ax=ax, fraction=0.03, pad=0.02, label="‖∂ output_q / ∂ input_j‖")
+    for y, r in enumerate(rows):
+        first = q - r.allowed  # the oldest key the declared mask lets q see
+        if r.window:
+            ax.plot([first - 0.5, first - 0.5], [y - 0.5, y + 0.5], color="black", lw=2)
+        if r.reach > r.allowed:  # reached keys beyond the window
+            far = q - r.reach
+            ax.add_patch(Rectangle((far - 0.5, y - 0.5), first - far, 1, fill=False, edgecolor="red", lw=1.5))
+    ax.set_yticks(range(L), [f"{r.layer} ({r.window if r.window else 'full'})" for r in rows], fontsize=7)
+    ax.set_ylabel("decoder layer (window)")
+    ax.set_xlabel(f"input key j (output at q = {q}; black bar: the oldest key a window allows)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def _matrix(t: Tensor) -> list[list[float]]:

@@ -19,6 +19,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def add_parser(sub) -> None:
+    from attnmask.audit.checks import CHECKS
     from attnmask.audit.faults import FAULTS
 
     p = sub.add_parser(
@@ -39,6 +40,11 @@ def add_parser(sub) -> None:
         "(tiny presets), or a local config.json / directory holding one",
     )
     what.add_argument(
+        "--model",
+        metavar="NAME",
+        help="a pretrained model known to attnmask.pretrained (e.g. gemma3, smollm2), as attnmask runs it",
+    )
+    what.add_argument(
         "--tiny",
         choices=("decoder", "encoder_decoder"),
         help="a small random attnmask Transformer (for trying the audit out)",
@@ -47,6 +53,11 @@ def add_parser(sub) -> None:
         "--inject",
         choices=sorted(FAULTS),
         help="break the attnmask model first with a known leak, to see the audit catch it",
+    )
+    p.add_argument(
+        "--checks",
+        metavar="NAME,NAME",
+        help=f"comma-separated checks to run, default every one that applies: {', '.join(CHECKS)}",
     )
     p.add_argument("--length", type=int, default=12, metavar="T", help="target length audited")
     p.add_argument("--src-length", type=int, default=10, metavar="S", help="source length (encoder-decoder)")
@@ -66,6 +77,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
     p.add_argument("--png", metavar="FILE", help="also draw the measured dependency matrix next to the intended mask")
+    p.add_argument(
+        "--reach-png",
+        metavar="FILE",
+        help="also draw the layer reach check's measurement: each decoder layer's gradient on every key, its window",
+    )
     p.set_defaults(func=run)
 
 
@@ -119,6 +135,18 @@ def hf_model(spec: str, *, seed: int = 0):
         raise UserError(f"--hf-config {spec}: {_first_line(e)}; expected a decoder-only (causal LM) config") from e
 
 
+def _checks(spec: str | None) -> list[str] | None:
+    from attnmask.audit.checks import CHECKS
+
+    if spec is None:
+        return None
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    unknown = [n for n in names if n not in CHECKS]
+    if not names or unknown:
+        raise UserError(f"--checks {spec!r}: expected comma-separated names among: {', '.join(CHECKS)}")
+    return names
+
+
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -129,13 +157,17 @@ def build_subject(args):
     from attnmask.audit.faults import inject, tiny_model
 
     if args.inject and args.hf_config:
-        raise UserError("--inject breaks attnmask models only; use it with --run or --tiny")
+        raise UserError("--inject breaks attnmask models only; use it with --run, --model or --tiny")
     if args.hf_config:
         model = hf_model(args.hf_config, seed=args.seed)
         if args.dtype:
             model = model.to(DTYPES[args.dtype])
         return audit_subjects.from_hf(model, name=f"Hugging Face {type(model).__name__} ({args.hf_config}, random)")
-    if args.run:
+    if args.model:
+        from attnmask.pretrained import load
+
+        model, name = load(args.model)[0], f"pretrained {args.model}"
+    elif args.run:
         from attnmask.train.rundir import load_run
 
         run = load_run(args.run)
@@ -153,8 +185,12 @@ def run(args) -> int:
     from attnmask.audit import audit
 
     check_args(args)
-    if args.png:
-        check_picture_path("--png", args.png)
+    for flag, path in (("--png", args.png), ("--reach-png", args.reach_png)):
+        if path:
+            check_picture_path(flag, path)
+    checks = _checks(args.checks)
+    if args.reach_png and checks is not None and "layer reach" not in checks:
+        raise UserError("--reach-png draws the layer reach check: add 'layer reach' to --checks")
 
     report = audit(
         build_subject(args),
@@ -164,9 +200,16 @@ def run(args) -> int:
         n_sequences=args.sequences,
         n_replacements=args.replacements,
         pad_amounts=_pad_amounts(args.pad),
+        checks=checks,
     )
     if args.png:
         path = report.save_png(args.png)
+        if not args.json:
+            print(f"wrote {path}", file=sys.stderr)
+    if args.reach_png:
+        if report.layer_reach is None:
+            raise UserError("--reach-png: the layer reach check did not run or was skipped; nothing to draw")
+        path = report.save_reach_png(args.reach_png)
         if not args.json:
             print(f"wrote {path}", file=sys.stderr)
     print(report.to_json() if args.json else report.to_text())
