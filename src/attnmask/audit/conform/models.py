@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from attnmask.audit.layers import hf_layer_windows
 from attnmask.errors import UserError
 
 __all__ = ["TINY_CONFIGS", "load_model", "implementations", "set_implementation", "reference_model", "reach"]
@@ -274,18 +275,7 @@ def implementations(model, requested=None) -> tuple[list[str], dict[str, str]]:
 # ---------------------------------------------------------------------------------------------
 # Sliding windows and the float64 reference
 # ---------------------------------------------------------------------------------------------
-def layer_windows(config) -> list[int | None]:
-    """The sliding window of each decoder layer (None: full attention), as transformers applies it:
-    a query at position i sees keys ``i - W < j <= i``."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None) or getattr(cfg, "num_layers", 0)
-    window = getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return [window if t == "sliding_attention" else None for t in types]
-    if getattr(cfg, "use_sliding_window", True) is False:
-        window = None
-    return [window] * n
+layer_windows = hf_layer_windows  # each decoder layer's window (None: full), shared with the leak audit
 
 
 def reach(config) -> int | None:

@@ -20,20 +20,10 @@ import torch
 from torch import Tensor, nn
 
 from attnmask.audit.conform.report import ConformResult
+from attnmask.audit.layers import decoder_layers
 from attnmask.audit.tolerance import Tolerance
 
 __all__ = ["decoder_layers", "layer_reach"]
-
-
-def decoder_layers(model) -> nn.ModuleList | None:
-    """The decoder layers of a Hugging Face causal LM (``model.model.layers``, GPT-2's ``transformer.h``)."""
-    for path in ("model.layers", "model.decoder.layers", "transformer.h"):
-        obj = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if isinstance(obj, nn.ModuleList):
-            return obj
-    return None
 
 
 def _hidden(out) -> Tensor:
