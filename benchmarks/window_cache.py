@@ -10,7 +10,8 @@ groups' blocks given back before each chunk; ``--mode full`` over one table for 
 freed). Each mode in its own process (run them one after the other): it prints the pool
 tensors' bytes (``PagedKVCache.nbytes``), the blocks in use at their most and after the prefill, the
 process's resident memory before the cache was made (after one short forward, so that the weights are
-resident) and at the end (VmRSS, VmHWM), the wall time, and
+resident, and ``malloc_trim``, so that the cache is not made in memory loading freed) and at the end
+(VmRSS, VmHWM), the wall time, and
 the first generated token with its logit (the two modes must agree: the packed step reads the same keys).
 
 Run: ``python benchmarks/window_cache.py --mode windowed --tokens 8192`` then ``--mode full``.
@@ -21,6 +22,7 @@ docs/benchmarks.md with the CPU named.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import time
 
@@ -69,6 +71,7 @@ def main() -> None:
     with torch.inference_mode():
         model.decode(torch.tensor([ids[:16]]))  # every weight read once: resident before the baseline
     plan = fused_plan(model)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what loading freed goes back: the cache is not made in it
     before = rss()
     cache = PagedKVCache.for_model(model, num_blocks=1 + need, block_size=S, by_window=args.mode == "windowed")
     paging = cache.paging
