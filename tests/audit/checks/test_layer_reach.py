@@ -1,5 +1,6 @@
 """The layer reach check: each decoder layer alone reaches exactly its own window back, and a layer
-whose mask is one key wider (or narrower) than it declares is named."""
+whose mask is one key wider (or narrower) than it declares is named: attnmask models (a layer's
+mask rebuilt) and Hugging Face models (a kernel with the window off by one)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,17 @@ def test_skipped_without_access_to_decoder_layers():
     report = audit(bag_of_words(), vocab_size=11, length=6, checks=["layer reach"])
     assert report.check("layer reach").skipped == "the model offers no access to its decoder layers"
     assert report.passed and report.layer_reach is None
+
+
+@pytest.mark.parametrize("kernel, problem", [("wide_window", "reaches 4 back"), ("narrow_window", "only 2 back")])
+def test_a_hugging_face_kernel_with_a_wrong_window_is_named_per_layer(kernel, problem):
+    pytest.importorskip("transformers")
+    from attnmask.audit.conform.models import load_model, set_implementation
+    from tests.audit.conform_fixtures import registered
+
+    model = load_model("gemma3_text")[0]  # layers 0 and 2: a window of 4; layer 1: full
+    with registered(kernel):
+        set_implementation(model, kernel)
+        problems = audit(model, length=6, checks=["layer reach"]).check("layer reach").problems
+    assert [p.split(" ")[1] for p in problems] == ["0", "2"]
+    assert all(problem in p for p in problems)
