@@ -27,8 +27,9 @@ def add_parser(sub) -> None:
         help="check a model for leaks: future tokens, padding, KV cache, NaN (exit 1 on a leak)",
         description="Audit a model for attention leaks: perturbing a token may only change the outputs the "
         "look-ahead mask lets it reach (and the gradient agrees), padding (amount and ids) never changes real "
-        "outputs, KV-cache decoding matches the full forward, fully padded rows give no NaN. Prints a report "
-        "(or JSON) and exits 1 when any check fails, so it can gate CI.",
+        "outputs, KV-cache decoding matches the full forward, fully padded rows give no NaN, each decoder layer alone "
+        "reaches exactly as far back as its own window (Gemma 3's sliding layers) or every earlier key. Prints a "
+        "report (or JSON) and exits 1 when any check fails, so it can gate CI.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     what = p.add_mutually_exclusive_group(required=True)
