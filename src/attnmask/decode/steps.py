@@ -191,7 +191,10 @@ class DecodeState:
         a copy where its block is shared with another row (copy on write), in every group; first free the
         window groups' blocks that the rows no longer read."""
         pool, S = self.cache.pool, self.cache.block_size
-        changed = sum(self.cache.paging.forget(self.row_tables(r), p) for r, p in enumerate(positions)) > 0
+        changed = False
+        if any(w > 0 for w in self.cache.windows):
+            paging = self.cache.paging
+            changed = sum(paging.forget(self.row_tables(r), p) for r, p in enumerate(positions)) > 0
         fresh = sum(1 for group in self.tables for t, p in zip(group, positions) if p // S >= len(t))
         shared = [
             (group, r)
