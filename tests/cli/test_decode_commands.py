@@ -57,6 +57,7 @@ def check_one_line_error(capsys, argv, match: str):
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and match in err[0], captured.err
     assert "Traceback" not in captured.err
+    return err[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,18 +88,20 @@ def test_translate_files_and_beam(mt_run, tmp_path, capsys):
 
 def test_translate_errors(mt_run, lm_run, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
-    check_one_line_error(capsys, ["translate", "--run", str(mt_run)], "empty input: no sentences given")
+    assert check_one_line_error(capsys, ["translate", "--run", str(mt_run)], "empty input: no sentences given")
     empty = tmp_path / "empty.txt"
     empty.write_text("", encoding="utf-8")
-    check_one_line_error(capsys, ["translate", "--run", str(mt_run), "--input", str(empty)], "has no text")
-    check_one_line_error(capsys, ["translate", "--run", str(tmp_path / "nope"), "hi"], "not a run directory")
-    check_one_line_error(capsys, ["translate", "--run", str(tmp_path), "hi"], "not a run directory")
-    check_one_line_error(capsys, ["translate", "--run", str(mt_run), "a" * 48], "longer than the model's maximum of 48")
-    check_one_line_error(capsys, ["translate", "--run", str(lm_run), "hi"], "is a 'lm' run")
-    check_one_line_error(capsys, ["translate", "--run", str(mt_run), "--beam", "0", "hi"], "--beam must be >= 1")
+    assert check_one_line_error(capsys, ["translate", "--run", str(mt_run), "--input", str(empty)], "has no text")
+    assert check_one_line_error(capsys, ["translate", "--run", str(tmp_path / "nope"), "hi"], "not a run directory")
+    assert check_one_line_error(capsys, ["translate", "--run", str(tmp_path), "hi"], "not a run directory")
+    assert check_one_line_error(
+        capsys, ["translate", "--run", str(mt_run), "a" * 48], "longer than the model's maximum of 48"
+    )
+    assert check_one_line_error(capsys, ["translate", "--run", str(lm_run), "hi"], "is a 'lm' run")
+    assert check_one_line_error(capsys, ["translate", "--run", str(mt_run), "--beam", "0", "hi"], "--beam must be >= 1")
     vocab = load_run(mt_run).model.config.vocab_size
     for beam in (vocab + 1, 10**9):  # 10**9 beams once asked for a 2.5 TB KV cache
-        check_one_line_error(
+        assert check_one_line_error(
             capsys, ["translate", "--run", str(mt_run), "--beam", str(beam), "hi"], f"expected 1..{vocab}"
         )
     assert main(["translate", "--run", str(mt_run), "--beam", str(vocab), "hi"]) == 0
@@ -112,13 +115,13 @@ def test_translate_input_file_keeps_line_numbers_and_names_bad_bytes(mt_run, tmp
     assert capsys.readouterr().out.split("\n") == [want[0], "", want[1], ""]
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("a man\ncaf\xe9\n".encode("latin-1"))
-    check_one_line_error(
+    assert check_one_line_error(
         capsys, ["translate", "--run", str(mt_run), "--input", str(latin1)], "invalid UTF-8 at line 2, byte offset 9"
     )
-    check_one_line_error(capsys, ["translate", "--run", str(mt_run), "--input", str(tmp_path)], "Is a directory")
+    assert check_one_line_error(capsys, ["translate", "--run", str(mt_run), "--input", str(tmp_path)], "Is a directory")
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8"))
-    check_one_line_error(capsys, ["translate", "--run", str(mt_run)], "stdin is not UTF-8 text")
-    check_one_line_error(
+    assert check_one_line_error(capsys, ["translate", "--run", str(mt_run)], "stdin is not UTF-8 text")
+    assert check_one_line_error(
         capsys, ["translate", "--run", str(mt_run), "a", "--length-penalty", "nan"], "--length-penalty nan: expected"
     )
 
@@ -143,16 +146,18 @@ def test_eval_errors(mt_run, tmp_path, capsys):
     src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
     src.write_text("one\ntwo\n", encoding="utf-8")
     ref.write_text("one\n", encoding="utf-8")
-    check_one_line_error(
+    assert check_one_line_error(
         capsys, ["eval", "--run", str(mt_run), "--src", str(src), "--ref", str(ref)], "expected aligned"
     )
     missing = str(tmp_path / "missing.txt")
-    check_one_line_error(capsys, ["eval", "--run", str(mt_run), "--src", missing, "--ref", str(ref)], "No such file")
-    check_one_line_error(
+    assert check_one_line_error(
+        capsys, ["eval", "--run", str(mt_run), "--src", missing, "--ref", str(ref)], "No such file"
+    )
+    assert check_one_line_error(
         capsys, ["eval", "--run", str(tmp_path / "x"), "--src", str(src), "--ref", str(src)], "not a run"
     )
     argv = ["eval", "--run", str(mt_run), "--src", str(ref), "--ref", str(ref), "--output", str(tmp_path)]
-    check_one_line_error(capsys, argv, f"Is a directory: '{tmp_path}'")
+    assert check_one_line_error(capsys, argv, f"Is a directory: '{tmp_path}'")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,14 +192,16 @@ def test_generate_prints_as_tokens_arrive(lm_run, monkeypatch):
 
 def test_generate_errors(lm_run, mt_run, tmp_path, capsys):
     base = ["generate", "--run", str(lm_run)]
-    check_one_line_error(
+    assert check_one_line_error(
         capsys, [*base, "--prompt", "a" * 49], "prompt 1 has 49 tokens, longer than the model's maximum of 48"
     )
-    check_one_line_error(capsys, [*base, "--prompt", ""], "empty prompt")
-    check_one_line_error(capsys, ["generate", "--run", str(tmp_path / "nope"), "--prompt", "a"], "not a run directory")
-    check_one_line_error(capsys, ["generate", "--run", str(mt_run), "--prompt", "a"], "needs a language model")
-    check_one_line_error(capsys, [*base, "--prompt", "a", "--top-p", "2"], "top_p must be in (0, 1]")
-    check_one_line_error(capsys, [*base, "--prompt", "a", "--chat"], "--chat applies to --model")
+    assert check_one_line_error(capsys, [*base, "--prompt", ""], "empty prompt")
+    assert check_one_line_error(
+        capsys, ["generate", "--run", str(tmp_path / "nope"), "--prompt", "a"], "not a run directory"
+    )
+    assert check_one_line_error(capsys, ["generate", "--run", str(mt_run), "--prompt", "a"], "needs a language model")
+    assert check_one_line_error(capsys, [*base, "--prompt", "a", "--top-p", "2"], "top_p must be in (0, 1]")
+    assert check_one_line_error(capsys, [*base, "--prompt", "a", "--chat"], "--chat applies to --model")
 
 
 def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypatch):
@@ -229,13 +236,13 @@ def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypat
 
 
 def test_generate_quantized_errors(lm_run, capsys, monkeypatch):
-    check_one_line_error(
+    assert check_one_line_error(
         capsys, ["generate", "--run", str(lm_run), "a", "--quantized"], "--quantized applies to --model"
     )
     import attnmask.cli.generate
 
     monkeypatch.setattr(attnmask.cli.generate, "check_args", lambda args: None)  # as on a machine with CUDA
-    check_one_line_error(
+    assert check_one_line_error(
         capsys, ["generate", "--model", "smollm2", "a", "--quantized", "--device", "cuda"], "runs on the CPU"
     )
 
@@ -244,5 +251,3 @@ def test_generate_prompt_given_twice_is_one_line_error(lm_run, capsys):
     assert main(["generate", "--run", str(lm_run), "hello", "--prompt", "hello"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "give the prompt once" in err[0]
-
-

@@ -135,9 +135,9 @@ def workloads(draw, sampled: bool):
     )
 
 
-def check_invariant(w, threads: int = 1) -> int:
-    """Run workload ``w`` in one engine; every request's result must be its solo run's, bit for bit.
-    Returns the most preemptions seen."""
+def invariant_results(w, threads: int = 1) -> tuple[list, list, int]:
+    """Run workload ``w`` in one engine: each request's ``(tokens, logprobs, finish reason)`` there, the
+    same of its solo run, and the most preemptions seen."""
     requests = [
         (list(p), RequestParams(max_tokens=m, sampling=SAMPLED if s else GREEDY, seed=seed, logprobs=True))
         for p, m, s, seed in w["requests"]
@@ -151,25 +151,35 @@ def check_invariant(w, threads: int = 1) -> int:
         got, preempted = run(engine, requests, w["arrivals"], w["order"])
     finally:
         torch.set_num_threads(before)
-    for i, r in enumerate(w["requests"]):
-        want = solo(w["variant"], *r)
-        assert got[str(i)][0] == want[0], f"request {i}: tokens differ from its solo run"
-        assert got[str(i)][1] == want[1], f"request {i}: logprobs differ from its solo run (bitwise)"
-        assert got[str(i)][2] == want[2]
-        assert all(isinstance(x, float) for x in got[str(i)][1])
+    together = [tuple(got[str(i)]) for i in range(len(w["requests"]))]
+    alone = [tuple(solo(w["variant"], *r)) for r in w["requests"]]
+    return together, alone, preempted
+
+
+def check_invariant(w, threads: int = 1) -> int:
+    """Run workload ``w`` in one engine; every request's result must be its solo run's, bit for bit.
+    Returns the most preemptions seen."""
+    together, alone, preempted = invariant_results(w, threads)
+    for i, (got, want) in enumerate(zip(together, alone)):
+        assert got[0] == want[0], f"request {i}: tokens differ from its solo run"
+        assert got[1] == want[1], f"request {i}: logprobs differ from its solo run (bitwise)"
+        assert got[2] == want[2]
+        assert all(isinstance(x, float) for x in got[1])
     return preempted
 
 
 @settings(max_examples=60, deadline=None)
 @given(workloads(sampled=False))
 def test_greedy_requests_are_bitwise_their_solo_runs(w):
-    check_invariant(w)
+    together, alone, _ = invariant_results(w)
+    assert together == alone  # tokens, logprobs (bitwise) and finish reasons
 
 
 @settings(max_examples=40, deadline=None)
 @given(workloads(sampled=True))
 def test_sampled_requests_are_bitwise_their_solo_runs(w):
-    check_invariant(w)
+    together, alone, _ = invariant_results(w)
+    assert together == alone  # tokens, logprobs (bitwise) and finish reasons
 
 
 PREEMPTING = dict(
@@ -221,8 +231,9 @@ def test_window_groups_give_their_blocks_back_as_a_request_grows():
 def test_two_threads_give_the_bits_of_one():
     """The solo runs on one thread, the packed run on two: products split the weight's rows over
     threads, never a sum, so nothing changes."""
-    check_invariant(PREEMPTING, threads=2)
-    check_invariant({**PREEMPTING, "max_batch_tokens": 64, "num_blocks": 64}, threads=2)
+    for w in (PREEMPTING, {**PREEMPTING, "max_batch_tokens": 64, "num_blocks": 64}):
+        together, alone, _ = invariant_results(w, threads=2)
+        assert together == alone
 
 
 def test_stats_keep_counting_preemptions_after_the_requests_finish():
