@@ -18,7 +18,6 @@ docs/benchmarks.md with the CPU named.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
@@ -26,17 +25,7 @@ import torch
 
 from attnmask import decode
 from attnmask.pretrained import load
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from matmul import cpu_name  # benchmarks/, run as a script
 
 
 def main() -> None:
