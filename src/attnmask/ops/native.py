@@ -30,7 +30,7 @@ __all__ = ["OPERATORS", "Status", "available", "cached", "load", "status"]
 
 NAME = "attnmask_ops"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "blocks_kernel.c", CSRC / "blocks.cpp", CSRC / "decoding.cpp"]
+SOURCES = [CSRC / "blocks_kernel.c", CSRC / "blocks.cpp", CSRC / "rows.cpp", CSRC / "decoding.cpp"]
 
 # Every operator of the library: its name, the module that defines it (schema and PyTorch definition).
 OPERATORS = {

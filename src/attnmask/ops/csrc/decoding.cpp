@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "blocks.h"  // packed_step multiplies by block weights
+#include "rows.h"    // and by float32 weights
 
 namespace {
 
@@ -232,8 +233,8 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
     return out;
 }
 
-// x (M, K) W^T + bias for W (N, K) row-major: threads split W's rows, each output computed by the same
-// operations whatever M and the thread count (a row's result does not depend on its batch).
+// x (M, K) W^T + bias for W (N, K) row-major (rows.cpp: each output computed by the same operations
+// whatever M and the thread count, so a row's result does not depend on its batch).
 at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
     const char *op = "linear_rows";
     check_rows(x, op, "x");
@@ -249,14 +250,8 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
         b = bias->const_data_ptr<float>();
     }
     at::Tensor out = at::empty({M, N}, x.options());
-    const float *xp = x.const_data_ptr<float>(), *wp = weight.const_data_ptr<float>();
-    float *o = out.mutable_data_ptr<float>();
-    const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(1, K * M));
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; n++)
-            for (int64_t r = 0; r < M; r++)
-                o[r * N + n] = vdot<true>(wp + n * K, xp + r * K, K) + (b ? b[n] : 0.0f);
-    });
+    attnmask::rows_matmul(x.const_data_ptr<float>(), M, weight.const_data_ptr<float>(), N, K, b,
+                          out.mutable_data_ptr<float>());
     return out;
 }
 
