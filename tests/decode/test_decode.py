@@ -205,6 +205,40 @@ def test_length_limit_per_row_and_at_the_model_maximum():
     assert [len(o) for o in out] == [64 - 60 + 1, 64 - 10 + 1]  # the last token is never fed back
 
 
+def greedy_to_the_maximum(model, rows: list[list[int]]) -> tuple[list[list[int]], int, int]:
+    """Every row greedy to the model's maximum (no <eos>) by hand over ``start`` and ``decode_step``:
+    ``(tokens of each row, blocks in use at the last step, the pool's capacity)``."""
+    with torch.inference_mode():
+        state, logits, limits = decode.start(model, prompts=rows)
+        tokens = [logits.argmax(-1)]  # (B,)
+        for _ in range(int(limits.max()) - 1):
+            tokens.append(decode.decode_step(model, state, tokens[-1]).argmax(-1))
+        used, capacity = state.cache.pool.used, state.cache.pool.capacity
+        state.release()
+    return torch.stack(tokens, 1).tolist(), used, capacity
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_a_long_greedy_batch_fits_a_cache_of_each_rows_blocks_once(window):
+    """Greedy rows never share a block (only beams fork rows), so ``start`` gives each row its blocks
+    once: nine prompts of 60 tokens (two prefill chunks) decoded to the model's maximum of 64
+    positions fill that cache and decode as each row alone; with a window on one layer of two, the
+    window group's blocks are freed as the rows advance."""
+    model = random_model("decoder", seed=6, positions="rotary", sliding_window=window)
+    if window:
+        model.config.layer_types = ("sliding", "full")
+    gen = torch.Generator().manual_seed(7)
+    rows = [torch.randint(3, 12, (60,), generator=gen).tolist() for _ in range(9)]  # 540 tokens > PREFILL_TOKENS
+    got, used, capacity = greedy_to_the_maximum(model, rows)
+    assert got == [decode.greedy(model, prompts=[r], eos_id=None)[0] for r in rows]
+    assert [len(g) for g in got] == [64 - 60 + 1] * 9
+    blocks = 64 // decode.steps.BLOCK_SIZE  # each row's 64 positions
+    if window:  # two groups: the full one holds all its blocks, the window one those still in reach
+        assert capacity == 2 * 9 * blocks and 9 * blocks < used < capacity
+    else:
+        assert used == capacity == 9 * blocks  # every block in use: none left over for forks
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------------------------

@@ -215,7 +215,7 @@ def test_reordered_rows_decode_like_the_reordered_batch():
     fed = fed_tokens(3, 6, seed=5)  # (B, 6)
     index = torch.tensor([2, 0, 2])
     with torch.inference_mode():
-        state, _, _ = decode.start(model, src=src, max_new_tokens=8)
+        state, _, _ = decode.start(model, src=src, max_new_tokens=8, beams=2)  # room for forked rows
         for t in range(5):
             decode.decode_step(model, state, fed[:, t])
         state.select(index)

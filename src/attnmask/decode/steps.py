@@ -322,7 +322,8 @@ def start(
             real for every row.
         max_new_tokens: tokens to generate per row (an int or one per row); None = as many as the
             model's ``max_seq_len`` allows. Capped at what ``max_seq_len`` allows.
-        beams: hypotheses per row the cache must have room for (beam search forks rows).
+        beams: hypotheses per row the cache must have room for (beam search forks rows); 1: rows
+            that never share a block (greedy, sampling), each row's blocks held once.
 
     Returns ``(state, logits (B, V), limits (B,))``.
 
@@ -358,10 +359,14 @@ def start(
     S = BLOCK_SIZE
     windows = tuple(g.window for g in layer_groups(cfg, by_window=True))
     paging = Paging(BlockPool(2), S, windows)  # for its arithmetic only
-    # a row's blocks at most (a window group's: those of its window and one prefill chunk); each
-    # hypothesis may come to hold all its blocks alone, and a step copies at most one more each (a group)
-    per_row = [paging.peak(len(s) + int(n), PREFILL_TOKENS) for s, n in zip(seqs, limits.tolist())]
-    num_blocks = 1 + sum((beams + 1) * n for n in per_row) + beams * B * len(windows)
+    # a row's blocks at most (a window group's: those of its window and one prefill chunk) over the
+    # positions it feeds: its prompt and all but the last of its n tokens
+    per_row = [paging.peak(len(s) + int(n) - 1, PREFILL_TOKENS) for s, n in zip(seqs, limits.tolist())]
+    if beams == 1:  # greedy, sampling: no row shares a block with another, so none is ever copied
+        num_blocks = 1 + sum(per_row)  # and the null block
+    else:  # beams fork rows: each hypothesis may come to hold all its blocks alone, and a step copies
+        # at most one more each (a group) before the shared originals are released
+        num_blocks = 1 + sum((beams + 1) * n for n in per_row) + beams * B * len(windows)
     cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=S, zeroed=False, by_window=True)
     state = DecodeState(
         model=model,
