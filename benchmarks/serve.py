@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -44,9 +43,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
+
+from matmul import cpu_name  # benchmarks/, run as a script
 
 # A fixed corpus: short instructions and openings of varied length, in English.
 PROMPTS = [
@@ -83,20 +83,6 @@ PROMPTS = [
     "Exercise is important because",
     "The library was quiet except for",
 ]
-
-
-def cpu_name() -> str:
-    """The CPU's model name, family and model numbers and its widest vector extensions (/proc/cpuinfo)."""
-    try:
-        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-        info = dict(line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)
-    except OSError:
-        return platform.processor() or platform.machine()
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    flags = set(info.get("flags", "").split())
-    vector = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2") if f in flags]
-    family, model = info.get("cpu family", "?"), info.get("model", "?")
-    return f"{info.get('model name', '?')} (family {family}, model {model}; {' '.join(vector)})"
 
 
 def free_port() -> int:
