@@ -1,65 +1,167 @@
-// The float32 product of a few rows by a row-major weight (rows.h), for decoding.cpp.
+// The float32 product of a few rows by a row-major weight (rows.h), for decoding.cpp's linear_rows and
+// packed_step: out (M, N) = x (M, K) W^T (+ bias).
+//
+// Batch invariance fixes the arithmetic: every output x_m . w_n is one vector accumulator, lane l
+// summing x[k] w[k] for k = l, l + V, l + 2V, ... in order by fused multiply-adds (the last step masked
+// to K), then the lanes summed by one fixed sequence of shuffles and adds, then the bias added. That
+// sequence is the same in every tile shape below, so a row's result does not depend on how many rows
+// it is multiplied with, where it sits among them, or how the threads split the work.
+//
+// Speed comes from tiles: MR rows of x against NR rows of W at once, MR * NR accumulators in registers,
+// so that each loaded vector feeds several multiply-adds (a dot product at a time loads two vectors for
+// one). With one row (batch-1 decoding) the product streams W from memory once; NR rows of W are read
+// side by side, and while one tile is computed the next tile's rows are asked for, a line per load,
+// into L2 (the hardware prefetchers alone leave the loop waiting on memory). With many rows (batched
+// translation, long prefill chunks) x is taken in chunks that stay in L2 while W's tiles pass.
 #include "rows.h"
 
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <utility>
 
 namespace {
 
-constexpr int LANES = 16;
-constexpr int64_t AHEAD = 2048;  // 8 KiB
-
-float dot(const float *a, const float *b, int64_t n) {
-    float part[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) part[l] += a[i + l] * b[i + l];
-    float s = 0;
-    for (; i < n; i++) s += a[i] * b[i];
-    for (int l = 0; l < LANES; l++) s += part[l];
-    return s;
-}
-
-float vdot(const float *w, const float *x, int64_t K) {
-    int64_t k = 0;
-    float s = 0.0f;
 #if defined(__AVX512F__)
-    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (; k + 64 <= K; k += 64) {
-        for (int j = 0; j < 4; j++) {
-            __builtin_prefetch(w + k + AHEAD + 16 * j, 0, 2);
-            a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16 * j), _mm512_loadu_ps(x + k + 16 * j), a[j]);
-        }
-    }
-    s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (; k + 32 <= K; k += 32) {
-        for (int j = 0; j < 4; j++) {
-            if (j % 2 == 0) __builtin_prefetch(w + k + AHEAD + 8 * j, 0, 2);
-            a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8 * j), _mm256_loadu_ps(x + k + 8 * j), a[j]);
-        }
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
-    for (float lane : lanes) s += lane;
-#endif
-    return s + dot(w + k, x + k, K - k);
+constexpr int V = 16;  // lanes
+constexpr int MR = 4, NR = 6, NR1 = 8;  // a tile's rows of x and W (NR1: W rows when x has one row)
+using Vec = __m512;
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec load(const float *p) { return _mm512_loadu_ps(p); }
+inline Vec load_first(const float *p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float lanes_sum(Vec a) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int V = 8;
+constexpr int MR = 3, NR = 4, NR1 = 8;  // 3 x 4 accumulators + 3 rows of x + 1 of W: the 16 registers
+using Vec = __m256;
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec load(const float *p) { return _mm256_loadu_ps(p); }
+inline Vec load_first(const float *p, int n) {
+    alignas(32) static const int ramp[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_load_si256(reinterpret_cast<const __m256i *>(ramp)));
+    return _mm256_maskload_ps(p, mask);
+}
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float lanes_sum(Vec a) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
+}
+#else
+constexpr int V = 8;
+constexpr int MR = 2, NR = 4, NR1 = 4;
+struct Vec {
+    float v[V];
+};
+inline Vec zero() { return Vec{}; }
+inline Vec load(const float *p) {
+    Vec a;
+    for (int l = 0; l < V; l++) a.v[l] = p[l];
+    return a;
+}
+inline Vec load_first(const float *p, int n) {
+    Vec a{};
+    for (int l = 0; l < n; l++) a.v[l] = p[l];
+    return a;
+}
+inline Vec fma(Vec a, Vec b, Vec c) {
+    for (int l = 0; l < V; l++) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
+    return c;
+}
+inline float lanes_sum(Vec a) {
+    float h[V / 2];
+    for (int l = 0; l < V / 2; l++) h[l] = a.v[l] + a.v[l + V / 2];
+    const float q0 = h[0] + h[2], q1 = h[1] + h[3];
+    return q0 + q1;
+}
+#endif
+
+constexpr int LINE = 16;  // floats in a 64-byte line
+
+// out[i * ldo + j] = x_i . w_j (+ bias[j]) for the tile's R rows of x and C rows of W (K long, rows
+// contiguous). next: the next tile's W rows, asked for into L2 a line per load (null: not asked).
+template <int R, int C>
+void tile(const float *x, const float *w, int64_t K, const float *bias, float *out, int64_t ldo, const float *next) {
+    Vec acc[R][C];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < C; j++) acc[i][j] = zero();
+    int64_t k = 0, line = 0;
+    for (; k + V <= K; k += V) {
+        Vec xv[R];
+        for (int i = 0; i < R; i++) xv[i] = load(x + i * K + k);
+        for (int j = 0; j < C; j++) {
+            if (next != nullptr && (k % LINE) == 0) __builtin_prefetch(next + (line++) * LINE, 0, 2);
+            const Vec wv = load(w + j * K + k);
+            for (int i = 0; i < R; i++) acc[i][j] = fma(wv, xv[i], acc[i][j]);
+        }
+    }
+    if (k < K) {  // the last, partial step: lanes past K add 0 * 0
+        const int n = static_cast<int>(K - k);
+        Vec xv[R];
+        for (int i = 0; i < R; i++) xv[i] = load_first(x + i * K + k, n);
+        for (int j = 0; j < C; j++) {
+            const Vec wv = load_first(w + j * K + k, n);
+            for (int i = 0; i < R; i++) acc[i][j] = fma(wv, xv[i], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < C; j++) {
+            float s = lanes_sum(acc[i][j]);
+            if (bias != nullptr) s += bias[j];
+            out[i * ldo + j] = s;
+        }
+}
+
+using Tile = void (*)(const float *, const float *, int64_t, const float *, float *, int64_t, const float *);
+
+template <int R, int... C>
+constexpr auto row_of_tiles(std::integer_sequence<int, C...>) {
+    return std::array<Tile, sizeof...(C)>{&tile<R, C + 1>...};
+}
+
+template <int... R>
+constexpr auto table_of_tiles(std::integer_sequence<int, R...>) {
+    constexpr int most = std::max(NR, NR1);
+    return std::array<std::array<Tile, most>, sizeof...(R)>{row_of_tiles<R + 1>(std::make_integer_sequence<int, most>())...};
+}
+
+// TILES[r - 1][c - 1]: the tile of r rows of x and c rows of W.
+const auto TILES = table_of_tiles(std::make_integer_sequence<int, MR>());
 
 }  // namespace
 
 namespace attnmask {
 
 void rows_matmul(const float *x, int64_t M, const float *w, int64_t N, int64_t K, const float *bias, float *out) {
-    const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(1, K * M));
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; n++)
-            for (int64_t r = 0; r < M; r++) out[r * N + n] = vdot(w + n * K, x + r * K, K) + (bias ? bias[n] : 0.0f);
+    if (M <= 0 || N <= 0) return;
+    const int64_t nr = M == 1 ? NR1 : NR, tiles = (N + nr - 1) / nr;
+    // x in chunks of rows that stay in L2 (256 KiB) while every W tile of a thread passes them
+    const int64_t chunk = std::max<int64_t>(MR, (int64_t{1} << 16) / std::max<int64_t>(1, K) / MR * MR);
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K * M * nr));
+    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t m1 = std::min(M, m0 + chunk);
+            for (int64_t t = begin; t < end; t++) {
+                const int64_t n0 = t * nr, c = std::min(nr, N - n0);
+                const float *next = t + 1 < end ? w + (n0 + nr) * K : nullptr;
+                for (int64_t m = m0; m < m1; m += MR) {
+                    const int64_t r = std::min<int64_t>(MR, m1 - m);
+                    TILES[r - 1][c - 1](x + m * K, w + n0 * K, K, bias ? bias + n0 : nullptr, out + m * N + n0, N,
+                                        m == m0 ? next : nullptr);
+                }
+            }
+        }
     });
 }
 
