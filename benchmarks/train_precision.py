@@ -19,6 +19,7 @@ import torch
 
 from attnmask.train import TrainConfig, read_metrics, train
 from attnmask.train.precision import matmul_speedup
+from matmul import cpu_name  # benchmarks/, run as a script
 
 DATA = Path(os.environ.get("ATTNMASK_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
@@ -39,13 +40,6 @@ def settings(task: str, steps: int) -> dict:
         task="lm", text=str(text), tokenizer="char", model="tiny", dim=128, n_layers=4, n_heads=4, ffn_dim=512,
         block_size=64, batch_tokens=768, warmup=50, lr=2e-3, dropout=0.1, eval_max_tokens=20000, **common,
     )  # fmt: skip
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main() -> None:

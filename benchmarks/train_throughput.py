@@ -41,6 +41,7 @@ from attnmask.data.samplers import TokenBucketBatcher
 from attnmask.data.tokenizer import Tokenizer
 from attnmask.model import head_loss
 from attnmask.pretrained.hf import transformer_from_hf_model
+from matmul import cpu_name  # benchmarks/, run as a script
 
 DATA = Path(os.environ.get("ATTNMASK_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
@@ -97,18 +98,6 @@ def timed_round(model, step_fn, optimizer, batches, bf16: bool = False, device_t
         tokens += b.num_tokens
     sync()
     return time.perf_counter() - t0, tokens
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def train_loop_rate(args) -> float:
