@@ -18,7 +18,7 @@ from torch import Tensor
 from attnmask.data.tokenizer import TokenizerBase
 from attnmask.errors import UserError, UserTypeError
 
-__all__ = ["ChatTemplate", "Messages", "PretrainedTokenizer"]
+__all__ = ["TEMPLATES", "ChatTemplate", "Messages", "PretrainedTokenizer", "chat_template_for", "template_source"]
 
 
 class PretrainedTokenizer(TokenizerBase):
@@ -169,3 +169,71 @@ class ChatTemplate:
         if add_generation_prompt:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
+
+
+# Templates for models whose files carry none (a base model, Gemma 3's GGUF), by name. No BOS token
+# in the text: the tokenizer puts it first where the model expects one (``add_bos``).
+TEMPLATES = {
+    # <|im_start|>role\ncontent<|im_end|>\n a turn; no default system turn
+    "chatml": (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    # <start_of_turn>user|model\ncontent<end_of_turn>\n a turn; a system message opens the next user turn
+    "gemma": (
+        "{% set ns = namespace(system='') %}{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{% set ns.system = m['content'] + '\\n\\n' %}{% else %}"
+        "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
+        "{% if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+        "{{ m['content'] + '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    ),
+}
+
+
+def template_source(spec: str, option: str = "--chat-template") -> str:
+    """The Jinja source ``spec`` names: a file holding one, or a name of :data:`TEMPLATES`.
+
+    Raises:
+        ValueError: neither a readable file nor a known name (the message names ``option``).
+    """
+    from pathlib import Path
+
+    path = Path(spec)
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"{option} {spec}: cannot read the template ({err}); expected a UTF-8 Jinja file") from err
+    if spec in TEMPLATES:
+        return TEMPLATES[spec]
+    raise UserError(
+        f"{option} {spec}: no such file or template name; expected FILE.jinja or one of {sorted(TEMPLATES)}"
+    )
+
+
+def chat_template_for(tokenizer: PretrainedTokenizer, spec: str, option: str = "--chat-template") -> ChatTemplate:
+    """The template ``spec`` names (:func:`template_source`), for ``tokenizer``; the token that ends an
+    assistant turn in it (a special token of the vocabulary, e.g. ``<end_of_turn>``) joins the
+    tokenizer's ``stop_ids``, so that generation stops there and the loss is taken on it.
+
+    Raises:
+        ValueError: an unknown ``spec``, or a template that cannot render a user and an assistant turn.
+    """
+    template = ChatTemplate.for_tokenizer(template_source(spec, option), tokenizer)
+    marker = "\u2063answer\u2063"
+    try:
+        text = template([{"role": "user", "content": "question"}, {"role": "assistant", "content": marker}],
+                        add_generation_prompt=False)  # fmt: skip
+    except UserError:
+        raise
+    except Exception as err:  # a Jinja syntax or runtime error in a user's file
+        raise UserError(f"{option} {spec}: the template does not render ({type(err).__name__}: {err})") from err
+    if marker not in text:
+        raise UserError(
+            f"{option} {spec}: the template does not write the assistant's message; expected a chat template"
+        )
+    after = tokenizer.hf.encode(text.split(marker, 1)[1], add_special_tokens=False).ids
+    if after and after[0] in tokenizer.special_ids and after[0] not in tokenizer.stop_ids:
+        tokenizer.stop_ids = (*tokenizer.stop_ids, after[0])
+    return template
