@@ -79,6 +79,7 @@ class DataConfig:
     valid_size: int = 1000  # built-in task: validation pairs generated
     data: str | None = None  # chat: JSONL file, one conversation a line (attnmask.data.chat)
     valid_data: str | None = None  # chat: validation conversations; None = hold out the last 5% (at most 200)
+    chat_template: str | None = None  # chat: a Jinja file or built-in name (pretrained.TEMPLATES); None = the model's
     text: str | None = None  # lm: plain text file
     valid_text: str | None = None  # lm: validation text; None = the last valid_fraction of text
     valid_fraction: float = 0.1
@@ -101,6 +102,8 @@ class DataConfig:
         _positive(self, sizes)
         if not 0.0 < self.valid_fraction < 1.0:
             raise UserError(f"valid_fraction={self.valid_fraction}; expected a number in (0, 1)")
+        if self.chat_template is not None and self.task != "chat":
+            raise UserError(f"chat_template={self.chat_template!r} applies to task 'chat', not {self.task!r}")
         if self.task == "chat" and self.batch_tokens < self.max_len:
             raise UserError(
                 f"batch_tokens={self.batch_tokens} < max_len={self.max_len}; expected room for the longest conversation"
