@@ -39,6 +39,13 @@ def add_parser(sub) -> None:
         help="treat the prompt as an instruction and wrap it in the chat template (of --model, or of a chat --run)",
     )
     p.add_argument(
+        "--chat-template",
+        metavar="FILE|NAME",
+        default=None,
+        help="with --chat: a Jinja chat template file or a built-in name (chatml, gemma), for a model whose files "
+        "carry none (a base model such as gemma3) or to replace its own",
+    )
+    p.add_argument(
         "--quantized",
         action="store_true",
         help="--model: keep the GGUF file's quantized blocks (Q4_1/Q8_0) and multiply by them directly: "
@@ -54,6 +61,15 @@ def _load_pretrained(name: str, quantized: bool = False):
     return load(name, quantized=quantized)
 
 
+def _template(tokenizer, spec, own):
+    """The template --chat-template names (its turn's end token joins the stop ids), else the model's own."""
+    if spec is None:
+        return own
+    from attnmask.pretrained.chat import chat_template_for
+
+    return chat_template_for(tokenizer, spec)
+
+
 def run(args) -> int:
     check_args(args)  # --device and --run, before anything loads
     if args.max_new_tokens < 1:
@@ -61,6 +77,8 @@ def run(args) -> int:
     if args.text is not None and args.prompt is not None:
         raise UserError("give the prompt once: either as PROMPT or as --prompt TEXT, not both")
     prompt = args.prompt if args.prompt is not None else args.text
+    if args.chat_template is not None and not args.chat:
+        raise UserError("--chat-template applies with --chat; add --chat")
     settings = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # ValueError: one line
     echo = True  # plain continuation: print the prompt, then what follows it
     if not prompt:
@@ -75,9 +93,10 @@ def run(args) -> int:
             raise UserError(f"{args.run} is a {loaded.task!r} run; generate needs a language model (task lm or chat)")
         model, tokenizer = loaded.model, loaded.tokenizer
         if args.chat:
-            if loaded.chat_template is None:
-                raise UserError(f"--chat applies to --model or a chat run; {args.run} has no chat template")
-            prompt = loaded.chat_template(prompt)
+            template = _template(tokenizer, args.chat_template, loaded.chat_template)
+            if template is None:
+                raise UserError(f"--chat: {args.run} has no chat template; give one with --chat-template FILE|NAME")
+            prompt = template(prompt)
             echo = False  # a chat reply: the templated prompt is not part of it
     else:
         if args.quantized and args.device != "cpu":
@@ -85,8 +104,11 @@ def run(args) -> int:
         model, tokenizer, chat_template = _load_pretrained(args.model, args.quantized)
         model.to(args.device)
         if args.chat:
+            chat_template = _template(tokenizer, args.chat_template, chat_template)
             if chat_template is None:
-                raise UserError(f"--chat: model {args.model!r} has no chat template")
+                raise UserError(
+                    f"--chat: model {args.model!r} has no chat template; give one with --chat-template FILE|NAME"
+                )
             prompt = chat_template(prompt)
             echo = False  # a chat reply: the templated prompt is not part of it
     pieces = generate(
