@@ -36,6 +36,13 @@ _FLAGS = (
     ),
     ("--data", "data", str, '--task chat: JSONL, one {"messages": [...]} or {"prompt", "completion"} a line'),
     ("--valid-data", "valid_data", str, "--task chat: validation conversations (default: the last 5%%, at most 200)"),
+    (
+        "--chat-template",
+        "chat_template",
+        str,
+        "--task chat: a Jinja chat template file, or a built-in name (chatml, gemma), for a model whose files carry "
+        "none (a base model such as gemma3) or to replace its own",
+    ),
     ("--src", "src", str, "source-language file, one sentence a line (.gz allowed)"),
     ("--tgt", "tgt", str, "target-language file, line i translates line i of --src"),
     ("--valid-src", "valid_src", str, "validation sources (default: hold out the last 5%%, at most 1000, of --src)"),
@@ -182,6 +189,7 @@ def add_parser(sub) -> None:
             files = ("src", "tgt", "valid_src", "valid_tgt", "text", "valid_text", "data", "valid_data")
             metavar = "FILE" if name in files else None
             metavar = "DIR" if name == "out" else metavar
+            metavar = "FILE|NAME" if name == "chat_template" else metavar
             group.add_argument(flag, dest=name, type=kind, default=None, metavar=metavar, help=help_text + shown)
     p.set_defaults(func=run)
 

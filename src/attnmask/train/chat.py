@@ -170,17 +170,22 @@ def chat_task(cfg: TrainConfig, init: Init | None = None) -> ChatTask:
     """Read, check and tokenize ``--data`` (and ``--valid-data``) for the model of ``--init``.
 
     Raises:
-        ValueError / DataError: no ``--data`` or ``--init``, a model without a chat template, or
-            no usable conversation (the bad rows are listed in the notes first).
+        ValueError / DataError: no ``--data`` or ``--init``, a model without a chat template and no
+            ``--chat-template``, or no usable conversation (the bad rows are listed in the notes first).
     """
     d = cfg.data
     if not d.data:
         raise UserError("--task chat needs --data FILE.jsonl (one conversation a line)")
     if not cfg.model.init:
         raise UserError("--task chat fine-tunes a pretrained model; give --init MODEL (e.g. smollm2)")
-    init = load_init(cfg.model.init) if init is None else init
+    init = load_init(cfg.model.init, d.chat_template) if init is None else init
     if init.chat_template is None:
-        raise UserError(f"--init {cfg.model.init}: the model has no chat template; expected an instruction model")
+        from attnmask.pretrained.chat import TEMPLATES
+
+        raise UserError(
+            f"--init {cfg.model.init}: the model's files carry no chat template; give one with --chat-template "
+            f"FILE.jinja or a built-in name ({', '.join(TEMPLATES)})"
+        )
     if d.max_len > init.model.config.max_seq_len:
         raise UserError(
             f"--max-len {d.max_len} exceeds the model's context of {init.model.config.max_seq_len} tokens; lower it"

@@ -21,6 +21,7 @@ import torch
 from attnmask.errors import UserError
 from attnmask.model import Transformer
 from attnmask.pretrained import ChatTemplate, PretrainedTokenizer
+from attnmask.pretrained.chat import chat_template_for
 
 __all__ = ["Init", "hf_dir_tokenizer", "load_init"]
 
@@ -73,12 +74,16 @@ def hf_dir_tokenizer(path: str | Path) -> tuple[PretrainedTokenizer, ChatTemplat
     return tokenizer, chat
 
 
-def load_init(name: str) -> Init:
+def load_init(name: str, chat_template: str | None = None) -> Init:
     """The model, tokenizer and chat template ``--init name`` stands for (module docstring).
+
+    ``chat_template`` (``--chat-template``: a Jinja file or a built-in name,
+    :func:`attnmask.pretrained.template_source`) replaces the model's own template, or gives one to
+    a model that has none; the token ending its assistant turns joins the tokenizer's stop ids.
 
     Raises:
         ValueError: an unknown name (listing the registered ones), a missing package, an
-            unsupported checkpoint.
+            unsupported checkpoint, an unknown ``chat_template``.
         FileNotFoundError: a named file or directory lacks what it needs.
     """
     path = Path(name)
@@ -96,6 +101,8 @@ def load_init(name: str) -> Init:
             f"--init {name}: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary "
             f"{model.config.vocab_size}; expected a tokenizer that fits the model"
         )
+    if chat_template is not None:
+        chat = chat_template_for(tokenizer, chat_template)
     model.train()
     for p in model.parameters():
         p.requires_grad_(True)
