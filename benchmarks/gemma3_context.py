@@ -41,6 +41,7 @@ from attnmask.engine import Engine, RequestParams
 from attnmask.model.cache import layer_groups
 from attnmask.pretrained import load
 from attnmask.pretrained.registry import locate
+from matmul import cpu_name  # benchmarks/, run as a script
 
 TEXT = (
     "The history of the printing press begins in East Asia, where movable type was first made of clay, "
@@ -136,8 +137,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     n = args.new_tokens
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"# {cpu}, {os.cpu_count()} CPUs, {args.threads} threads, torch {torch.__version__}; "
+    print(f"# {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads, torch {torch.__version__}; "
           f"prompt {args.tokens} tokens, {n} new, chunk {args.chunk}")  # fmt: skip
     rows = []
     for variant in args.variants:
