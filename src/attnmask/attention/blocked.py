@@ -241,7 +241,14 @@ class _TileAttention(torch.autograd.Function):
         dt = q.dtype
         qb = _blocked_q(q, Hkv, bq, nq)  # (B, Hkv, nq, G * bq, D)
         merge = plan.segments > 1
-        out = torch.zeros(B, Hkv, nq, G * bq, D, dtype=torch.float32 if merge else dt)
+        # one query head per key/value head, whole blocks, one segment: the blocks are a view of the
+        # result, written in place (no second (B, H, Tq, D) tensor)
+        direct = not merge and G == 1 and nq * bq == Tq
+        if direct:
+            result = torch.zeros(B, H, Tq, D, dtype=dt)
+            out = result.view(B, Hkv, nq, bq, D)
+        else:
+            out = torch.zeros(B, Hkv, nq, G * bq, D, dtype=torch.float32 if merge else dt)
         lse = torch.full((B, Hkv, nq, G * bq), float("-inf")) if merge else None  # (B, Hkv, nq, G * bq)
         for gi, g in enumerate(plan.groups):
             ck = g.keys.shape[1]
@@ -270,7 +277,8 @@ class _TileAttention(torch.autograd.Function):
                 lse.index_copy_(2, blk, total)
         if plan.live is not None:
             out.masked_fill_(_dead(plan, out.shape), 0.0)  # rows that may attend to nothing
-        result = _unblocked(out.to(dt), H, Tq)  # (B, H, Tq, D)
+        if not direct:
+            result = _unblocked(out.to(dt), H, Tq)  # (B, H, Tq, D)
         ctx.plan, ctx.scale = plan, scale
         ctx.save_for_backward(q, k, v, result, lse)
         return result
