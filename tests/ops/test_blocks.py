@@ -161,21 +161,18 @@ def test_a_row_is_the_same_bits_alone_in_any_batch_and_thread_count(kind, thread
         assert torch.equal(torch.cat([layer(row[None]) for row in x]), alone)
 
 
-def test_q4_k_and_q5_0_take_the_decoding_steps_4_bit_and_8_bit_kinds():
-    """decoding.cpp multiplies by kinds 1 (4-bit layout) and 2 (8-bit): Q4_K and Q5_0 are repacked into
-    those layouts, so the step's call computes the layer's product; Q6_K has no kind there yet."""
+def test_q4_k_q5_0_and_q6_k_take_the_decoding_steps_block_kinds():
+    """decoding.cpp multiplies by kinds 1 (4-bit layout), 2 (8-bit) and 3 (8-bit, a scale per 16): Q4_K and
+    Q5_0 are repacked into the first two, Q6_K into the third, so the step's call computes the layer's
+    product."""
     native_or_skip()
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
-    for kind, want in (("Q4_K", 1), ("Q5_0", 2), ("Q6_K", None)):
+    for kind, want in (("Q4_K", 1), ("Q5_0", 2), ("Q6_K", 3)):
         layer = BlockLinear.from_numpy(random_bytes_blocks(kind, 24, 512, seed=4)[0], kind, 512)
-        operands = layer.decoder_operands()
-        if want is None:
-            assert operands is None
-            continue
-        got, tensors = operands
+        got, tensors = layer.decoder_operands()
         assert got == want
         m = tensors[2] if want == 1 else None
-        step = torch.ops.attnmask.block_matmul(tensors[0], tensors[1], m, x, ["Q4_1", "Q8_0"][want - 1], 512)
+        step = torch.ops.attnmask.block_matmul(tensors[0], tensors[1], m, x, ["Q4_1", "Q8_0", "Q6_K"][want - 1], 512)
         assert torch.equal(step, layer(x))
 
 

@@ -160,14 +160,16 @@ class BlockLinear(nn.Module):
 
     def decoder_operands(self) -> tuple[int, list[Tensor]] | None:
         """This layer as :func:`attnmask.ops.decoding.packed_step` multiplies by it: ``(kind, [codes,
-        d(, m)])``, kind 1 for the 4-bit layout (Q4_1, and Q4_K repacked into it) and 2 for the 8-bit one
-        (Q8_0, Q5_0); None where the kernels are not built, or for Q6_K, which the step has no kind for
-        (the layer then multiplies by its weight itself, which the step leaves to the module)."""
+        d(, m)])``, kind 1 for the 4-bit layout (Q4_1, and Q4_K repacked into it), 2 for the 8-bit one
+        (Q8_0, Q5_0) and 3 for the 8-bit one with a scale per 16 weights (Q6_K); None where the kernels
+        are not built (the layer then multiplies by its weight itself, which the step leaves to the module)."""
         b = self._buffers  # not self.codes...: nn.Module's __getattr__ costs ~0.6 us a lookup
         layout = LAYOUT[self.kind]
-        if not ops.available() or not b["codes"].is_cpu or layout == "8-bit/16":
+        if not ops.available() or not b["codes"].is_cpu:
             return None
-        return (1, [b["codes"], b["d"], b["m"]]) if layout == "4-bit" else (2, [b["codes"], b["d"]])
+        if layout == "4-bit":
+            return 1, [b["codes"], b["d"], b["m"]]
+        return (2 if layout == "8-bit" else 3), [b["codes"], b["d"]]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
