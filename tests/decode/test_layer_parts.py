@@ -1,15 +1,15 @@
 """The packed step with per-layer windows and Gemma 3's optional layer parts, set by hand on a tiny
 model (q/k norms over each head, norms of the sublayers' outputs, a rotary per layer, a gated MLP
-whose activation is not SiLU): its logits are the model's own full forward, and such a model never
-takes the one-call step. Beams share their prefix's cache blocks."""
+whose activation is not SiLU): its logits are the model's own full forward, through the one-call step
+and operation by operation. Beams share their prefix's cache blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
-from attnmask import decode, masks
+from attnmask import decode, masks, ops
+from attnmask.decode import steps
 from attnmask.decode.step import fused_plan
 from attnmask.model import RMSNorm, Rotary, fuse_projections_
 from tests.conftest import tiny_model
@@ -42,8 +42,7 @@ def _model(**parts):
                     setattr(layer, name, norm)
     if parts.get("gelu"):
         for layer in model.layers:
-            layer.mlp.activation = "geglu_tanh"
-            layer.mlp.act = lambda t: nn.functional.gelu(t, approximate="tanh")
+            layer.mlp.activation = "geglu_tanh"  # MLP.act: tanh-GELU
     return model
 
 
@@ -87,10 +86,12 @@ def _reference(model, row: list[int], tokens: list[int]) -> torch.Tensor:
     [dict(qk_norm=True), dict(post_norms=True), dict(gelu=True), dict(window=3), dict(qk_norm=True, post_norms=True)],
     ids=["qk-norm", "post-norms", "gelu-gate", "window", "qk-and-post"],
 )
-def test_packed_step_computes_the_parts(parts):
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "per-operation"])
+def test_packed_step_computes_the_parts(parts, one_call, monkeypatch):
     model = _model(**parts)
-    # such a model takes the per-operation step; one window for every layer still runs in one call
-    assert (fused_plan(model) is None) == ("window" not in parts)
+    assert (fused_plan(model) is not None) == ops.available()  # the one-call step, where the kernels are built
+    if not one_call:
+        monkeypatch.setattr(steps, "fused_plan", lambda model: None)
     fed = torch.randint(4, 24, (len(PROMPTS), 4), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         state, first, _ = decode.start(model, prompts=PROMPTS, max_new_tokens=6)
@@ -106,7 +107,8 @@ def test_per_layer_windows_reach_each_layer():
     model = _model(window=2)
     model.config.layer_types = ("sliding", "full")
     assert [model.config.layer_window(i) for i in range(2)] == [2, 0]
-    assert fused_plan(model) is None
+    if ops.available():
+        assert fused_plan(model).windows == [2, 0]  # one call, each layer its window
     fed = torch.randint(4, 24, (1, 3), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         state, first, _ = decode.start(model, prompts=PROMPTS[:1], max_new_tokens=4)

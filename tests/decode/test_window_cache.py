@@ -26,7 +26,7 @@ import torch
 
 from attnmask import decode, masks
 from attnmask.decode import steps
-from attnmask.decode.step import packed_forward
+from attnmask.decode.step import fused_plan, packed_forward
 from attnmask.model.cache import BlockPool, LayerGroup, PagedKVCache, Paging, layer_groups
 from tests.conftest import tiny_model
 
@@ -96,9 +96,11 @@ def _nan_free(cache: PagedKVCache) -> None:
 
 
 def _run(model, tokens: list[int], chunk: int, by_window: bool, nan: bool, *, block_size=S, blocks=64, start=0):
-    """``tokens`` fed ``chunk`` at a time through the packed step; the logits of every position from
-    ``start`` on and, after each chunk, the blocks the pool has handed out."""
+    """``tokens`` fed ``chunk`` at a time through the packed step (one native call where the model allows,
+    as decoding runs it); the logits of every position from ``start`` on and, after each chunk, the blocks
+    the pool has handed out."""
     cache = PagedKVCache.for_model(model, num_blocks=blocks, block_size=block_size, by_window=by_window)
+    plan = fused_plan(model)
     paging = cache.paging
     tables = paging.new()
     out, used = [], []
@@ -114,7 +116,7 @@ def _run(model, tokens: list[int], chunk: int, by_window: bool, nan: bool, *, bl
         with torch.inference_mode():
             logits = packed_forward(
                 model, cache, torch.tensor(tokens[a : a + n]), torch.arange(a, a + n), torch.zeros(n, dtype=torch.long),
-                tensors, rows,
+                tensors, rows, plan,
             )  # fmt: skip
         if a + n > start:
             out.append(logits)

@@ -41,7 +41,8 @@ def model(variant: str):
     """A tiny decoder whose ``<eos>`` is likely enough that requests end at different steps."""
     m = model_of(variant)
     with torch.no_grad():
-        m.lm_head.bias[EOS_ID] = 3.0 if variant == "learned-post-norm" else 1.0  # its logits are larger
+        # the post-norm models' logits are larger
+        m.lm_head.bias[EOS_ID] = {"learned-post-norm": 3.0, "gemma-style": 2.0}.get(variant, 1.0)
     return m
 
 

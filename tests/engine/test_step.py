@@ -258,6 +258,25 @@ MODELS = {
     "rotary-fused-window": dict(
         positions="rotary", n_kv_heads=2, norm="rmsnorm", activation="swiglu", fuse=True, sliding_window=4
     ),
+    # Gemma 3's layers: q/k norms, norms after the sublayers, a rotary base and a window on the sliding
+    # layers, a tanh-GELU gate (gate and up two products), the embedding scaled: the one-call step
+    "gemma-style": dict(
+        positions="rotary",
+        n_heads=4,
+        n_kv_heads=1,
+        norm="rmsnorm",
+        activation="geglu_tanh",
+        ffn_dim=40,  # not a whole number of vectors: each row's tail through the activation too
+        n_layers=3,
+        sliding_window=3,
+        layer_types=("sliding", "full", "sliding"),
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        qk_norm=True,
+        post_norms=True,
+        embed_scale=True,
+        fuse=True,
+    ),
 }
 
 
@@ -266,6 +285,12 @@ def model_of(variant: str, seed: int = 0):
     fuse = kw.pop("fuse", False)
     kw.setdefault("tie_embeddings", False)
     model = tiny_model("decoder", vocab=24, seed=seed, std=0.5, max_seq_len=64, lm_head_bias=True, **kw)
+    if kw.get("post_norms"):  # norm weights away from 1, each norm its own (Gemma's are stored as 1 + w)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
     return fuse_projections_(model) if fuse else model
 
 

@@ -136,17 +136,19 @@ def test_one_call_is_its_definition_call_by_call(monkeypatch):
 
 
 def test_other_models_keep_the_per_operation_step():
-    """Unfused projections, LayerNorm, an encoder-decoder, bfloat16 weights, a watched norm: not one call."""
+    """LayerNorm, an MLP without a gate, an encoder-decoder, bfloat16 weights, a watched norm: not one call
+    (unfused projections are: each product in a slot of its own)."""
     watched = _fused_model()
     watched.layers[0].self_norm.register_forward_hook(lambda *args: None)
     cases = [
-        tiny_model("decoder", positions="rotary", norm="rmsnorm", activation="swiglu"),  # projections not fused
         fuse_projections_(tiny_model("decoder", positions="rotary", norm="layernorm", activation="swiglu")),
+        tiny_model("decoder", positions="rotary", norm="rmsnorm", activation="gelu"),  # no gate
         tiny_model("encoder_decoder", positions="rotary", norm="rmsnorm", activation="swiglu"),
         _fused_model().to(torch.bfloat16),  # all else fits, but the weights are not float32
         watched,
     ]
     assert steps.fused_plan(_fused_model()) is not None
+    assert steps.fused_plan(tiny_model("decoder", positions="rotary", norm="rmsnorm", activation="swiglu")) is not None
     assert [steps.fused_plan(m) for m in cases] == [None] * len(cases)
 
 

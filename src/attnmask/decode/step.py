@@ -29,16 +29,18 @@ not built, products run one row at a time (the BLAS's result for a row depends o
 whole product otherwise): the same guarantee, slower. A module a hook watches is called as it is,
 on all the rows (the hook sees the call; the BLAS then decides the bits).
 
-For a Llama-style float32 / GGUF-block model the whole step is one native call (``packed_step``,
-:func:`fused_plan`); every other model (post-norm, LayerNorm, GELU, unfused projections,
-cross-attention, per-layer windows, Gemma 3's extra norms) takes the per-operation path,
-batch-invariant too.
+For a pre-norm RMSNorm decoder with a gated MLP in float32 or GGUF blocks (Llama, SmolLM2, Gemma 3
+with its q/k norms, post-sublayer norms, per-layer rotary and windows and its layer groups) the whole
+step is one native call (``packed_step``, :func:`fused_plan`); every other model (post-norm,
+LayerNorm, an MLP without a gate, cross-attention, a module watched by a hook) takes the
+per-operation path, batch-invariant too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +50,10 @@ from attnmask import masks, ops
 from attnmask.errors import UserError
 from attnmask.linear import Linear
 from attnmask.model.cache import PagedKVCache
-from attnmask.model.layers import RMSNorm, Rotary
+from attnmask.model.layers import MLP, RMSNorm, Rotary
 from attnmask.ops import decoding
 
-__all__ = ["SourceMemory", "check_servable", "fused_plan", "packed_forward", "packed_mask", "slots_of"]
+__all__ = ["FusedPlan", "SourceMemory", "check_servable", "fused_plan", "packed_forward", "packed_mask", "slots_of"]
 
 
 def packed_mask(row_seq: Tensor, row_pos: Tensor, key_seq: Tensor, key_pos: Tensor, window: int = 0) -> masks.Mask:
@@ -253,30 +255,9 @@ def _layer_window(cfg, i: int) -> int:
     return int(window(i)) if window is not None else int(getattr(cfg, "sliding_window", 0) or 0)
 
 
-def _has_gemma_parts(model) -> bool:
-    """Layers with parts the fused step does not make: q/k norms, norms after the sublayers, a rotary
-    per layer, an MLP whose activation is not SiLU, per-layer windows."""
-    cfg = model.config
-    layer_rotary = getattr(model, "layer_rotary", None)
-    rotary = getattr(model, "rotary", None)  # None: learned or sinusoidal positions
-    if layer_rotary is not None and any(layer_rotary(i) is not rotary for i in range(len(model.layers))):
-        return True
-    if len({_layer_window(cfg, i) for i in range(len(model.layers))}) > 1:
-        return True
-    for layer in model.layers:
-        attn = layer.self_attn
-        if any(getattr(attn, n, None) is not None for n in ("q_norm", "k_norm")):
-            return True
-        if any(getattr(layer, n, None) is not None for n in ("post_self_norm", "post_mlp_norm")):
-            return True
-        if _activation(layer.mlp) is not F.silu:
-            return True
-    return False
-
-
-def _operands(proj: nn.Module) -> tuple[int, list[Tensor]] | None:
+def _operands(proj: nn.Module | None) -> tuple[int, list[Tensor]] | None:
     """A product as ``packed_step`` takes it: GGUF blocks, or a row-major float32 weight and its bias."""
-    if _watched(proj):
+    if proj is None or _watched(proj):
         return None  # a watched module must be called
     blocks = getattr(proj, "decoder_operands", None)
     if blocks is not None:
@@ -288,41 +269,110 @@ def _operands(proj: nn.Module) -> tuple[int, list[Tensor]] | None:
     return None
 
 
-def fused_plan(model) -> tuple | None:
+def _norm_operand(norm: nn.Module | None, optional: bool) -> Tensor | None:
+    """A norm's weight as ``packed_step`` takes it (an empty tensor for an optional norm a layer lacks);
+    None where the step cannot compute it (not an RMSNorm in float32, or watched)."""
+    if norm is None:
+        return torch.empty(0) if optional else None
+    if type(norm) is not RMSNorm or _watched(norm):
+        return None
+    w = norm.weight
+    return w if w.dtype == torch.float32 and w.is_cpu and w.is_contiguous() else None
+
+
+_STEP_ACTIVATIONS = {"swiglu": "silu", "silu": "silu", "geglu_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _step_activation(mlp: nn.Module) -> str | None:
+    """The gated MLP's activation as ``packed_step`` names it; None for an MLP the step does not make (not
+    gated, another activation, or ``act`` replaced on the module)."""
+    if type(mlp) is not MLP or not mlp.gated or "act" in vars(mlp) or "act_fn" in vars(mlp):
+        return None
+    return _STEP_ACTIVATIONS.get(mlp.activation)
+
+
+class FusedPlan(NamedTuple):
+    """What :func:`attnmask.ops.decoding.packed_step` needs of a model, read once (:func:`fused_plan`):
+    its lists of norms and products in the operator's slots, and the per-layer choices."""
+
+    norms: list[Tensor]  # NORMS a layer (empty: none), then the final norm
+    eps: list[float]
+    products: list[Tensor]  # PRODUCTS slots a layer, then the head, their tensors as kinds says
+    kinds: list[int]
+    activation: str  # "silu" or "gelu_tanh"
+    rotaries: list[Rotary]  # the distinct rotary modules (none: positions without rotary)
+    layer_rope: list[int]  # each layer's index in rotaries
+    windows: list[int]  # each layer's window (0: none)
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def fused_plan(model) -> FusedPlan | None:
     """What :func:`attnmask.ops.decoding.packed_step` needs of ``model`` (norm weights and eps, product
-    tensors and kinds), read once; None where the whole step cannot be one native call: the model is
-    not a pre-norm RMSNorm / SwiGLU decoder with fused q/k/v and gate/up projections in float32 on the
-    CPU (one window for every layer, none of Gemma 3's extra parts), or the native kernels are not
-    built. Such models take the per-operation path, which is batch-invariant too."""
+    tensors and kinds, each layer's rotary and window), read once; None where the whole step cannot be
+    one native call: the model is not a pre-norm RMSNorm decoder with a SiLU- or tanh-GELU-gated MLP
+    whose weights are float32 or GGUF blocks on the CPU, a module is watched by a hook, or the native
+    kernels are not built. Gemma 3's parts (q/k norms, post-sublayer norms, a rotary and a window per
+    layer) are the step's own. Other models take the per-operation path, which is batch-invariant too."""
     cfg = model.config
     if model.is_encoder_decoder or model.training or cfg.norm_position != "pre" or not ops.available():
         return None
-    if type(model.norm) is not RMSNorm or _watched(model.norm) or _has_gemma_parts(model):
-        return None
     if any(not (p.is_cpu and p.dtype == torch.float32) for p in model.parameters()):
         return None
-    norms, products, kinds = [], [], []
-    modules = []
-    for layer in model.layers:
+    per_layer = getattr(model, "layer_rotary", None)
+    rotaries: list[Rotary] = []
+    norms: list[Tensor | None] = []
+    eps: list[float] = []
+    products, kinds, layer_rope, activations = [], [], [], set()
+    for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if type(layer.self_norm) is not RMSNorm or type(layer.mlp_norm) is not RMSNorm:
+        if getattr(layer, "cross_attn", None) is not None or not layer.pre:
             return None
-        if attn.qkv_proj is None or getattr(mlp, "gate_up_proj", None) is None:
+        if any(_watched(m) for m in (layer, attn, mlp)):
             return None
-        if any(_watched(m) for m in (layer, attn, mlp, layer.self_norm, layer.mlp_norm)):
+        parts = [
+            (layer.self_norm, False),
+            (getattr(attn, "q_norm", None), True),
+            (getattr(attn, "k_norm", None), True),
+            (getattr(layer, "post_self_norm", None), True),
+            (layer.mlp_norm, False),
+            (getattr(layer, "post_mlp_norm", None), True),
+        ]
+        for norm, optional in parts:
+            norms.append(_norm_operand(norm, optional))
+            eps.append(float(getattr(norm, "eps", 0.0)))
+        activation = _step_activation(mlp)
+        if activation is None:
             return None
-        norms += [layer.self_norm, layer.mlp_norm]
-        modules += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    norms.append(model.norm)
-    for proj in [*modules, model.lm_head]:
-        operands = _operands(proj)
-        if operands is None:
-            return None
-        kinds.append(operands[0])
-        products += operands[1]
+        activations.add(activation)
+        fused_qkv, fused_gate_up = attn.qkv_proj is not None, mlp.gate_up_proj is not None
+        qkv = [attn.qkv_proj, None, None] if fused_qkv else [attn.q_proj, attn.k_proj, attn.v_proj]
+        mlps = [mlp.gate_up_proj, None] if fused_gate_up else [mlp.gate_proj, mlp.up_proj]
+        for proj, optional in [*zip(qkv, (False, True, True)), (attn.o_proj, False), *zip(mlps, (False, True)),
+                               (mlp.down_proj, False)]:  # fmt: skip
+            operands = (decoding.NONE, []) if proj is None and optional else _operands(proj)
+            if operands is None:
+                return None
+            kinds.append(operands[0])
+            products += operands[1]
+        rotary = (per_layer(i) if per_layer is not None else model.rotary) if cfg.positions == "rotary" else None
+        if rotary is not None and all(r is not rotary for r in rotaries):
+            rotaries.append(rotary)
+        layer_rope.append(next((j for j, r in enumerate(rotaries) if r is rotary), 0))
+    norms.append(_norm_operand(model.norm, False))
+    eps.append(float(getattr(model.norm, "eps", 0.0)))
+    head = _operands(model.lm_head)
+    if head is None or any(n is None for n in norms) or len(activations) != 1:
+        return None
+    kinds.append(head[0])
+    products += head[1]
     attn = model.layers[0].self_attn
-    weights = [n.weight for n in norms]
-    return weights, [n.eps for n in norms], products, kinds, attn.num_heads, attn.num_kv_heads, attn.head_dim
+    windows = [_layer_window(cfg, i) for i in range(len(model.layers))]
+    return FusedPlan(
+        norms, eps, products, kinds, activations.pop(), rotaries, layer_rope, windows,
+        attn.num_heads, attn.num_kv_heads, attn.head_dim,
+    )  # fmt: skip
 
 
 def _rotaries(model, positions: Tensor) -> list:
@@ -350,7 +400,7 @@ def packed_forward(
     row_seq: Tensor,
     tables: Tensor | Sequence[Tensor],
     logit_rows: Tensor,
-    plan: tuple | None = None,
+    plan: FusedPlan | None = None,
     *,
     memory: SourceMemory | None = None,
     row_src: Tensor | None = None,
@@ -381,16 +431,19 @@ def packed_forward(
     if len(tables) != len(cache.groups):
         raise UserError(f"the cache has {len(cache.groups)} layer groups; got {len(tables)} block tables (one a group)")
     x = model._embed(tokens[None], positions[None], source=False)[0]  # (N, C)
+    if plan is not None and memory is None:
+        cos, signed = x.new_empty(0), x.new_empty(0)
+        if plan.rotaries:
+            factors = [rotary.cos_sin(positions[None]) for rotary in plan.rotaries]  # (1, 1, N, D) each
+            cos = torch.cat([c[0] for c, _ in factors])  # (R, N, D)
+            signed = torch.cat([Rotary.signed_sin(s)[0] for _, s in factors])  # (R, N, D)
+        return decoding.packed_step(
+            x.contiguous(), cos, signed, plan.layer_rope, plan.norms, plan.eps, plan.products, plan.kinds,
+            plan.activation, cache.k, cache.v, tables, cache.layer_group, plan.windows, row_seq, positions,
+            logit_rows, plan.heads, plan.kv_heads, plan.head_dim**-0.5,
+        )  # fmt: skip
     slots = [slots_of(t, row_seq, positions, cache.block_size) for t in tables]  # (N,) each group
     ropes = _rotaries(model, positions)
-    if plan is not None and memory is None and len(tables) == 1:
-        weights, eps, products, kinds, H, Hkv, D = plan
-        rope = ropes[0]
-        cos, signed = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (x.new_empty(0), x.new_empty(0))
-        return decoding.packed_step(
-            x.contiguous(), cos.contiguous(), signed.contiguous(), weights, eps, products, kinds, cache.k, cache.v,
-            tables[0], row_seq, positions, slots[0], logit_rows, _layer_window(cfg, 0), H, Hkv, D**-0.5,
-        )  # fmt: skip
     src_tables = src_last = src_real = None
     if memory is not None:
         src_tables = memory.tables  # (Q, 1)

@@ -18,12 +18,16 @@ operators do the same work in one call each (figures: the SmolLM2 sections of ``
   position (and within ``window``), read through a block table: the serving engine's attention
   (:mod:`attnmask.decode.step`), and the source attention of encoder-decoder models (each source one
   block, read whole);
-- ``torch.ops.attnmask.packed_step(x, cos, signed_sin, norms, eps, products, kinds, k_pools, v_pools,
-  tables, row_seq, row_pos, slots, logit_rows, window, heads, kv_heads, scale)``: a whole step over packed
-  rows of several sequences, every layer (rotary, cache writes, ``paged_attend``) and the head on the
-  rows that sample, making the calls above (and the block product of :mod:`attnmask.ops.blocks` for
-  block layers) from C++: one call a step instead of a few hundred from Python (see
-  :func:`attnmask.decode.step.packed_forward`).
+- ``torch.ops.attnmask.packed_step(x, cos, signed_sin, layer_rope, norms, eps, products, kinds,
+  activation, k_pools, v_pools, tables, layer_group, windows, row_seq, row_pos, logit_rows, heads,
+  kv_heads, scale)``: a whole step over packed rows of several sequences, every layer (rotary, cache
+  writes, ``paged_attend``) and the head on the rows that sample, making the calls above (and the
+  block product of :mod:`attnmask.ops.blocks` for block layers) from C++: one call a step instead of a
+  few hundred from Python (see :func:`attnmask.decode.step.packed_forward`). Llama's layers and Gemma
+  3's: a layer's optional parts (q/k norms over each head, norms of the sublayers' outputs before the
+  residual), a rotary table, a window and a group of block tables per layer, a SiLU- or tanh-GELU-gated
+  MLP, q/k/v and gate/up in one product or several, every block format of :mod:`attnmask.ops.blocks`
+  (:data:`NORMS` / :data:`PRODUCTS` slots a layer, :func:`packed_step_reference`).
 
 Each operator has its PyTorch definition here (``*_reference``, any dtype and device), registered as
 the kernel every device runs where no faster one is; ``csrc/decoding.cpp`` registers the float32
@@ -43,6 +47,7 @@ from attnmask.ops import blocks  # packed_step multiplies by block weights (csrc
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
+    "gated_reference",
     "linear_rows",
     "linear_rows_reference",
     "packed_step",
@@ -54,6 +59,17 @@ __all__ = [
     "silu_mul",
     "silu_mul_reference",
 ]
+
+# packed_step's product kinds: a float32 weight and its bias; a block layer's buffers in the kernel's
+# 4-bit layout (codes, d, m: Q4_1, Q4_K), its 8-bit layout (codes, d: Q8_0, Q5_0) or its 8-bit layout with
+# a scale per 16 weights (codes, d: Q6_K); NONE: no product in an optional slot
+NONE, DENSE, Q4_1, Q8_0, Q6_K = -1, 0, 1, 2, 3
+# The slots of each layer in packed_step's lists: its norms (an empty weight where it has none of an
+# optional one: q_norm, k_norm, post_self_norm, post_mlp_norm), then the final norm; its products (NONE
+# for k and v when the first slot holds the fused q/k/v product, for up when GATE_UP holds gate and up),
+# then the head
+SELF_NORM, Q_NORM, K_NORM, POST_SELF_NORM, MLP_NORM, POST_MLP_NORM, NORMS = range(7)
+QKV, K, V, O, GATE_UP, UP, DOWN, PRODUCTS = range(8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,21 +93,37 @@ def linear_rows_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Ten
     return F.linear(x, weight, bias)
 
 
-def _projector(products: list[Tensor], kinds: list[int]):
-    """``project(i, h)``: product ``i`` of a step's list (``kinds[i]``: DENSE weight and bias, or a
-    block layer's codes, d (and m)), as ``packed_step`` makes it."""
-    first = [0]  # where each product's tensors start
+def _first_tensors(kinds: list[int]) -> list[int]:
+    """Where each product's tensors start in a step's list (``kinds[i]``: NONE none, DENSE weight and
+    bias, Q4_1 codes, d and m, Q8_0 / Q6_K codes and d), and the end."""
+    first = [0]
     for kind in kinds:
-        first.append(first[-1] + (3 if kind == Q4_1 else 2))
+        first.append(first[-1] + (0 if kind == NONE else 3 if kind == Q4_1 else 2))
+    return first
+
+
+_BLOCK_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", Q6_K: "Q6_K"}  # the layout's kernel for each block kind
+
+
+def _projector(products: list[Tensor], kinds: list[int]):
+    """``project(i, h)``: product ``i`` of a step's list, as ``packed_step`` makes it."""
+    first = _first_tensors(kinds)
 
     def project(i: int, h: Tensor) -> Tensor:
         t = products[first[i] : first[i + 1]]
         if kinds[i] == DENSE:
             return linear_rows(h, t[0], t[1] if t[1].numel() else None)
         m = t[2] if kinds[i] == Q4_1 else None
-        return blocks.block_matmul(t[0], t[1], m, h, "Q4_1" if kinds[i] == Q4_1 else "Q8_0", h.shape[1])
+        return blocks.block_matmul(t[0], t[1], m, h, _BLOCK_NAMES[kinds[i]], h.shape[1])
 
     return project
+
+
+def gated_reference(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    """``act(gate) * up`` for ``packed_step``'s activations: ``"silu"`` or ``"gelu_tanh"``."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def paged_attend_reference(
@@ -130,44 +162,68 @@ def packed_step_reference(
     x: Tensor,
     cos: Tensor,
     signed_sin: Tensor,
+    layer_rope: list[int],
     norms: list[Tensor],
     eps: list[float],
     products: list[Tensor],
     kinds: list[int],
+    activation: str,
     k_pools: list[Tensor],
     v_pools: list[Tensor],
-    tables: Tensor,
+    tables: list[Tensor],
+    layer_group: list[int],
+    windows: list[int],
     row_seq: Tensor,
     row_pos: Tensor,
-    slots: Tensor,
     logit_rows: Tensor,
-    window: int,
     heads: int,
     kv_heads: int,
     scale: float,
 ) -> Tensor:
-    """``packed_step`` as operator calls from Python, in the same order: per layer the q/k/v product,
-    rotary, the cache writes, ``paged_attend``, the output product, a residual and norm, the MLP, a
-    residual and norm; the head on ``logit_rows`` only."""
+    """``packed_step`` as operator calls from Python, in the same order. Per layer (``NORMS`` norm
+    slots and ``PRODUCTS`` product slots; the optional ones empty / ``NONE`` where the layer has none):
+    the self-attention norm; the q/k/v product (or three); each head of q and k normed (q_norm, k_norm);
+    the layer's rotary table (``layer_rope``) on q and k; k and v written to the rows' slots in the
+    layer's group of block tables (``layer_group``); ``paged_attend`` within the layer's window; the
+    output product, its post norm, the residual and the MLP norm; ``act(gate) * up`` (one gate/up product
+    or two), the down product, its post norm, the residual and the next norm; the head on
+    ``logit_rows`` only."""
     L, N = len(k_pools), x.shape[0]
-    _, _, Hkv, D = k_pools[0].shape
+    _, S, Hkv, D = k_pools[0].shape
+    H = heads
     project = _projector(products, kinds)
+    slots = [t[row_seq, row_pos // S] * S + row_pos % S for t in tables]  # (N,) each group
 
-    h = rms_norm(x, norms[0], eps[0])
+    def norm(i: int, t: Tensor) -> Tensor:  # an optional norm: an empty weight is none
+        return rms_norm(t.contiguous(), norms[i], eps[i]) if norms[i].numel() else t
+
+    h = rms_norm(x, norms[SELF_NORM], eps[SELF_NORM])
     for layer in range(L):
-        q, k, v = project(4 * layer, h).reshape(N, heads + 2 * Hkv, D).split([heads, Hkv, Hkv], dim=1)
+        n, p, g = NORMS * layer, PRODUCTS * layer, layer_group[layer]
+        if kinds[p + K] == NONE:
+            q, k, v = project(p + QKV, h).split([H * D, Hkv * D, Hkv * D], dim=1)
+        else:
+            q, k, v = project(p + QKV, h), project(p + K, h), project(p + V, h)
+        q = norm(n + Q_NORM, q.reshape(N * H, D)).reshape(N, H, D)
+        k = norm(n + K_NORM, k.reshape(N * Hkv, D)).reshape(N, Hkv, D)
         if cos.numel():
-            c, s = cos.reshape(N, 1, D), signed_sin.reshape(N, 1, D)
+            c, s = cos[layer_rope[layer]].reshape(N, 1, D), signed_sin[layer_rope[layer]].reshape(N, 1, D)
             q = q * c + q.roll(D // 2, dims=-1) * s
             k = k * c + k.roll(D // 2, dims=-1) * s
-        k_pools[layer].view(-1, Hkv, D)[slots] = k
-        v_pools[layer].view(-1, Hkv, D)[slots] = v
-        out = paged_attend(q.reshape(N, heads * D), k_pools[layer], v_pools[layer], tables, row_seq, row_pos,
-                           window, heads, scale)  # fmt: skip
-        x, h = add_rms_norm(x, project(4 * layer + 1, out), norms[2 * layer + 1], eps[2 * layer + 1])
-        delta = project(4 * layer + 3, silu_mul(project(4 * layer + 2, h)))
-        x, h = add_rms_norm(x, delta, norms[2 * layer + 2], eps[2 * layer + 2])
-    return project(4 * L, h.index_select(0, logit_rows).contiguous())
+        k_pools[layer].view(-1, Hkv, D)[slots[g]] = k
+        v_pools[layer].view(-1, Hkv, D)[slots[g]] = v.reshape(N, Hkv, D)
+        out = paged_attend(q.reshape(N, H * D).contiguous(), k_pools[layer], v_pools[layer], tables[g], row_seq,
+                           row_pos, windows[layer], H, scale)  # fmt: skip
+        out = norm(n + POST_SELF_NORM, project(p + O, out))
+        x, h = add_rms_norm(x, out, norms[n + MLP_NORM], eps[n + MLP_NORM])
+        if kinds[p + UP] == NONE:
+            both = project(p + GATE_UP, h)
+            a = silu_mul(both) if activation == "silu" else gated_reference(*both.chunk(2, dim=-1), activation)
+        else:
+            a = gated_reference(project(p + GATE_UP, h), project(p + UP, h), activation)
+        delta = norm(n + POST_MLP_NORM, project(p + DOWN, a.contiguous()))
+        x, h = add_rms_norm(x, delta, norms[n + NORMS], eps[n + NORMS])
+    return project(PRODUCTS * L, h.index_select(0, logit_rows).contiguous())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,11 +235,11 @@ _LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIBRARY.define("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)")
 _LIBRARY.define("silu_mul(Tensor gate_up) -> Tensor")
 _LIBRARY.define("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-DENSE, Q4_1, Q8_0 = 0, 1, 2  # packed_step's product kinds: a float32 weight and bias, block layers' buffers
 _LIBRARY.define(
-    "packed_step(Tensor x, Tensor cos, Tensor signed_sin, Tensor[] norms, float[] eps, Tensor[] products, "
-    "int[] kinds, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor tables, Tensor row_seq, Tensor row_pos, "
-    "Tensor slots, Tensor logit_rows, int window, int heads, int kv_heads, float scale) -> Tensor"
+    "packed_step(Tensor x, Tensor cos, Tensor signed_sin, int[] layer_rope, Tensor[] norms, float[] eps, "
+    "Tensor[] products, int[] kinds, str activation, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
+    "Tensor[] tables, int[] layer_group, int[] windows, Tensor row_seq, Tensor row_pos, Tensor logit_rows, "
+    "int heads, int kv_heads, float scale) -> Tensor"
 )
 _LIBRARY.define(
     "paged_attend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor row_seq, Tensor row_pos, int window, "
@@ -212,9 +268,9 @@ def _(x, weight, bias):
 
 
 @torch.library.register_fake("attnmask::packed_step", lib=_LIBRARY)
-def _(x, cos, signed_sin, norms, eps, products, kinds, k_pools, v_pools, tables, row_seq, row_pos, slots, logit_rows,
-      window, heads, kv_heads, scale):  # fmt: skip
-    head = products[-2 if kinds[-1] != Q4_1 else -3]  # the head's weight or codes: (V, ...)
+def _(x, cos, signed_sin, layer_rope, norms, eps, products, kinds, activation, k_pools, v_pools, tables, layer_group,
+      windows, row_seq, row_pos, logit_rows, heads, kv_heads, scale):  # fmt: skip
+    head = products[_first_tensors(kinds)[-2]]  # the head's weight or codes: (V, ...)
     return x.new_empty(logit_rows.shape[0], head.shape[0])
 
 

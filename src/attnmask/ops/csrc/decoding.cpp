@@ -8,7 +8,10 @@
 //   linear_rows(x, weight, bias)      x W^T (+ b) for a few rows x and a row-major float32 W
 //   paged_attend(q, pools, tables, ...) packed rows of several sequences against a paged cache
 //   packed_step(x, ...)               all of the above for every layer of a packed step, and its head:
-//                                     one call a step instead of ~210 from Python
+//                                     one call a step instead of ~210 from Python (SmolLM2) or ~360
+//                                     (Gemma 3: q/k norms, post-sublayer norms, a rotary table and a
+//                                     window per layer, a GELU-gated MLP, its layers in several groups
+//                                     of block tables)
 //
 // Eager PyTorch runs each of these as 3 to 20 operator calls of a few microseconds each, and a
 // SmolLM2 token has 30 layers of them: ~3 ms a token of dispatching tiny tensors, as much as half
@@ -25,9 +28,11 @@
 #include <ATen/ops/index_select.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -255,126 +260,361 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
     return out;
 }
 
-// One product of packed_step: kind 0 is a float32 weight and its bias (an empty tensor for none),
-// through linear_rows; kinds 1 and 2 are a block layer's codes, d and m (Q4_1) or codes and d (Q8_0),
-// through attnmask::block_matmul (blocks.h: the function the operator runs, declared, not looked up).
-constexpr int64_t DENSE = 0, Q4_1 = 1, Q8_0 = 2;
+// One product of packed_step, by kind: DENSE is a float32 weight and its bias (an empty tensor for none),
+// through linear_rows; the others are a block layer's buffers in one of the kernel's layouts, through
+// attnmask::block_matmul (blocks.h: the function the operator runs, declared, not looked up): Q4_1 the
+// 4-bit layout (codes, d, m: Q4_1, and Q4_K repacked into it), Q8_0 the 8-bit one (codes, d: Q8_0, Q5_0),
+// Q6_K the 8-bit one with a scale per 16 weights (codes, d). NONE: no product in this slot.
+constexpr int64_t NONE = -1, DENSE = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3;
 
 at::Tensor product(int64_t kind, const at::Tensor *t, const at::Tensor &x) {
     if (kind == DENSE) return linear_rows(x, t[0], t[1].numel() ? std::optional<at::Tensor>(t[1]) : std::nullopt);
-    const bool q4_1 = kind == Q4_1;
-    return attnmask::block_matmul(t[0], t[1], q4_1 ? std::optional<at::Tensor>(t[2]) : std::nullopt, x,
-                                  q4_1 ? "Q4_1" : "Q8_0", x.size(1));
+    const char *name = kind == Q4_1 ? "Q4_1" : kind == Q8_0 ? "Q8_0" : "Q6_K";
+    return attnmask::block_matmul(t[0], t[1], kind == Q4_1 ? std::optional<at::Tensor>(t[2]) : std::nullopt, x, name,
+                                  x.size(1));
 }
 
-int64_t product_tensors(int64_t kind) { return kind == Q4_1 ? 3 : 2; }
+int64_t product_tensors(int64_t kind) { return kind == NONE ? 0 : kind == Q4_1 ? 3 : 2; }
 
-// packed_step's checks of its operands: 2 L + 1 norms (and eps), 4 L + 1 products of known
-// kinds whose tensors add up; returns where each product's tensors start.
-std::vector<int64_t> product_offsets(const char *op, int64_t L, at::TensorList norms, at::ArrayRef<double> eps,
-                                     at::TensorList products, at::IntArrayRef kinds) {
-    TORCH_CHECK_VALUE(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), op, ": ",
-                      norms.size(), " norm weights and ", eps.size(), " eps for ", L, " layers; expected ", 2 * L + 1,
-                      " of each");
-    TORCH_CHECK_VALUE(static_cast<int64_t>(kinds.size()) == 4 * L + 1, op, ": ", kinds.size(), " products for ", L,
-                      " layers; expected ", 4 * L + 1);
+// The slots of a layer's lists: norms (NORMS a layer, then the final norm's), products (PRODUCTS a layer,
+// then the head). A missing optional norm is an empty tensor; a missing product has kind NONE: k and v
+// when q's slot holds the fused q/k/v product, up when gate's slot holds the fused gate/up product.
+enum Norm { SELF_NORM, Q_NORM, K_NORM, POST_SELF_NORM, MLP_NORM, POST_MLP_NORM, NORMS };
+enum Product { QKV, K, V, O, GATE_UP, UP, DOWN, PRODUCTS };
+
+// tanh-GELU times up, element by element: 0.5 a (1 + tanh(y)) u with y = sqrt(2 / pi) (a + 0.044715 a^3), as
+// PyTorch's formula writes it, computed as a u / (1 + exp(-2 y)) (the same function: 1 + tanh(y) = 2 / (1 +
+// exp(-2 y)), without tanh's cancellation near 0), exp(x) as Cephes' expf: x = n ln 2 + r, e^r by a
+// degree-6 polynomial, times 2^n. GELU_LANES elements at a time, a row's tail padded to a full vector, so
+// that every element goes through the same instructions whatever the row's length and its place in it:
+// its bits depend on its value alone.
+constexpr float GELU_2BETA = -1.5957691216057308f;  // -2 sqrt(2 / pi)
+constexpr float GELU_KAPPA = 0.044715f;
+constexpr float EXP_MIN = -87.0f, EXP_MAX = 88.0f;  // 2^n stays a normal float: n in [-126, 127]
+constexpr float LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+#if defined(__AVX512F__)
+constexpr int GELU_LANES = 16;
+inline void gelu_mul_lanes(const float *g, const float *u, float *o) {
+    const __m512 a = _mm512_loadu_ps(g);
+    const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(GELU_KAPPA), a), _mm512_mul_ps(a, a), a);
+    __m512 x = _mm512_mul_ps(_mm512_set1_ps(GELU_2BETA), inner);
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(EXP_MAX)), _mm512_set1_ps(EXP_MIN));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[i]));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 e = _mm512_scalef_ps(p, n);
+    const __m512 y = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    _mm512_storeu_ps(o, _mm512_mul_ps(y, _mm512_loadu_ps(u)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int GELU_LANES = 8;
+inline void gelu_mul_lanes(const float *g, const float *u, float *o) {
+    const __m256 a = _mm256_loadu_ps(g);
+    const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(GELU_KAPPA), a), _mm256_mul_ps(a, a), a);
+    __m256 x = _mm256_mul_ps(_mm256_set1_ps(GELU_2BETA), inner);
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(EXP_MAX)), _mm256_set1_ps(EXP_MIN));
+    const __m256 n =
+        _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));  // p 2^n
+    const __m256 y = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    _mm256_storeu_ps(o, _mm256_mul_ps(y, _mm256_loadu_ps(u)));
+}
+#else
+constexpr int GELU_LANES = 1;
+inline void gelu_mul_lanes(const float *g, const float *u, float *o) {
+    const float a = *g;
+    float x = GELU_2BETA * ((GELU_KAPPA * a) * (a * a) + a);
+    x = std::max(std::min(x, EXP_MAX), EXP_MIN);
+    const float n = std::nearbyint(x * LOG2E);
+    const float r = (x - n * LN2_HI) - n * LN2_LO;
+    float p = EXP_P[0];
+    for (int i = 1; i < 6; i++) p = p * r + EXP_P[i];
+    p = p * (r * r) + (r + 1.0f);
+    *o = a / (1.0f + std::ldexp(p, static_cast<int>(n))) * *u;
+}
+#endif
+
+void gelu_mul_row(const float *g, const float *u, float *o, int64_t F) {
+    int64_t f = 0;
+    for (; f + GELU_LANES <= F; f += GELU_LANES) gelu_mul_lanes(g + f, u + f, o + f);
+    if (f < F) {  // the tail through the same instructions, padded
+        float gt[GELU_LANES] = {0}, ut[GELU_LANES] = {0}, ot[GELU_LANES];
+        for (int64_t i = f; i < F; i++) gt[i - f] = g[i], ut[i - f] = u[i];
+        gelu_mul_lanes(gt, ut, ot);
+        for (int64_t i = f; i < F; i++) o[i] = ot[i - f];
+    }
+}
+
+// The activation of the gated MLP: act(gate) * up, element by element (so a row's result never depends
+// on the other rows), gate and up rows of F floats `gs` and `us` apart. SiLU as silu_mul computes it;
+// tanh-GELU (Gemma) by gelu_mul_row.
+enum class Act { SILU, GELU_TANH };
+
+Act activation_of(c10::string_view name) {
+    if (name == "silu") return Act::SILU;
+    TORCH_CHECK_VALUE(name == "gelu_tanh", "packed_step: activation '", std::string(name),
+                      "' is not one of 'silu', 'gelu_tanh'");
+    return Act::GELU_TANH;
+}
+
+void gated_rows(Act act, const float *gate, int64_t gs, const float *up, int64_t us, int64_t rows, int64_t F,
+                float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate + r * gs, *u = up + r * us;
+        float *o = out + r * F;
+        if (act == Act::SILU) {
+            for (int64_t f = 0; f < F; f++) o[f] = g[f] / (1.0f + std::exp(-g[f])) * u[f];
+        } else {
+            gelu_mul_row(g, u, o, F);
+        }
+    }
+}
+
+// The checks of packed_step's per-layer lists; returns where each product's tensors start.
+std::vector<int64_t> check_layers(const char *op, int64_t L, int64_t C, int64_t D, int64_t R, at::TensorList norms,
+                                  at::ArrayRef<double> eps, at::TensorList products, at::IntArrayRef kinds,
+                                  at::IntArrayRef layer_rope, at::IntArrayRef layer_group, int64_t G,
+                                  at::IntArrayRef windows) {
+    TORCH_CHECK_VALUE(static_cast<int64_t>(norms.size()) == NORMS * L + 1 && eps.size() == norms.size(), op, ": ",
+                      norms.size(), " norm weights and ", eps.size(), " eps for ", L, " layers; expected ",
+                      NORMS * L + 1, " of each (", static_cast<int>(NORMS), " a layer, empty where a layer has none, "
+                      "then the final norm)");
+    for (int64_t i = 0; i < NORMS * L + 1; i++) {
+        const int64_t slot = i < NORMS * L ? i % NORMS : SELF_NORM;  // the final norm is required, as self_norm
+        const bool optional = slot == Q_NORM || slot == K_NORM || slot == POST_SELF_NORM || slot == POST_MLP_NORM;
+        const int64_t want = slot == Q_NORM || slot == K_NORM ? D : C;
+        if (optional && norms[i].numel() == 0) continue;
+        check_rows(norms[i], op, "a norm weight");
+        TORCH_CHECK_VALUE(norms[i].dim() == 1 && norms[i].size(0) == want, op, ": norm ", i, " has shape ",
+                          norms[i].sizes(), "; expected (", want, ",)");
+    }
+    TORCH_CHECK_VALUE(static_cast<int64_t>(kinds.size()) == PRODUCTS * L + 1, op, ": ", kinds.size(),
+                      " products for ", L, " layers; expected ", PRODUCTS * L + 1, " (", static_cast<int>(PRODUCTS),
+                      " a layer, then the head)");
     std::vector<int64_t> first(kinds.size() + 1, 0);
     for (size_t i = 0; i < kinds.size(); i++) {
-        TORCH_CHECK_VALUE(kinds[i] == DENSE || kinds[i] == Q4_1 || kinds[i] == Q8_0, op, ": product kind ", kinds[i],
-                          " is not one of 0 (float32), 1 (Q4_1), 2 (Q8_0)");
+        const int64_t slot = i < static_cast<size_t>(PRODUCTS * L) ? static_cast<int64_t>(i) % PRODUCTS : QKV;
+        const bool optional = slot == K || slot == V || slot == UP;
+        TORCH_CHECK_VALUE((optional && kinds[i] == NONE) || (DENSE <= kinds[i] && kinds[i] <= Q6_K), op,
+                          ": product kind ", kinds[i], " in slot ", i, " is not one of 0 (float32), 1 (4-bit "
+                          "blocks), 2 (8-bit), 3 (8-bit, a scale per 16)", optional ? " or -1 (none)" : "");
         first[i + 1] = first[i] + product_tensors(kinds[i]);
+    }
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *k = kinds.data() + PRODUCTS * l;
+        TORCH_CHECK_VALUE((k[K] == NONE) == (k[V] == NONE), op, ": layer ", l,
+                          " has one of its k and v products; expected both, or neither (q/k/v fused)");
+        TORCH_CHECK_VALUE(0 <= layer_group[l] && layer_group[l] < G, op, ": layer ", l, " is in group ",
+                          layer_group[l], " of ", G, " block tables");
+        TORCH_CHECK_VALUE(0 <= layer_rope[l] && layer_rope[l] < std::max<int64_t>(R, 1), op, ": layer ", l,
+                          " takes rotary table ", layer_rope[l], " of ", R);
+        TORCH_CHECK_VALUE(windows[l] >= 0, op, ": layer ", l, " has window ", windows[l], "; expected >= 0");
     }
     TORCH_CHECK_VALUE(first.back() == static_cast<int64_t>(products.size()), op, ": ", products.size(),
                       " product tensors; the kinds name ", first.back());
     return first;
 }
 
-// Packed rows' new queries rotated (returned, (N, H D)) and keys rotated and values copied into the pools
-// at `slots` (flat block * S + offset of each row's position), before they attend.
-at::Tensor rope_write(const at::Tensor &qkv, const at::Tensor &cos, const at::Tensor &signed_sin,
-                      const at::Tensor &k_pool, const at::Tensor &v_pool, const int64_t *slots, int64_t heads) {
-    const int64_t N = qkv.size(0), Hkv = k_pool.size(2), D = k_pool.size(3), H = heads;
-    const int64_t row = (H + 2 * Hkv) * D, cells = k_pool.size(0) * k_pool.size(1);
-    const bool rotary = cos.numel() > 0;
-    at::Tensor q = at::empty({N, H * D}, qkv.options());
-    const float *src = qkv.const_data_ptr<float>();
-    const float *cp = rotary ? cos.const_data_ptr<float>() : nullptr;
-    const float *sp = rotary ? signed_sin.const_data_ptr<float>() : nullptr;
-    float *qp = q.mutable_data_ptr<float>(), *kc = k_pool.mutable_data_ptr<float>();
+// One layer's attention inputs: each row's query heads (q_norm'ed, rotated) returned, (N, H D); its key
+// heads (k_norm'ed, rotated) and value heads written into the pools at `slots` (flat block * S + offset of
+// each row's position), before the rows attend. q, k, v rows are `qs`, `ks`, `vs` floats apart; qw, kw the
+// norms' weights (null: none); c, s the rows' rotary factors (N, D) (null: no rotary).
+at::Tensor attention_inputs(const at::Tensor &like, const float *q, int64_t qs, const float *k, int64_t ks,
+                            const float *v, int64_t vs, int64_t N, int64_t H, const float *qw, double q_eps,
+                            const float *kw, double k_eps, const float *c, const float *s, const at::Tensor &k_pool,
+                            const at::Tensor &v_pool, const int64_t *slots) {
+    const int64_t Hkv = k_pool.size(2), D = k_pool.size(3), cells = k_pool.size(0) * k_pool.size(1);
+    at::Tensor out = at::empty({N, H * D}, like.options());
+    float *qp = out.mutable_data_ptr<float>(), *kc = k_pool.mutable_data_ptr<float>();
     float *vc = v_pool.mutable_data_ptr<float>();
+    std::vector<float> normed(D);
+    auto head = [&](const float *x, const float *w, double eps, int64_t r, float *y) {
+        if (w != nullptr) {  // RMSNorm over the head, as rms_norm computes each row of (N * heads, D)
+            norm_row(x, w, normed.data(), D, eps);
+            x = normed.data();
+        }
+        rotate_row(x, c ? c + r * D : nullptr, s ? s + r * D : nullptr, y, D);
+    };
     for (int64_t r = 0; r < N; r++) {
         TORCH_CHECK_VALUE(0 <= slots[r] && slots[r] < cells, "packed_step: row ", r, " writes slot ", slots[r],
                           " of a pool of ", cells);
-        for (int64_t h = 0; h < H + Hkv; h++) {
-            const float *x = src + r * row + h * D;
-            float *y = h < H ? qp + (r * H + h) * D : kc + (slots[r] * Hkv + (h - H)) * D;
-            rotate_row(x, rotary ? cp + r * D : nullptr, rotary ? sp + r * D : nullptr, y, D);
-        }
+        for (int64_t h = 0; h < H; h++) head(q + r * qs + h * D, qw, q_eps, r, qp + (r * H + h) * D);
         for (int64_t g = 0; g < Hkv; g++) {
-            const float *x = src + r * row + (H + Hkv + g) * D;
+            head(k + r * ks + g * D, kw, k_eps, r, kc + (slots[r] * Hkv + g) * D);
+            const float *x = v + r * vs + g * D;
             float *y = vc + (slots[r] * Hkv + g) * D;
             for (int64_t d = 0; d < D; d++) y[d] = x[d];
         }
     }
-    return q;
+    return out;
 }
 
-// A whole step of a pre-norm RMSNorm / rotary / SwiGLU decoder with fused projections over packed rows of
-// several sequences (attnmask.decode.step), the same calls in the same order as packed_step_reference
-// makes them from Python: per layer the q/k/v product, the rows rotated and written to their slots,
-// paged_attend, the output product and a residual + norm, the MLP and a residual + norm; the head applied
-// to `logit_rows` only. x (N, C) embedded tokens; cos, signed_sin (N, D) or empty; norms: each layer's two
-// norm weights, then the final norm's (2 L + 1), eps theirs; products: per layer q/k/v, o, gate/up, down,
-// then the head (4 L + 1), their tensors one after another as `kinds` says; k_pools, v_pools one (P, S, Hkv, D) pair per layer; tables, row_seq,
-// row_pos, window as paged_attend takes them; slots (N,) each row's flat pool index. Returns (M, V).
+// Each row's flat pool index in a group's block tables (Q, W): tables[seq, pos / S] * S + pos % S.
+std::vector<int64_t> slots_of(const at::Tensor &tables, const int64_t *seq, const int64_t *pos, int64_t N,
+                              int64_t S) {
+    TORCH_CHECK_VALUE(tables.device().is_cpu() && tables.scalar_type() == at::kLong && tables.is_contiguous() &&
+                          tables.dim() == 2,
+                      "packed_step: block tables must be (Q, W) contiguous int64 CPU tensors; got ", tables.sizes());
+    const int64_t Q = tables.size(0), W = tables.size(1);
+    const int64_t *tab = tables.const_data_ptr<int64_t>();
+    std::vector<int64_t> slots(N);
+    for (int64_t r = 0; r < N; r++) {
+        TORCH_CHECK_VALUE(0 <= seq[r] && seq[r] < Q && 0 <= pos[r] && pos[r] < W * S, "packed_step: row ", r,
+                          " is position ", pos[r], " of sequence ", seq[r], "; the tables hold ", Q,
+                          " sequences of at most ", W * S, " positions");
+        slots[r] = tab[seq[r] * W + pos[r] / S] * S + pos[r] % S;
+    }
+    return slots;
+}
+
+// A whole step of a pre-norm RMSNorm decoder over packed rows of several sequences (attnmask.decode.step):
+// Llama's layers (SmolLM2), and Gemma 3's, whose optional parts are per layer. The same calls in the same
+// order as packed_step_reference makes them from Python; per layer:
+//
+//   h = rms_norm(x, self_norm)
+//   q, k, v = the q/k/v product(s) of h; q, k each head rms_norm'ed (q_norm, k_norm: where given),
+//             rotated by the layer's rotary table; k, v written to the rows' slots in the layer's group
+//   out = o(paged_attend(q, the layer's pools, its group's tables, its window))
+//   x = x + post_self_norm(out) (where given);  h = rms_norm(x, mlp_norm)
+//   delta = down(act(gate(h)) * up(h))  (gate and up one product or two; act SiLU or tanh-GELU)
+//   x = x + post_mlp_norm(delta) (where given); h = rms_norm(x, the next self_norm or the final norm)
+//
+// then the head on `logit_rows` only. x (N, C) embedded tokens; cos, signed_sin (R, N, D): R rotary tables
+// (empty: no rotary), layer_rope (L,) each layer's; norms: NORMS a layer and the final norm's, eps theirs;
+// products: PRODUCTS a layer and the head, their tensors one after another as `kinds` says; k_pools,
+// v_pools: one (P, S, Hkv, D) pair per layer (layers of different groups may share a tensor); tables: G
+// block tables (Q, W), one per layer group, layer_group (L,) each layer's; windows (L,) each layer's (0:
+// none); row_seq, row_pos as paged_attend takes them. Every operation is a row's own (norms, rotary,
+// the activation) or computes each row alone in a fixed order (products, paged_attend): a row's result
+// does not depend on the rows packed with it. Returns (M, V).
 at::Tensor packed_step(const at::Tensor &x0, const at::Tensor &cos, const at::Tensor &signed_sin,
-                       at::TensorList norms, at::ArrayRef<double> eps, at::TensorList products, at::IntArrayRef kinds,
-                       at::TensorList k_pools, at::TensorList v_pools, const at::Tensor &tables,
-                       const at::Tensor &row_seq, const at::Tensor &row_pos, const at::Tensor &slots,
-                       const at::Tensor &logit_rows, int64_t window, int64_t heads, int64_t kv_heads, double scale) {
+                       at::IntArrayRef layer_rope, at::TensorList norms, at::ArrayRef<double> eps,
+                       at::TensorList products, at::IntArrayRef kinds, c10::string_view activation,
+                       at::TensorList k_pools, at::TensorList v_pools, at::TensorList tables,
+                       at::IntArrayRef layer_group, at::IntArrayRef windows, const at::Tensor &row_seq,
+                       const at::Tensor &row_pos, const at::Tensor &logit_rows, int64_t heads, int64_t kv_heads,
+                       double scale) {
     const char *op = "packed_step";
-    const int64_t L = static_cast<int64_t>(k_pools.size());
+    const int64_t L = static_cast<int64_t>(k_pools.size()), G = static_cast<int64_t>(tables.size());
     check_rows(x0, op, "x");
     TORCH_CHECK_VALUE(L > 0 && static_cast<int64_t>(v_pools.size()) == L, op, ": ", L, " key pools and ",
                       v_pools.size(), " value pools; expected one of each per layer");
-    const int64_t N = x0.size(0), D = k_pools[0].size(3);
-    for (const at::Tensor *t : {&slots, &logit_rows}) {
+    TORCH_CHECK_VALUE(static_cast<int64_t>(layer_rope.size()) == L && static_cast<int64_t>(layer_group.size()) == L &&
+                          static_cast<int64_t>(windows.size()) == L,
+                      op, ": layer_rope, layer_group and windows must name each of the ", L, " layers; got ",
+                      layer_rope.size(), ", ", layer_group.size(), " and ", windows.size());
+    TORCH_CHECK_VALUE(x0.dim() == 2, op, ": x must be (N, C); got ", x0.sizes());
+    const Act act = activation_of(activation);
+    const int64_t N = x0.size(0), C = x0.size(1), S = k_pools[0].size(1), D = k_pools[0].size(3);
+    const int64_t H = heads, Hkv = kv_heads;
+    for (const at::Tensor *t : {&row_seq, &row_pos, &logit_rows}) {
         TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
-                          op, ": slots and logit_rows must be 1-D contiguous int64 CPU tensors");
+                          op, ": row_seq, row_pos and logit_rows must be 1-D contiguous int64 CPU tensors");
     }
-    TORCH_CHECK_VALUE(slots.size(0) == N, op, ": ", slots.size(0), " slots for ", N, " rows");
+    TORCH_CHECK_VALUE(row_seq.size(0) == N && row_pos.size(0) == N, op, ": row_seq and row_pos must have the ", N,
+                      " rows of x; got ", row_seq.size(0), " and ", row_pos.size(0));
     const int64_t *lr = logit_rows.const_data_ptr<int64_t>();
     for (int64_t i = 0; i < logit_rows.size(0); i++)
         TORCH_CHECK_VALUE(0 <= lr[i] && lr[i] < N, op, ": logit row ", lr[i], " of ", N, " rows");
-    if (cos.numel()) {
+    const int64_t R = cos.numel() ? cos.size(0) : 0;
+    if (R) {
         check_rows(cos, op, "cos");
         check_rows(signed_sin, op, "signed_sin");
-        TORCH_CHECK_VALUE(cos.numel() == N * D && signed_sin.numel() == N * D, op, ": cos and signed_sin must hold (",
-                          N, ", ", D, ")");
+        TORCH_CHECK_VALUE(cos.dim() == 3 && cos.size(1) == N && cos.size(2) == D && signed_sin.sizes() == cos.sizes(),
+                          op, ": cos and signed_sin must be (R, N, D) = (R, ", N, ", ", D, ") alike; got ", cos.sizes(),
+                          " and ", signed_sin.sizes());
     }
     for (int64_t l = 0; l < L; l++) {
         for (const at::Tensor *t : {&k_pools[l], &v_pools[l]}) {
             check_rows(*t, op, "a pool");
-            TORCH_CHECK_VALUE(t->dim() == 4 && t->sizes() == k_pools[0].sizes() && t->size(2) == kv_heads, op,
-                              ": pools must all be (P, S, Hkv, D) = ", k_pools[0].sizes(), " with Hkv = ", kv_heads);
+            TORCH_CHECK_VALUE(t->dim() == 4 && t->sizes() == k_pools[0].sizes() && t->size(2) == Hkv, op,
+                              ": pools must all be (P, S, Hkv, D) = ", k_pools[0].sizes(), " with Hkv = ", Hkv);
         }
     }
-    const std::vector<int64_t> first = product_offsets(op, L, norms, eps, products, kinds);
+    TORCH_CHECK_VALUE(H > 0 && Hkv > 0 && H % Hkv == 0, op, ": ", H, " heads over ", Hkv, " key/value heads");
+    const std::vector<int64_t> first =
+        check_layers(op, L, C, D, R, norms, eps, products, kinds, layer_rope, layer_group, G, windows);
     auto project = [&](int64_t i, const at::Tensor &h) { return product(kinds[i], products.data() + first[i], h); };
-    const int64_t *sl = slots.const_data_ptr<int64_t>();
-    at::Tensor x = x0, h = rms_norm(x0, norms[0], eps[0]);
+    auto has = [&](int64_t i) { return norms[i].numel() > 0; };
+    auto features = [&](const at::Tensor &t, int64_t want, int64_t l, const char *what) {
+        TORCH_CHECK_VALUE(t.size(1) == want, op, ": layer ", l, "'s ", what, " product gives ", t.size(1),
+                          " features; expected ", want);
+    };
+    const int64_t *seq = row_seq.const_data_ptr<int64_t>(), *pos = row_pos.const_data_ptr<int64_t>();
+    std::vector<std::vector<int64_t>> slots;
+    for (int64_t g = 0; g < G; g++) slots.push_back(slots_of(tables[g], seq, pos, N, S));
+    const float *cp = R ? cos.const_data_ptr<float>() : nullptr, *sp = R ? signed_sin.const_data_ptr<float>() : nullptr;
+
+    at::Tensor x = x0, h = rms_norm(x0, norms[SELF_NORM], eps[SELF_NORM]);
     for (int64_t l = 0; l < L; l++) {
-        const at::Tensor qkv = project(4 * l, h);
-        TORCH_CHECK_VALUE(qkv.size(1) == (heads + 2 * kv_heads) * D, op, ": layer ", l, "'s q/k/v product gives ",
-                          qkv.size(1), " features; expected ", (heads + 2 * kv_heads) * D);
-        const at::Tensor q = rope_write(qkv, cos, signed_sin, k_pools[l], v_pools[l], sl, heads);
-        const at::Tensor out =
-            paged_attend(q, k_pools[l], v_pools[l], tables, row_seq, row_pos, window, heads, scale);
-        std::tie(x, h) = add_rms_norm(x, project(4 * l + 1, out), norms[2 * l + 1], eps[2 * l + 1]);
-        const at::Tensor delta = project(4 * l + 3, silu_mul(project(4 * l + 2, h)));
-        std::tie(x, h) = add_rms_norm(x, delta, norms[2 * l + 2], eps[2 * l + 2]);
+        const int64_t n = NORMS * l, p = PRODUCTS * l, g = layer_group[l];
+        // attention
+        const at::Tensor first_product = project(p + QKV, h);
+        at::Tensor k_out, v_out;
+        const float *qp = first_product.const_data_ptr<float>(), *kp, *vp;
+        int64_t qs = first_product.size(1), ks, vs;
+        if (kinds[p + K] == NONE) {  // one q/k/v product: each row's q, k and v side by side
+            features(first_product, (H + 2 * Hkv) * D, l, "q/k/v");
+            kp = qp + H * D, vp = kp + Hkv * D, ks = vs = qs;
+        } else {
+            features(first_product, H * D, l, "q");
+            k_out = project(p + K, h), v_out = project(p + V, h);
+            features(k_out, Hkv * D, l, "k");
+            features(v_out, Hkv * D, l, "v");
+            kp = k_out.const_data_ptr<float>(), vp = v_out.const_data_ptr<float>(), ks = vs = Hkv * D;
+        }
+        const float *c = R ? cp + layer_rope[l] * N * D : nullptr, *s = R ? sp + layer_rope[l] * N * D : nullptr;
+        const at::Tensor q = attention_inputs(
+            x0, qp, qs, kp, ks, vp, vs, N, H, has(n + Q_NORM) ? norms[n + Q_NORM].const_data_ptr<float>() : nullptr,
+            eps[n + Q_NORM], has(n + K_NORM) ? norms[n + K_NORM].const_data_ptr<float>() : nullptr, eps[n + K_NORM],
+            c, s, k_pools[l], v_pools[l], slots[g].data());
+        at::Tensor out = project(p + O, paged_attend(q, k_pools[l], v_pools[l], tables[g], row_seq, row_pos,
+                                                     windows[l], H, scale));
+        features(out, C, l, "output");
+        if (has(n + POST_SELF_NORM)) out = rms_norm(out, norms[n + POST_SELF_NORM], eps[n + POST_SELF_NORM]);
+        std::tie(x, h) = add_rms_norm(x, out, norms[n + MLP_NORM], eps[n + MLP_NORM]);
+        // MLP
+        const at::Tensor gate = project(p + GATE_UP, h);
+        at::Tensor a;
+        if (kinds[p + UP] == NONE) {  // one gate/up product: each row's gate, then its up
+            TORCH_CHECK_VALUE(gate.size(1) % 2 == 0, op, ": layer ", l, "'s gate/up product gives ", gate.size(1),
+                              " features; expected gate and up alike");
+            const int64_t F = gate.size(1) / 2;
+            if (act == Act::SILU) {
+                a = silu_mul(gate);  // the operator's own call, as the definition makes it
+            } else {
+                a = at::empty({N, F}, gate.options());
+                const float *gp = gate.const_data_ptr<float>();
+                gated_rows(act, gp, 2 * F, gp + F, 2 * F, N, F, a.mutable_data_ptr<float>());
+            }
+        } else {
+            const at::Tensor up = project(p + UP, h);
+            features(up, gate.size(1), l, "up");
+            const int64_t F = gate.size(1);
+            a = at::empty({N, F}, gate.options());
+            gated_rows(act, gate.const_data_ptr<float>(), F, up.const_data_ptr<float>(), F, N, F,
+                       a.mutable_data_ptr<float>());
+        }
+        at::Tensor delta = project(p + DOWN, a);
+        features(delta, C, l, "down");
+        if (has(n + POST_MLP_NORM)) delta = rms_norm(delta, norms[n + POST_MLP_NORM], eps[n + POST_MLP_NORM]);
+        const int64_t next = n + NORMS;  // the next layer's self_norm, or the final norm
+        std::tie(x, h) = add_rms_norm(x, delta, norms[next], eps[next]);
     }
-    return project(4 * L, h.index_select(0, logit_rows).contiguous());
+    return project(PRODUCTS * L, h.index_select(0, logit_rows).contiguous());
 }
 
 }  // namespace
