@@ -187,6 +187,7 @@ class Trainer:
         created = False
         try:
             state = self._check_run_dir()
+            distributed.barrier(ctx)  # every rank has looked at the directory before rank 0 writes into it
             # Rank 0 reads the data and trains the tokenizers; a resume, and the other ranks once
             # rank 0 has saved them, load the saved tokenizers, so every rank agrees.
             task = None
