@@ -117,8 +117,20 @@ def _rank_device(device: str, rank: int, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def teardown(ctx: Dist) -> None:
-    if ctx.started_group and dist.is_initialized():
+def teardown(ctx: Dist, *, finished: bool = False) -> None:
+    """End the process group :func:`setup` started (a group the caller started is the caller's to end).
+
+    ``finished``: this rank got here by the normal path, so it first waits for every other rank to get
+    here too, and no rank ends its group (or exits) while a peer may still be in a collective with it.
+    After an error there is no such wait: a peer may be in a collective this rank will never join, and
+    would wait for it until the group's timeout; ending the group ends that collective with an error.
+    """
+    if not (ctx.started_group and dist.is_initialized()):
+        return
+    try:
+        if finished and ctx.enabled:
+            dist.barrier()
+    finally:
         dist.destroy_process_group()
 
 

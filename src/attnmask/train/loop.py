@@ -165,10 +165,13 @@ def train(
             checkpoint. A run that fails before its first file is written leaves no directory.
     """
     ctx = distributed.setup(cfg.run.device, fsdp=cfg.run.fsdp)
+    finished = False
     try:
-        return Trainer(cfg, ctx, on_step=on_step, log=log).run()
+        result = Trainer(cfg, ctx, on_step=on_step, log=log).run()
+        finished = True
     finally:
-        distributed.teardown(ctx)
+        distributed.teardown(ctx, finished=finished)
+    return result
 
 
 class Trainer:
