@@ -7,8 +7,9 @@ sharded runs must give, whether they run on two ranks, on one, or change between
 resume. Not bit for bit: FSDP reduce-scatters each rank's gradients (a sum in another order than
 one process accumulating them), so the losses agree to float32 rounding.
 
-Two ranks run under ``torchrun`` in a subprocess; a one-rank sharded run runs in this process,
-with torchrun's environment set (a gloo group of one).
+Two ranks run under ``torchrun`` in a subprocess (rank 1 a second late to look at the run directory,
+as a loaded machine may make it: rank 0 must not create the run before every rank has looked); a
+one-rank sharded run runs in this process, with torchrun's environment set (a gloo group of one).
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ from attnmask.train.rundir import RunDir, load_run, read_metrics
 
 WORKER = textwrap.dedent(
     """
-    import json, sys
-    from attnmask.train import TrainConfig, train
+    import json, os, sys, time
+    from attnmask.train import TrainConfig, loop, train
 
+    if os.environ["RANK"] == "1":  # looks at the run directory late, as a loaded machine may make it
+        look = loop.Trainer._check_run_dir
+        loop.Trainer._check_run_dir = lambda self: time.sleep(1) or look(self)
     train(TrainConfig.of(**json.loads(sys.argv[1])), log=lambda msg: None)
     """
 )
@@ -58,15 +62,35 @@ def settings(out: Path, **overrides) -> dict:
 
 
 def torchrun(cfg: dict, tmp: Path) -> None:
+    """Two ranks of ``WORKER`` under torchrun. Each rank's output goes to its own log file, so a
+    failure shows torchrun's summary (which rank ended how: an exit code, or a signal such as
+    SIGABRT) and the end of what each rank wrote, with every thread's Python stack on a fatal
+    signal (``PYTHONFAULTHANDLER``)."""
     script = tmp / "worker.py"
     script.write_text(WORKER)
+    logs = tmp / "torchrun-logs"
     # torchrun sets each worker's rank and rendezvous; none of this process's (the one_rank fixture's)
     launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1"}
+    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(script), json.dumps(cfg)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+           "--log-dir", str(logs), "--redirects", "3", str(script), json.dumps(cfg)]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"torchrun still running after {err.timeout} s\n{rank_logs(logs)}")
+    assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{proc.stderr[-2000:]}\n{rank_logs(logs)}"
+
+
+def rank_logs(logs: Path, tail: int = 2000) -> str:
+    """The end of each rank's stdout and stderr under torchrun's ``--log-dir`` (``.../attempt_N/RANK/``),
+    those not empty."""
+    parts = []
+    for log in sorted(logs.glob("*/attempt_*/*/std*.log")):
+        if text := log.read_text(errors="replace"):
+            head = f"--- rank {log.parent.name}, {log.name} (last {tail} of {len(text)} characters):"
+            parts.append(f"{head}\n{text[-tail:]}")
+    return "\n".join(parts) or f"(every rank log under {logs} is empty)"
 
 
 @pytest.fixture
