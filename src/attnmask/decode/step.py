@@ -357,6 +357,8 @@ def fused_plan(model) -> FusedPlan | None:
             kinds.append(operands[0])
             products += operands[1]
         rotary = (per_layer(i) if per_layer is not None else model.rotary) if cfg.positions == "rotary" else None
+        if cfg.positions == "rotary" and rotary is None:
+            return None
         if rotary is not None and all(r is not rotary for r in rotaries):
             rotaries.append(rotary)
         layer_rope.append(next((j for j, r in enumerate(rotaries) if r is rotary), 0))
