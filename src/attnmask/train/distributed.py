@@ -10,6 +10,7 @@ to start without torchrun.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -132,6 +133,26 @@ def teardown(ctx: Dist, *, finished: bool = False) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+        _release_groups()
+
+
+def _release_groups() -> None:
+    """Free the destroyed groups now, which joins their worker threads, rather than at interpreter exit.
+
+    ``destroy_process_group`` forgets a group, but the modules FSDP sharded hold it until the garbage
+    collector frees them, and a ``DeviceMesh`` (kept alive by DTensor's caches) for good: gloo's worker
+    threads would outlive the interpreter's shutdown. One of them dropping a finished collective's last
+    reference then (a barrier keeps the collectives issued before it, and their tensors) needs the GIL,
+    which a finalizing interpreter answers with ``pthread_exit``: the process aborts with "terminate
+    called without an active exception".
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()  # the modules and optimizer of a run that has returned
+    for obj in gc.get_objects():
+        if DeviceMesh in type(obj).__mro__:  # not isinstance: its metaclass hook reads every object
+            getattr(obj, "_pg_registry", {}).clear()  # its groups by name (PyTorch 2.13); destroyed already
+    gc.collect()
 
 
 def all_reduce_sum(ctx: Dist, values: list[float]) -> list[float]:
