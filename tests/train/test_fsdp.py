@@ -14,6 +14,7 @@ one-rank sharded run runs in this process, with torchrun's environment set (a gl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -251,6 +252,25 @@ def test_a_resume_whose_shards_are_gone_names_the_directory(tmp_path, one_rank):
     resume = TrainConfig.of(**settings(out, max_steps=2, fsdp=True, eval_sentences=0, resume=True))
     with pytest.raises(ValueError, match=r"step-00000001: missing or incomplete sharded checkpoint \(no \.metadata\)"):
         train(resume, log=lambda msg: None)
+
+
+def gloo_threads() -> int:
+    """This process's threads that gloo started (its process groups' workers and socket loops)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            names.append((task / "comm").read_text())
+    return sum(n.startswith(("pt_gloo", "gloo_")) for n in names)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads by name in /proc/self/task (Linux)")
+def test_a_finished_run_joins_its_process_groups_threads(tmp_path, one_rank):
+    """``train`` frees the process group it started before it returns, so gloo's threads are joined then,
+    not left running into the interpreter's shutdown (where one that needs the GIL aborts the process).
+    Fewer than before is fine: a group an earlier failed run left to the garbage collector goes too."""
+    before = gloo_threads()
+    train(TrainConfig.of(**settings(tmp_path / "run", max_steps=1, fsdp=True, eval_sentences=0)), log=lambda msg: None)
+    assert gloo_threads() <= before
 
 
 def test_fsdp_with_compile_is_refused():
