@@ -37,14 +37,18 @@ SHAPES = [
 
 
 def cpu_name() -> str:
+    """The CPU's model name, family and model numbers and its widest vector extensions (/proc/cpuinfo):
+    "AMD EPYC" alone does not say whether it is a Zen 2 or a Zen 5."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            first_cpu = f.read().split("\n\n")[0]
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
+    flags = set(info.get("flags", "").split())
+    vector = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2") if f in flags]
+    family, model = info.get("cpu family", "?"), info.get("model", "?")
+    return f"{info.get('model name', '?')} (family {family}, model {model}; {' '.join(vector)})"
 
 
 def best_of(fn, repeats: int, inner: int) -> float:
