@@ -3,7 +3,7 @@
 - :mod:`.step`: the one forward step every decoding path runs (and the serving engine): a packed batch
   of sequences, each a prefill chunk or one new token at its own offset in a paged cache, with
   cross-attention to each sequence's own source for encoder-decoder models; one native
-  ``packed_step`` call for Llama-style models;
+  ``packed_step`` call for Llama-style and Gemma 3 decoders;
 - :mod:`.steps`: start (encode / prefill), one decode step, the loop, greedy and sampled ids;
 - :mod:`.sampling`: the frozen :class:`Sampling` settings; arg-max or a draw with temperature,
   top-k, top-p and an explicit generator;

@@ -5,7 +5,7 @@
   every decoding path runs on it;
 - :mod:`.step`: the one forward step over a packed batch of sequences that every decoding path runs
   (:mod:`attnmask.decode.step`: the mask algebra's ``document & causal`` with per-sequence offsets,
-  lowered to the native ``paged_attend``; one native ``packed_step`` call for Llama-style models);
+  lowered to the native ``paged_attend``; one native ``packed_step`` call for Llama-style and Gemma 3 decoders);
 - :mod:`.scheduler`: continuous batching, chunked prefill, admission by free blocks, preemption;
 - :mod:`.engine`: :class:`Engine` (``add_request``, ``step``, ``cancel``, ``run``, ``generate``).
 """

@@ -11,8 +11,9 @@ operators do the same work in one call each (figures: the SmolLM2 sections of ``
   a residual and the next sublayer's norm;
 - ``torch.ops.attnmask.silu_mul(gate_up)``: ``silu(gate) * up`` for the halves of each row;
 - ``torch.ops.attnmask.linear_rows(x, weight, bias)``: ``x W^T + b`` for a few rows ``x (M, K)`` and a
-  row-major ``W (N, K)``: a matrix-vector product that streams the weights with software prefetch
-  and splits their rows over PyTorch's threads (the BLAS reads them slower, on one thread);
+  row-major ``W (N, K)`` (``csrc/rows.cpp``): register tiles of rows of ``x`` against rows of ``W``, each
+  output one vector accumulator summed in one fixed order whatever the number of rows (batch-invariant),
+  the weight's rows split over PyTorch's threads and streamed with software prefetch;
 - ``torch.ops.attnmask.paged_attend(q, k_pool, v_pool, tables, row_seq, row_pos, window, heads, scale)``:
   packed rows of several sequences, each attending to its own sequence's cached keys up to its own
   position (and within ``window``), read through a block table: the serving engine's attention
