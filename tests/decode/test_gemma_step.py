@@ -112,8 +112,10 @@ def test_gemma_step_is_the_models_forward():
     """float32: every decoded position's logits are the model's full forward over the sequence (each layer's
     window and rotary as the mask algebra and the model say)."""
     model = _gemma()
+    assert fused_plan(model) is not None  # the one native call is what decodes here
     fed = torch.randint(4, V, (len(PROMPTS), 5), generator=torch.Generator().manual_seed(3))
     got = _decoded(model, fed)
+    assert all(bool(torch.isfinite(g).all()) for g in got)
     for b, row in enumerate(PROMPTS):
         with torch.no_grad():
             want = model.decode(torch.tensor([row + fed[b].tolist()]), mask=masks.causal())[0, len(row) - 1 :]
@@ -123,8 +125,10 @@ def test_gemma_step_is_the_models_forward():
 def test_gemma_step_is_its_definition_call_by_call(monkeypatch):
     """The operator's PyTorch definition (packed_step_reference) makes the calls the C++ makes."""
     model = _gemma(blocks=True)
+    assert fused_plan(model) is not None
     fed = torch.randint(4, V, (len(PROMPTS), 3), generator=torch.Generator().manual_seed(4))
     whole = _decoded(model, fed)
+    assert bool(torch.isfinite(whole).all())
     monkeypatch.setattr(decoding, "packed_step", decoding.packed_step_reference)
     torch.testing.assert_close(_decoded(model, fed), whole, atol=1e-5 * whole.abs().max(), rtol=0)
 
