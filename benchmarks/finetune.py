@@ -238,7 +238,7 @@ def run_attnmask(args, data: Path, valid: Path) -> dict:
         max_steps=args.steps + args.warmup_steps, eval_every=0, log_every=1, progress=False,
         precision=args.precision, max_len=args.row_tokens, pack_length=args.row_tokens,
         batch_tokens=args.rows * args.row_tokens, lr=args.lr, warmup=args.lr_warmup,
-        min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0, seed=0,
+        min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0, seed=0, device=args.device,
     )  # fmt: skip
     built: list[int] = []  # real (non-pad) positions of every batch built, in order (one is built ahead)
     next_batch = ChatTask.next_batch
@@ -250,7 +250,7 @@ def run_attnmask(args, data: Path, valid: Path) -> dict:
 
     ChatTask.next_batch = counted
     times, losses = [], []
-    trainer = Trainer(cfg, distributed.setup("cpu"), on_step=lambda step, model, rec: (
+    trainer = Trainer(cfg, distributed.setup(args.device), on_step=lambda step, model, rec: (
         times.append(now()), losses.append(rec["loss"])))  # fmt: skip
     times.append(now())
     result = trainer.run()
@@ -287,7 +287,7 @@ def run_trl(args, data: Path, valid: Path) -> dict:
          "completion": [{"role": "assistant", "content": r["completion"]}]} for r in rows
     ])  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=args.trl_attention)
     times, losses, tokens = [], [], []
 
     class Clock(TrainerCallback):
@@ -303,8 +303,8 @@ def run_trl(args, data: Path, valid: Path) -> dict:
         per_device_train_batch_size=args.rows, max_length=args.row_tokens, packing=True, packing_strategy="bfd",
         learning_rate=args.lr, lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
         warmup_steps=args.lr_warmup, weight_decay=0.0, adam_beta2=0.98, max_grad_norm=1.0, optim="adamw_torch_fused",
-        bf16=args.precision == "bf16", use_cpu=True, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-        dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False,
+        bf16=args.precision == "bf16", use_cpu=args.device == "cpu", logging_steps=1, save_strategy="no",
+        report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False,
     )  # fmt: skip
     trainer = trl.SFTTrainer(
         model=model, args=config, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()]
@@ -354,7 +354,8 @@ def cmd_throughput(args) -> None:
                 raise SystemExit(f"{engine} {precision} failed")
             results.append(json.loads(line[7:]))
             print(line, flush=True)
-    print(f"\n{cpu_name()}, {args.threads} thread(s); {args.rows} rows of {args.row_tokens} tokens a step, "
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
+    print(f"\n{where}, {args.threads} thread(s); {args.rows} rows of {args.row_tokens} tokens a step, "
           f"{args.steps} steps timed after {args.warmup_steps}")  # fmt: skip
     head = "| precision | engine | tokens/s | tokens/CPU s | tokens/step | s/step | mean loss (timed) | valid loss"
     print(head + " | load |")
@@ -414,6 +415,8 @@ def main() -> None:
     t.add_argument("--engine", choices=("attnmask", "trl"), default=None, help="one run (else every pair, each alone)")
     t.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     t.add_argument("--out", default="runs/bench_finetune")
+    t.add_argument("--device", default="cpu", help="cpu, or cuda (attnmask: FlexAttention document masks)")
+    t.add_argument("--trl-attention", default="sdpa", help="TRL's attn_implementation (sdpa, flex_attention, ...)")
     t.set_defaults(func=cmd_throughput)
     args = ap.parse_args()
     args.func(args)

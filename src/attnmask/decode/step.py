@@ -47,13 +47,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnmask import masks, ops
+from attnmask.attention.backends import _flex_kernel, flex_available
 from attnmask.errors import UserError
 from attnmask.linear import Linear
 from attnmask.model.cache import PagedKVCache
 from attnmask.model.layers import MLP, RMSNorm, Rotary
 from attnmask.ops import decoding
 
-__all__ = ["FusedPlan", "SourceMemory", "check_servable", "fused_plan", "packed_forward", "packed_mask", "slots_of"]
+__all__ = [
+    "FusedPlan", "SourceMemory", "check_servable", "fused_plan", "logical_blocks", "packed_forward", "packed_mask",
+    "paged_mask", "slots_of",
+]  # fmt: skip
 
 
 def packed_mask(row_seq: Tensor, row_pos: Tensor, key_seq: Tensor, key_pos: Tensor, window: int = 0) -> masks.Mask:
@@ -67,6 +71,42 @@ def packed_mask(row_seq: Tensor, row_pos: Tensor, key_seq: Tensor, key_pos: Tens
     if window > 0:
         mask = mask & masks.from_predicate(lambda b, h, q, kv: key_pos[kv] > row_pos[q] - window, align="top_left")
     return mask
+
+
+def paged_mask(row_seq: Tensor, row_pos: Tensor, logical: Tensor, block_size: int, window: int = 0) -> masks.Mask:
+    """The packed step's mask over the pool's key slots, as FlexAttention reads the cache in place:
+    row ``q`` (sequence ``row_seq[q]``, position ``row_pos[q]``) against slot ``kv`` of the flattened
+    pool ``(P S,)``. ``logical (Q', P)``: the index of physical block ``p`` in sequence ``s``'s block table,
+    -1 where the block is not the sequence's (:func:`logical_blocks`), so slot ``kv`` holds position
+    ``logical[s, kv // S] * S + kv % S`` of sequence ``s``. ``document`` (the slot is one of the row's own
+    sequence's: a block shared by beams belongs to each of them) ``& causal`` at each sequence's own
+    offset ``&`` a sliding window of ``window`` keys (0: none); the same mask as :func:`packed_mask`,
+    over physical slots instead of a sequence's logical keys."""
+    S = block_size
+
+    def block(q, kv):  # the slot's block's place in the row's sequence, -1 where it is another's
+        return logical[row_seq[q], kv // S]
+
+    def key_pos(q, kv):
+        return block(q, kv) * S + kv % S
+
+    own = masks.from_predicate(lambda b, h, q, kv: block(q, kv) >= 0, align="top_left")
+    mask = own & masks.from_predicate(lambda b, h, q, kv: key_pos(q, kv) <= row_pos[q], align="top_left")
+    if window > 0:
+        mask = mask & masks.from_predicate(lambda b, h, q, kv: key_pos(q, kv) > row_pos[q] - window, align="top_left")
+    return mask
+
+
+def logical_blocks(tables: Tensor, num_blocks: int, rows: int | None = None) -> Tensor:
+    """``(rows, P)`` int32: for each sequence (a row of ``tables (Q, W)``) and physical block ``p``, the
+    index ``w`` with ``tables[q, w] == p``, -1 where ``p`` is not in the table (the null block 0 never
+    is). ``rows >= Q`` pads with sequences that own nothing."""
+    Q, W = tables.shape
+    out = torch.full((max(Q, rows or 0), num_blocks), -1, dtype=torch.int32, device=tables.device)
+    where = torch.arange(W, dtype=torch.int32, device=tables.device).expand(Q, W).contiguous()
+    out[:Q].scatter_(1, tables.long(), where)
+    out[:, 0] = -1  # null entries all point at block 0
+    return out
 
 
 def slots_of(tables: Tensor, row_seq: Tensor, row_pos: Tensor, block_size: int) -> Tensor:
@@ -219,7 +259,51 @@ def _attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables, row_seq, row_pos,
     return attend(q.contiguous(), k_pool, v_pool, tables, row_seq, row_pos, window, H, D**-0.5)  # (N, H D)
 
 
-def _self_attention(attn, h: Tensor, rope, cache: PagedKVCache, layer: int, slots, tables, row_seq, row_pos, window):
+class _FlexMasks:
+    """The step's FlexAttention ``BlockMask`` per (layer group, window), built on first use and shared by
+    the layers of that kind: :func:`paged_mask` over the whole pool, the rows padded to a multiple of
+    128 (one query block; the padding rows see no key) so that a serving loop's steps fall in a few
+    shapes and compile a few times."""
+
+    QUANTUM = 128
+
+    def __init__(self, cache: PagedKVCache, tables: list[Tensor], row_seq: Tensor, row_pos: Tensor):
+        N = row_seq.shape[0]
+        self.rows = -(-N // self.QUANTUM) * self.QUANTUM
+        self.cache, self.tables, self.built = cache, tables, {}
+        pad = self.rows - N
+        self.row_seq = F.pad(row_seq, (0, pad))  # padding rows: sequence 0 at position -1, no key
+        self.row_pos = F.pad(row_pos, (0, pad), value=-1)
+
+    def __call__(self, group: int, window: int):
+        key = (group, window)
+        if key not in self.built:
+            cache = self.cache
+            logical = logical_blocks(self.tables[group], cache.num_blocks, self.rows)
+            mask = paged_mask(self.row_seq, self.row_pos, logical, cache.block_size, window)
+            keys = cache.num_blocks * cache.block_size
+            self.built[key] = mask.block_mask(1, self.rows, keys, device=self.row_seq.device)
+        return self.built[key]
+
+
+def _attend_flex(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_mask, H: int, D: int) -> Tensor:
+    """Rows ``q (N, H D)`` against the whole pool through FlexAttention, ``block_mask`` skipping every
+    block of keys no row may see; the cache is read in place (a strided view), nothing gathered."""
+    N = q.shape[0]
+    P, S, Hkv, _ = k_pool.shape
+    rows = block_mask.shape[-2]
+    qq = q.new_zeros(rows, H, D)
+    qq[:N] = q.reshape(N, H, D)
+    qq = qq.permute(1, 0, 2)[None]  # (1, H, rows, D)
+    k = k_pool.view(P * S, Hkv, D).permute(1, 0, 2)[None]  # (1, Hkv, P S, D), a view of the pool
+    v = v_pool.view(P * S, Hkv, D).permute(1, 0, 2)[None]
+    out = _flex_kernel(qq)(qq, k, v, block_mask=block_mask, scale=D**-0.5, enable_gqa=Hkv != H)
+    return out[0, :, :N].permute(1, 0, 2).reshape(N, H * D)
+
+
+def _self_attention(
+    attn, h: Tensor, rope, cache: PagedKVCache, layer: int, slots, tables, row_seq, row_pos, window, flex=None
+):
     N = h.shape[0]
     H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     if attn.qkv_proj is not None:
@@ -237,7 +321,10 @@ def _self_attention(attn, h: Tensor, rope, cache: PagedKVCache, layer: int, slot
     k_pool, v_pool = cache.k[layer], cache.v[layer]
     k_pool.view(-1, Hkv, D).index_copy_(0, slots, k.to(k_pool.dtype))  # each row's key into its slot
     v_pool.view(-1, Hkv, D).index_copy_(0, slots, v.to(v_pool.dtype))
-    out = _attend(q.reshape(N, H * D), k_pool, v_pool, tables, row_seq, row_pos, window, H, D)
+    if flex is not None:
+        out = _attend_flex(q.reshape(N, H * D), k_pool, v_pool, flex(cache.layer_group[layer], window), H, D)
+    else:
+        out = _attend(q.reshape(N, H * D), k_pool, v_pool, tables, row_seq, row_pos, window, H, D)
     return _product(attn.o_proj, out)
 
 
@@ -316,9 +403,9 @@ def fused_plan(model) -> FusedPlan | None:
     kernels are not built. Gemma 3's parts (q/k norms, post-sublayer norms, a rotary and a window per
     layer) are the step's own. Other models take the per-operation path, which is batch-invariant too."""
     cfg = model.config
-    if model.is_encoder_decoder or model.training or cfg.norm_position != "pre" or not ops.available():
+    if model.is_encoder_decoder or model.training or cfg.norm_position != "pre":
         return None
-    if any(not (p.is_cpu and p.dtype == torch.float32) for p in model.parameters()):
+    if any(not (p.is_cpu and p.dtype == torch.float32) for p in model.parameters()) or not ops.available():
         return None
     per_layer = getattr(model, "layer_rotary", None)
     rotaries: list[Rotary] = []
@@ -406,6 +493,7 @@ def packed_forward(
     *,
     memory: SourceMemory | None = None,
     row_src: Tensor | None = None,
+    flex: bool | None = None,
 ) -> Tensor:
     """One step of ``model`` over packed rows; returns the logits of ``logit_rows`` only ``(M, V)``.
 
@@ -422,6 +510,8 @@ def packed_forward(
             native call (``packed_step``); None: the same work operation by operation.
         memory, row_src: encoder-decoder models: the sources' keys and values and, per row ``(N,)``,
             the index of its sequence's source in ``memory``.
+        flex: self-attention through FlexAttention and a ``BlockMask`` of :func:`paged_mask` (None: on
+            CUDA, where FlexAttention is available; the CPU keeps ``paged_attend``).
 
     Keys and values of every row are written into ``cache`` before the rows attend, so a chunk's
     rows see each other causally, and later steps see them all.
@@ -433,7 +523,9 @@ def packed_forward(
     if len(tables) != len(cache.groups):
         raise UserError(f"the cache has {len(cache.groups)} layer groups; got {len(tables)} block tables (one a group)")
     x = model._embed(tokens[None], positions[None], source=False)[0]  # (N, C)
-    if plan is not None and memory is None:
+    if flex is None:
+        flex = x.is_cuda and flex_available()
+    if plan is not None and memory is None and not flex:
         cos, signed = x.new_empty(0), x.new_empty(0)
         if plan.rotaries:
             factors = [rotary.cos_sin(positions[None]) for rotary in plan.rotaries]  # (1, 1, N, D) each
@@ -445,6 +537,7 @@ def packed_forward(
             logit_rows, plan.heads, plan.kv_heads, plan.head_dim**-0.5,
         )  # fmt: skip
     slots = [slots_of(t, row_seq, positions, cache.block_size) for t in tables]  # (N,) each group
+    flex_masks = _FlexMasks(cache, tables, row_seq, positions) if flex else None
     ropes = _rotaries(model, positions)
     src_tables = src_last = src_real = None
     if memory is not None:
@@ -458,7 +551,9 @@ def packed_forward(
         window = _layer_window(cfg, i)
 
         def attend(h, attn=mods["self_attn"], i=i, window=window, g=cache.layer_group[i]):
-            return _self_attention(attn, h, ropes[i], cache, i, slots[g], tables[g], row_seq, positions, window)
+            return _self_attention(
+                attn, h, ropes[i], cache, i, slots[g], tables[g], row_seq, positions, window, flex_masks
+            )
 
         sublayers = [(mods["self_norm"], attend, getattr(layer, "post_self_norm", None))]
         if mods.get("cross_attn") is not None:

@@ -266,8 +266,10 @@ class Engine:
             c.seq.computed += c.n
             self._tokens_in += c.n if c.start < c.seq.prompt_len else 0
             self.scheduler.forget(c.seq)  # window groups: blocks the next chunk will not read go back now
-        for row, chunk in zip(logits, sampling):
-            events.append(self._sample(chunk.seq, row))
+        # off the CPU: every row's arg-max in one call, read back once (not a device sync per request)
+        top = logits.argmax(dim=-1).tolist() if logits.device.type != "cpu" else [None] * len(sampling)
+        for row, chunk, best in zip(logits, sampling, top):
+            events.append(self._sample(chunk.seq, row, best))
         self._steps += 1
         return events
 
@@ -294,11 +296,18 @@ class Engine:
                 as_long(logit_rows), self.plan,
             )  # fmt: skip
 
-    def _sample(self, seq: SeqState, row: Tensor) -> TokenEvent:
+    def _sample(self, seq: SeqState, row: Tensor, best: int | None = None) -> TokenEvent:
+        """The next token of ``seq`` from its logits ``row (V,)``; ``best``: the row's arg-max, where the
+        caller has it already (greedy requests take it)."""
         request = self._requests[seq.request_id]
         params = request.params
         s = params.sampling
-        token = int(sample(row[None], Sampling(s.temperature, s.top_k, s.top_p, generator=request.generator))[0])
+        if s.greedy and best is not None:
+            token = best
+        else:  # the request's generator lives on the CPU: so does the row it draws from
+            token = int(
+                sample(row[None].cpu(), Sampling(s.temperature, s.top_k, s.top_p, generator=request.generator))[0]
+            )
         logprob = float(torch.log_softmax(row.float(), dim=-1)[token]) if params.logprobs else None
         seq.tokens.append(token)
         self._tokens_out += 1

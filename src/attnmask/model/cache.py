@@ -267,6 +267,9 @@ class PagedKVCache:
         device = device or first.device
         groups = layer_groups(cfg, by_window=by_window)
         shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)  # (P, S, Hkv, D)
+        # off the CPU the step's FlexAttention reads whole blocks of the pool (masked weights are 0,
+        # and 0 * NaN garbage is NaN): those pools are zeroed always
+        zeroed = zeroed or torch.device(device).type != "cpu"
         make = torch.zeros if zeroed else torch.empty
         per_block = len(groups[0].layers)  # layers of a group: one pool tensor each
         ks = [make(shape, dtype=dtype, device=device) for _ in range(per_block)]
