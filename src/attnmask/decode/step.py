@@ -292,13 +292,14 @@ def _attend_flex(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_mask, H: int, 
     N = q.shape[0]
     P, S, Hkv, _ = k_pool.shape
     rows = block_mask.shape[-2]
-    qq = q.new_zeros(rows, H, D)
+    qq = k_pool.new_zeros(rows, H, D)  # in the cache's dtype (rotary may have made q float32)
     qq[:N] = q.reshape(N, H, D)
     qq = qq.permute(1, 0, 2)[None]  # (1, H, rows, D)
     k = k_pool.view(P * S, Hkv, D).permute(1, 0, 2)[None]  # (1, Hkv, P S, D), a view of the pool
     v = v_pool.view(P * S, Hkv, D).permute(1, 0, 2)[None]
-    out = _flex_kernel(qq)(qq, k, v, block_mask=block_mask, scale=D**-0.5, enable_gqa=Hkv != H)
-    return out[0, :, :N].permute(1, 0, 2).reshape(N, H * D)
+    options = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2} if qq.is_cuda else None  # fits shared memory
+    out = _flex_kernel(qq)(qq, k, v, block_mask=block_mask, scale=D**-0.5, enable_gqa=Hkv != H, kernel_options=options)
+    return out[0, :, :N].permute(1, 0, 2).reshape(N, H * D).to(q.dtype)
 
 
 def _self_attention(
