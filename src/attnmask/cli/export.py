@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
         description="Export the model of a run directory (LoRA adapters merged into the weights) with its "
         "tokenizer and chat template: --format hf writes a directory that transformers' AutoModelForCausalLM and "
         "AutoTokenizer load (and `attnmask train --init DIR` starts from); --format gguf writes one float32 "
-        "GGUF file (`attnmask generate --model FILE.gguf`). Llama-family models only.",
+        "GGUF file (`attnmask generate --model FILE.gguf`). Llama-family models in both formats, Gemma 3 as hf.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `attnmask train --task chat`")

@@ -8,8 +8,8 @@
   tokenizer and chat template in its metadata) that :func:`attnmask.pretrained.load` and
   ``attnmask generate --model FILE.gguf`` read back (written with the ``gguf`` package).
 
-Only Llama-family models (rotary positions, RMSNorm, SwiGLU, no biases) can be written: that is
-what both formats' Llama architecture computes.
+Llama-family models (rotary positions, RMSNorm, SwiGLU, no biases) can be written in both formats;
+Gemma 3 (q/k norms, post-sublayer norms, windows) as a Hugging Face ``Gemma3ForCausalLM`` directory.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _check_llama(model: Transformer) -> None:
     differ = {k: getattr(c, k) for k, v in wanted.items() if getattr(c, k) != v}
     if differ or (c.rope_scaling is not None and c.rope_scaling.get("rope_type") != "linear"):
         raise UserError(
-            f"only Llama-family models can be exported; this one has {differ or c.rope_scaling}, expected {wanted}"
+            f"only Llama-family models can be exported (Gemma 3 too, with --format hf); this one has "
+            f"{differ or c.rope_scaling}, expected {wanted}"
         )
     if any(getattr(m, "qkv_proj", None) is not None for m in model.modules()):
         raise UserError("the model's projections are fused; export the run's unfused model (load_run gives it)")
@@ -82,26 +83,75 @@ def llama_hf_config(model: Transformer, tokenizer) -> dict:
     }
 
 
+def _is_gemma3(model: Transformer) -> bool:
+    c = model.config
+    return bool(getattr(c, "post_norms", False) and getattr(c, "qk_norm", False)) and c.activation == "geglu_tanh"
+
+
+def gemma3_hf_config_dict(model: Transformer, tokenizer) -> dict:
+    """The ``config.json`` of a ``Gemma3ForCausalLM`` computing what the Gemma 3 ``model`` computes."""
+    from attnmask.pretrained.gemma3 import gemma3_hf_config
+
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    config = gemma3_hf_config(model.config, **ids).to_dict()
+    config["architectures"] = ["Gemma3ForCausalLM"]
+    config["torch_dtype"] = "float32"
+    return config
+
+
+def _hf_weights(model: Transformer) -> dict:
+    """``model``'s tensors in Hugging Face's names (Gemma 3's norms in its ``1 + weight`` spelling)."""
+    sd = model.state_dict()
+    if _is_gemma3(model):
+        from attnmask.pretrained.gemma3 import gemma3_key_map
+
+        if any(getattr(m, "qkv_proj", None) is not None for m in model.modules()):
+            raise UserError("the model's projections are fused; export the run's unfused model (load_run gives it)")
+        return {
+            theirs: (sd[ours].detach().float() - (1 if ours.endswith("norm.weight") else 0)).contiguous()
+            for ours, theirs in gemma3_key_map(model.config).items()
+        }
+    _check_llama(model)
+    return {theirs: sd[ours].detach().to(torch.float32).contiguous() for ours, theirs in
+            llama_key_map(model.config).items()}  # fmt: skip
+
+
+def _hf_tokenizer(tokenizer):
+    """The ``tokenizers`` object to save: the tokenizer's own, and where the model expects ``<bos>``
+    first (Gemma), a copy whose post-processor prepends it, so that transformers' ``AutoTokenizer``
+    encodes as attnmask does (attnmask itself encodes without the post-processor and adds it)."""
+    if not tokenizer.add_bos or tokenizer.bos_id is None:
+        return tokenizer.hf
+    from tokenizers import Tokenizer, processors
+
+    copy = Tokenizer.from_str(tokenizer.hf.to_str())
+    bos = tokenizer.hf.id_to_token(tokenizer.bos_id)
+    first = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, tokenizer.bos_id)]
+    )
+    copy.post_processor = first if copy.post_processor is None else processors.Sequence([copy.post_processor, first])
+    return copy
+
+
 def export_hf(model: Transformer, tokenizer, chat_template, out: str | Path) -> Path:
-    """Write ``model`` (a Llama-family decoder), its pretrained tokenizer and chat template to ``out``.
+    """Write ``model`` (a Llama-family or Gemma 3 decoder), its pretrained tokenizer and chat template
+    to ``out``: a ``LlamaForCausalLM`` or ``Gemma3ForCausalLM`` checkpoint directory.
 
     Raises:
-        ValueError: not a Llama-family model, or ``out`` is a file.
+        ValueError: another kind of model, or ``out`` is a file.
     """
-    _check_llama(model)
+    weights = _hf_weights(model)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; expected a directory for --format hf")
     out.mkdir(parents=True, exist_ok=True)
-    sd = model.state_dict()
-    weights = {theirs: sd[ours].detach().to(torch.float32).contiguous() for ours, theirs in
-               llama_key_map(model.config).items()}  # fmt: skip
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(llama_hf_config(model, tokenizer), indent=2) + "\n", encoding="utf-8")
+    config = gemma3_hf_config_dict(model, tokenizer) if _is_gemma3(model) else llama_hf_config(model, tokenizer)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     stops = list(tokenizer.stop_ids)
     generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
-    tokenizer.hf.save(str(out / "tokenizer.json"))
+    _hf_tokenizer(tokenizer).save(str(out / "tokenizer.json"))
     specials = {
         f"{name}_token": _token(tokenizer, i)
         for name, i in (
