@@ -62,6 +62,8 @@ def is_one_line(err: str, match: str) -> bool:
         (["--run", "{lm}", "--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
         (["--run", "{mt}"], "serve needs a decoder-only language model"),
         (["--run", "{lm}", "--kv-cache-mib", "0.0001"], "holds 0 blocks"),
+        (["--run", "{lm}", "--device", "banana"], "--device 'banana' is not a device name"),
+        (["--model", "smollm2", "--quantized", "--dtype", "bfloat16"], "--quantized runs on the CPU in float32"),
     ],
 )
 def test_mistakes_are_one_line(capsys, lm_run, mt_run, argv, match):

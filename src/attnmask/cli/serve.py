@@ -17,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-from attnmask.cli.common import check_run_dir
+from attnmask.cli.common import check_device, check_run_dir
 from attnmask.errors import UserError
 
 DEFAULTS = {
@@ -30,6 +30,7 @@ DEFAULTS = {
     "shutdown_timeout": 10.0,
 }
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+DTYPES = ("float32", "bfloat16")
 
 
 def add_parser(sub) -> None:
@@ -66,6 +67,13 @@ def add_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="positions per KV cache block")
     p.add_argument("--threads", type=int, default=None, help="torch threads; none given: torch's own choice")
     p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N (on CUDA self-attention runs FlexAttention over the paged cache; the bitwise "
+        "batch invariance is the CPU's)",
+    )
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the weights' dtype (bfloat16: on a GPU)")
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=DEFAULTS["shutdown_timeout"],
@@ -83,6 +91,9 @@ def check_flags(args) -> None:
         check_run_dir(args.run)
         if args.quantized:
             raise UserError("--quantized applies to --model (a GGUF file's weights), not to --run")
+    args.device = check_device(args.device)
+    if args.quantized and (args.device != "cpu" or args.dtype != "float32"):
+        raise UserError(f"--quantized runs on the CPU in float32; got --device {args.device} --dtype {args.dtype}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     if not 0 < args.kv_cache_mib < math.inf:
@@ -171,6 +182,10 @@ def serve(args, sock: socket.socket) -> int:
     from attnmask.serve import EngineLoop, create_app
 
     model, tokenizer, chat_template, name = load_model(args)
+    if args.device != "cpu" or args.dtype != "float32":
+        import torch
+
+        model = model.to(args.device, getattr(torch, args.dtype))
     engine = Engine(
         model,
         kv_cache_mib=args.kv_cache_mib,
