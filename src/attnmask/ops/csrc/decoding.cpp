@@ -91,7 +91,9 @@ float vdot(const float *w, const float *x, int64_t K) {
     _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
     for (float lane : lanes) s += lane;
 #endif
-    return s + dot(w + k, x + k, K - k);
+    // the tail past the vectors, if any: adding dot()'s zero when there is none only costs its 16 serial
+    // adds (a third of a 256-long dot product's time) and can change nothing but the sign of a zero
+    return k < K ? s + dot(w + k, x + k, K - k) : s;
 }
 
 void norm_row(const float *x, const float *w, float *out, int64_t C, double eps) {
@@ -190,6 +192,7 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
                       op, ": tables (Q, W), row_seq (N,) and row_pos (N,) expected; got ", tables.sizes(), ", ",
                       row_seq.sizes(), " and ", row_pos.sizes(), " for N = ", N);
     const int64_t Q = tables.size(0), W = tables.size(1), G = H / Hkv;
+    TORCH_CHECK_VALUE(G <= 64, op, ": ", G, " query heads share a key/value head; at most 64 are supported");
     const int64_t *tab = tables.const_data_ptr<int64_t>(), *seq = row_seq.const_data_ptr<int64_t>();
     const int64_t *pos = row_pos.const_data_ptr<int64_t>();
     int64_t longest = 0;
@@ -208,31 +211,53 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
     const float *qp = q.const_data_ptr<float>(), *kp = k_pool.const_data_ptr<float>();
     const float *vp = v_pool.const_data_ptr<float>();
     float *o = out.mutable_data_ptr<float>();
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, longest * D));
-    at::parallel_for(0, N * H, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> p(longest);
-        for (int64_t i = begin; i < end; i++) {
-            const int64_t r = i / H, h = i % H, g = h / G, last = pos[r];
+    // A unit of work: one row and `per` of the G query heads that share one key/value head, so that each
+    // key and value is read once for all of them (a grouped-query model's cache is read G / per times,
+    // not G). `per` is G unless fewer units than threads would be left (batch 1 of a model with one
+    // key/value head); it changes only which thread computes a head, never how: each head's sums run
+    // in the same order either way, so the bits do not depend on it.
+    const int64_t threads = at::get_num_threads();
+    int64_t per = G;
+    while (per > 1 && N * Hkv * (G / per) < threads) {  // the next smaller divisor of G
+        int64_t next = per - 1;
+        while (G % next != 0) next--;
+        per = next;
+    }
+    const int64_t units = N * H / per;
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, longest * D * per));
+    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+        std::vector<float> p(per * longest);
+        float top[64], total[64];  // per <= G <= 64 (checked below)
+        for (int64_t u = begin; u < end; u++) {
+            const int64_t i0 = u * per, r = i0 / H, g = (i0 % H) / G, last = pos[r];
             const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
             const int64_t *blocks = tab + seq[r] * W;
-            const float *qh = qp + i * D;
-            float top = -std::numeric_limits<float>::infinity();
+            for (int64_t j = 0; j < per; j++) top[j] = -std::numeric_limits<float>::infinity();
             for (int64_t t = first; t <= last; t++) {
                 const float *kt = kp + ((blocks[t / S] * S + t % S) * Hkv + g) * D;
-                p[t - first] = vdot<false>(qh, kt, D) * static_cast<float>(scale);
-                top = std::max(top, p[t - first]);
+                for (int64_t j = 0; j < per; j++) {
+                    float &pt = p[j * longest + t - first];
+                    pt = vdot<false>(qp + (i0 + j) * D, kt, D) * static_cast<float>(scale);
+                    top[j] = std::max(top[j], pt);
+                }
             }
-            float *__restrict oh = o + i * D;
-            for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
-            float total = 0.0f;
+            for (int64_t j = 0; j < per; j++) {
+                total[j] = 0.0f;
+                for (int64_t d = 0; d < D; d++) o[(i0 + j) * D + d] = 0.0f;
+            }
             for (int64_t t = first; t <= last; t++) {
-                const float weight = std::exp(p[t - first] - top);
-                total += weight;
                 const float *__restrict vt = vp + ((blocks[t / S] * S + t % S) * Hkv + g) * D;
-                for (int64_t d = 0; d < D; d++) oh[d] += weight * vt[d];
+                for (int64_t j = 0; j < per; j++) {
+                    const float weight = std::exp(p[j * longest + t - first] - top[j]);
+                    total[j] += weight;
+                    float *__restrict oh = o + (i0 + j) * D;
+                    for (int64_t d = 0; d < D; d++) oh[d] += weight * vt[d];
+                }
             }
-            const float inv = 1.0f / total;
-            for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+            for (int64_t j = 0; j < per; j++) {
+                const float inv = 1.0f / total[j];
+                for (int64_t d = 0; d < D; d++) o[(i0 + j) * D + d] *= inv;
+            }
         }
     });
     return out;
