@@ -201,7 +201,8 @@ def test_generate_errors(lm_run, mt_run, tmp_path, capsys):
     )
     assert check_one_line_error(capsys, ["generate", "--run", str(mt_run), "--prompt", "a"], "needs a language model")
     assert check_one_line_error(capsys, [*base, "--prompt", "a", "--top-p", "2"], "top_p must be in (0, 1]")
-    assert check_one_line_error(capsys, [*base, "--prompt", "a", "--chat"], "has no chat template; give one with --chat-template")
+    no_template = "has no chat template; give one with --chat-template"
+    assert check_one_line_error(capsys, [*base, "--prompt", "a", "--chat"], no_template)
 
 
 def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypatch):
