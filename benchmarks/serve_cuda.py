@@ -17,8 +17,8 @@ For each level, ``level`` requests (the fixed prompts of benchmarks/serve.py, cy
 at once; the wall time from submission to the last token gives output tokens per second. Each
 level runs once untimed first, on each engine (compilation of its shapes, CUDA graph capture).
 Printed per level and engine: tokens/s, and two agreements: the fraction of requests whose tokens
-equal the other engine's, and the fraction equal to the same engine's answer for that prompt alone (level 1), i.e. whether an
-answer depends on who else is in the batch. Nothing is asserted.
+equal the other engine's, and the fraction equal to the same engine's answer for that prompt alone
+(level 1), i.e. whether an answer depends on who else is in the batch. Nothing is asserted.
 """
 
 from __future__ import annotations
