@@ -25,7 +25,7 @@ from attnmask.model import Transformer
 from attnmask.pretrained.gguf_file import TOKEN_CONTROL, permute_qk
 from attnmask.pretrained.hf import llama_key_map
 
-__all__ = ["export_gguf", "export_hf", "llama_hf_config"]
+__all__ = ["export_gguf", "export_hf", "gemma3_hf_config_dict", "llama_hf_config"]
 
 _TOKEN_NORMAL = 1
 
@@ -44,6 +44,10 @@ def _check_llama(model: Transformer) -> None:
             f"only Llama-family models can be exported (Gemma 3 too, with --format hf); this one has "
             f"{differ or c.rope_scaling}, expected {wanted}"
         )
+    _check_unfused(model)
+
+
+def _check_unfused(model: Transformer) -> None:
     if any(getattr(m, "qkv_proj", None) is not None for m in model.modules()):
         raise UserError("the model's projections are fused; export the run's unfused model (load_run gives it)")
 
@@ -105,8 +109,7 @@ def _hf_weights(model: Transformer) -> dict:
     if _is_gemma3(model):
         from attnmask.pretrained.gemma3 import gemma3_key_map
 
-        if any(getattr(m, "qkv_proj", None) is not None for m in model.modules()):
-            raise UserError("the model's projections are fused; export the run's unfused model (load_run gives it)")
+        _check_unfused(model)
         return {
             theirs: (sd[ours].detach().float() - (1 if ours.endswith("norm.weight") else 0)).contiguous()
             for ours, theirs in gemma3_key_map(model.config).items()

@@ -227,7 +227,7 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, longest * D * per));
     at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
         std::vector<float> p(per * longest);
-        float top[64], total[64];  // per <= G <= 64 (checked below)
+        float top[64], total[64];  // per <= G <= 64 (checked above)
         for (int64_t u = begin; u < end; u++) {
             const int64_t i0 = u * per, r = i0 / H, g = (i0 % H) / G, last = pos[r];
             const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
