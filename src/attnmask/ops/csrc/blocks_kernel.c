@@ -53,6 +53,12 @@ int attnmask_blocks_simd(void) { return BLOCKS_AVX512 ? 512 : BLOCKS_AVX2 ? 256 
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* The activations' scratch copy starts on a cache line: the AVX-512 loops read it 64 bytes at a
+ * time, and a load that straddles two lines costs two (malloc aligns to 16 only, so the speed of a
+ * call depended on where the allocator put it). Measured on Zen 5, one thread, Q4_1 with 4-64 rows:
+ * 40 GMAC/s when misaligned, 60-62 aligned (same bits). */
+static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
 /* Software prefetch: the loops take ~10 cycles per 64 bytes of codes, too few for the hardware
  * prefetchers alone to bring a weight's streams (codes, d, m) from memory in time. Each step of a
  * loop asks for the codes CODES_AHEAD bytes further on and for the scales as many rows ahead (Q4_1
@@ -269,7 +275,7 @@ static void q4_1_row(const uint32_t *codes, const float *d, const float *m, cons
 int attnmask_q4_1_matmul(const uint32_t *codes, const float *d, const float *m, const float *x, float *y, int64_t M,
                          int64_t N, int64_t K, int threads) {
     const int64_t nbp = ((K / QK) + 1) / 2 * 2, xb = q4_1_xblocks(nbp);
-    float *xq = (float *)malloc(sizeof(float) * (size_t)(M * xb * (QK + 1)));
+    float *xq = (float *)scratch(sizeof(float) * (size_t)(M * xb * (QK + 1)));
     if (!xq) return -1;
     float *xsum = xq + M * xb * QK;
     q4_1_prepare(x, xq, xsum, M, K, nbp);
@@ -409,7 +415,15 @@ static inline __attribute__((always_inline)) void q8_row_r(const uint32_t *codes
     ahead(d, CODES_AHEAD / 8);  /* a Q8_0 row has 32 bytes of codes per 4 of d */
     __m512 acc0[MAX_R], acc1[MAX_R];
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < nb / 2; g++) q8_group(codes, d, x, acc0, acc1, R, K, g, sub16);
+    int64_t g = 0;
+    /* by two groups, so that Q8_0's even and odd groups add to accumulators known at compile time and
+     * kept in registers (with `(g & 1) ? acc1 : acc0` decided at run time they lived in memory).
+     * Measured on Zen 5, one thread, 4-64 rows: 48-52 -> 71-77 GMAC/s (same bits). */
+    for (; g + 2 <= nb / 2; g += 2) {
+        q8_group(codes, d, x, acc0, acc1, R, K, g, sub16);
+        q8_group(codes, d, x, acc0, acc1, R, K, g + 1, sub16);
+    }
+    if (g < nb / 2) q8_group(codes, d, x, acc0, acc1, R, K, g, sub16);
     __m256 tail[MAX_R];
     for (int r = 0; r < R; r++) tail[r] = _mm256_setzero_ps();
     if (nb % 2) q8_block8(codes, d, x, tail, tail, R, K, nb - 1, (nb - 1) * QK, sub16);
@@ -450,7 +464,12 @@ static inline __attribute__((always_inline)) void q8_row_r(const uint32_t *codes
     ahead(d, CODES_AHEAD / 8);
     __m256 acc0[MAX_R], acc1[MAX_R];
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) q8_block8(codes, d, x, acc0, acc1, R, K, b, b * QK, sub16);
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) { /* by two blocks, as the AVX-512 loop takes groups */
+        q8_block8(codes, d, x, acc0, acc1, R, K, b, b * QK, sub16);
+        q8_block8(codes, d, x, acc0, acc1, R, K, b + 1, (b + 1) * QK, sub16);
+    }
+    if (b < nb) q8_block8(codes, d, x, acc0, acc1, R, K, b, b * QK, sub16);
     for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 #endif
@@ -500,7 +519,7 @@ static int q8_matmul(const uint32_t *codes, const float *d, const float *x, floa
     const int64_t row_d = K / QK * (sub16 ? 2 : 1);
     float *xo = NULL;
     if (BLOCKS_AVX512) {
-        xo = (float *)malloc(sizeof(float) * (size_t)(M * K));
+        xo = (float *)scratch(sizeof(float) * (size_t)(M * K));
         if (!xo) return -1;
         for (int64_t r = 0; r < M; r++)
             for (int64_t j = 0; j < K; j++) xo[r * K + lane_order(j, QK, K / QK, 0)] = x[r * K + j];
