@@ -266,8 +266,9 @@ class Engine:
             c.seq.computed += c.n
             self._tokens_in += c.n if c.start < c.seq.prompt_len else 0
             self.scheduler.forget(c.seq)  # window groups: blocks the next chunk will not read go back now
-        # off the CPU: every row's arg-max in one call, read back once (not a device sync per request)
-        top = logits.argmax(dim=-1).tolist() if logits.device.type != "cpu" else [None] * len(sampling)
+        # every row's arg-max in one call (greedy requests take it; off the CPU, read back once rather
+        # than a device sync per request). An arg-max is exact: a row's is the same alone or in the batch.
+        top = logits.argmax(dim=-1).tolist() if sampling else []
         for row, chunk, best in zip(logits, sampling, top):
             events.append(self._sample(chunk.seq, row, best))
         self._steps += 1
