@@ -161,151 +161,6 @@ inline void rotate_row(const float *x, const float *c, const float *s, float *y,
     for (int64_t d = 0; d < D; d++) y[d] = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
 }
 
-// Attention of packed rows against a paged cache: q (N, H D) the rows' rotated queries, heads in order;
-// k_pool, v_pool (P, S, Hkv, D): P blocks of S positions; tables (Q, W) int64: the blocks holding each
-// sequence's positions in order; row_seq, row_pos (N,) int64: each row's sequence and its position there.
-// Row r attends to its own sequence's keys at positions [max(0, pos - window + 1), pos] (window 0: all),
-// i.e. document(row_seq) & causal with each sequence's own offset (& sliding_window): the ranges the
-// mask algebra's lowering gives (attnmask.engine.step). Every (row, head) is computed alone, in the
-// same order whatever the other rows, so a row's output does not depend on what it is packed with.
-at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at::Tensor &v_pool,
-                        const at::Tensor &tables, const at::Tensor &row_seq, const at::Tensor &row_pos,
-                        int64_t window, int64_t heads, double scale) {
-    const char *op = "paged_attend";
-    check_rows(q, op, "q");
-    TORCH_CHECK_VALUE(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(), op,
-                      ": the key and value pools must be (P, S, Hkv, D) alike; got ", k_pool.sizes(), " and ",
-                      v_pool.sizes());
-    check_rows(k_pool, op, "k_pool");
-    check_rows(v_pool, op, "v_pool");
-    const int64_t P = k_pool.size(0), S = k_pool.size(1), Hkv = k_pool.size(2), D = k_pool.size(3);
-    const int64_t N = q.dim() == 2 ? q.size(0) : -1, H = heads;
-    TORCH_CHECK_VALUE(H > 0 && H % Hkv == 0 && q.dim() == 2 && q.size(1) == H * D, op, ": q has shape ", q.sizes(),
-                      "; expected (N, ", H * D, ") for ", H, " heads of ", D, " over ", Hkv, " key/value heads");
-    for (const at::Tensor *t : {&tables, &row_seq, &row_pos}) {
-        TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(), op,
-                          ": tables, row_seq and row_pos must be contiguous int64 CPU tensors");
-    }
-    TORCH_CHECK_VALUE(tables.dim() == 2 && row_seq.dim() == 1 && row_pos.dim() == 1 && row_seq.size(0) == N &&
-                          row_pos.size(0) == N,
-                      op, ": tables (Q, W), row_seq (N,) and row_pos (N,) expected; got ", tables.sizes(), ", ",
-                      row_seq.sizes(), " and ", row_pos.sizes(), " for N = ", N);
-    const int64_t Q = tables.size(0), W = tables.size(1), G = H / Hkv;
-    TORCH_CHECK_VALUE(G <= 64, op, ": ", G, " query heads share a key/value head; at most 64 are supported");
-    const int64_t *tab = tables.const_data_ptr<int64_t>(), *seq = row_seq.const_data_ptr<int64_t>();
-    const int64_t *pos = row_pos.const_data_ptr<int64_t>();
-    int64_t longest = 0;
-    for (int64_t r = 0; r < N; r++) {  // every index checked before any is read
-        TORCH_CHECK_VALUE(0 <= seq[r] && seq[r] < Q && 0 <= pos[r] && pos[r] < W * S, op, ": row ", r,
-                          " is position ", pos[r], " of sequence ", seq[r], "; the tables hold ", Q,
-                          " sequences of at most ", W * S, " positions");
-        for (int64_t b = 0; b <= pos[r] / S; b++) {
-            const int64_t block = tab[seq[r] * W + b];
-            TORCH_CHECK_VALUE(0 <= block && block < P, op, ": sequence ", seq[r], " names block ", block,
-                              " of a pool of ", P);
-        }
-        longest = std::max(longest, pos[r] + 1);
-    }
-    at::Tensor out = at::empty({N, H * D}, q.options());
-    const float *qp = q.const_data_ptr<float>(), *kp = k_pool.const_data_ptr<float>();
-    const float *vp = v_pool.const_data_ptr<float>();
-    float *o = out.mutable_data_ptr<float>();
-    // A unit of work: one row and `per` of the G query heads that share one key/value head, so that each
-    // key and value is read once for all of them (a grouped-query model's cache is read G / per times,
-    // not G). `per` is G unless fewer units than threads would be left (batch 1 of a model with one
-    // key/value head); it changes only which thread computes a head, never how: each head's sums run
-    // in the same order either way, so the bits do not depend on it.
-    const int64_t threads = at::get_num_threads();
-    int64_t per = G;
-    while (per > 1 && N * Hkv * (G / per) < threads) {  // the next smaller divisor of G
-        int64_t next = per - 1;
-        while (G % next != 0) next--;
-        per = next;
-    }
-    const int64_t units = N * H / per;
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, longest * D * per));
-    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> p(per * longest);
-        float top[64], total[64];  // per <= G <= 64 (checked above)
-        for (int64_t u = begin; u < end; u++) {
-            const int64_t i0 = u * per, r = i0 / H, g = (i0 % H) / G, last = pos[r];
-            const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
-            const int64_t *blocks = tab + seq[r] * W;
-            for (int64_t j = 0; j < per; j++) top[j] = -std::numeric_limits<float>::infinity();
-            for (int64_t t = first; t <= last; t++) {
-                const float *kt = kp + ((blocks[t / S] * S + t % S) * Hkv + g) * D;
-                for (int64_t j = 0; j < per; j++) {
-                    float &pt = p[j * longest + t - first];
-                    pt = vdot<false>(qp + (i0 + j) * D, kt, D) * static_cast<float>(scale);
-                    top[j] = std::max(top[j], pt);
-                }
-            }
-            for (int64_t j = 0; j < per; j++) {
-                total[j] = 0.0f;
-                for (int64_t d = 0; d < D; d++) o[(i0 + j) * D + d] = 0.0f;
-            }
-            for (int64_t t = first; t <= last; t++) {
-                const float *__restrict vt = vp + ((blocks[t / S] * S + t % S) * Hkv + g) * D;
-                for (int64_t j = 0; j < per; j++) {
-                    const float weight = std::exp(p[j * longest + t - first] - top[j]);
-                    total[j] += weight;
-                    float *__restrict oh = o + (i0 + j) * D;
-                    for (int64_t d = 0; d < D; d++) oh[d] += weight * vt[d];
-                }
-            }
-            for (int64_t j = 0; j < per; j++) {
-                const float inv = 1.0f / total[j];
-                for (int64_t d = 0; d < D; d++) o[(i0 + j) * D + d] *= inv;
-            }
-        }
-    });
-    return out;
-}
-
-// x (M, K) W^T + bias for W (N, K) row-major (rows.cpp: each output computed by the same operations
-// whatever M and the thread count, so a row's result does not depend on its batch).
-at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
-    const char *op = "linear_rows";
-    check_rows(x, op, "x");
-    check_rows(weight, op, "weight");
-    TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op, ": x has shape ",
-                      x.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
-    const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
-    const float *b = nullptr;
-    if (bias.has_value()) {
-        check_rows(*bias, op, "bias");
-        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, op, ": bias has shape ", bias->sizes(),
-                          "; expected (", N, ",)");
-        b = bias->const_data_ptr<float>();
-    }
-    at::Tensor out = at::empty({M, N}, x.options());
-    attnmask::rows_matmul(x.const_data_ptr<float>(), M, weight.const_data_ptr<float>(), N, K, b,
-                          out.mutable_data_ptr<float>());
-    return out;
-}
-
-// One product of packed_step, by kind: DENSE is a float32 weight and its bias (an empty tensor for none),
-// through linear_rows; the others are a block layer's buffers in one of the kernel's layouts, through
-// attnmask::block_matmul (blocks.h: the function the operator runs, declared, not looked up): Q4_1 the
-// 4-bit layout (codes, d, m: Q4_1, and Q4_K repacked into it), Q8_0 the 8-bit one (codes, d: Q8_0, Q5_0),
-// Q6_K the 8-bit one with a scale per 16 weights (codes, d). NONE: no product in this slot.
-constexpr int64_t NONE = -1, DENSE = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3;
-
-at::Tensor product(int64_t kind, const at::Tensor *t, const at::Tensor &x) {
-    if (kind == DENSE) return linear_rows(x, t[0], t[1].numel() ? std::optional<at::Tensor>(t[1]) : std::nullopt);
-    const char *name = kind == Q4_1 ? "Q4_1" : kind == Q8_0 ? "Q8_0" : "Q6_K";
-    return attnmask::block_matmul(t[0], t[1], kind == Q4_1 ? std::optional<at::Tensor>(t[2]) : std::nullopt, x, name,
-                                  x.size(1));
-}
-
-int64_t product_tensors(int64_t kind) { return kind == NONE ? 0 : kind == Q4_1 ? 3 : 2; }
-
-// The slots of a layer's lists: norms (NORMS a layer, then the final norm's), products (PRODUCTS a layer,
-// then the head). A missing optional norm is an empty tensor; a missing product has kind NONE: k and v
-// when q's slot holds the fused q/k/v product, up when gate's slot holds the fused gate/up product.
-enum Norm { SELF_NORM, Q_NORM, K_NORM, POST_SELF_NORM, MLP_NORM, POST_MLP_NORM, NORMS };
-enum Product { QKV, K, V, O, GATE_UP, UP, DOWN, PRODUCTS };
-
 // tanh-GELU times up, element by element: 0.5 a (1 + tanh(y)) u with y = sqrt(2 / pi) (a + 0.044715 a^3), as
 // PyTorch's formula writes it, computed as a u / (1 + exp(-2 y)) (the same function: 1 + tanh(y) = 2 / (1 +
 // exp(-2 y)), without tanh's cancellation near 0), exp(x) as Cephes' expf (exp_lanes): x = n ln 2 + r, e^r
@@ -407,6 +262,232 @@ void gated_row(const float *g, const float *u, float *o, int64_t F) {
     }
 }
 
+
+// x - shift -> e^(x - shift) in place for a row of n, GELU_LANES at a time, the tail padded: each
+// element's bits depend on its value alone
+#if defined(__AVX512F__)
+inline void exp_shifted_lanes(float *x, float shift) {
+    _mm512_storeu_ps(x, exp_lanes(_mm512_sub_ps(_mm512_loadu_ps(x), _mm512_set1_ps(shift))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline void exp_shifted_lanes(float *x, float shift) {
+    _mm256_storeu_ps(x, exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_set1_ps(shift))));
+}
+#else
+inline void exp_shifted_lanes(float *x, float shift) { *x = exp_lanes(*x - shift); }
+#endif
+
+void exp_shifted_row(float *x, int64_t n, float shift) {
+    int64_t f = 0;
+    for (; f + GELU_LANES <= n; f += GELU_LANES) exp_shifted_lanes(x + f, shift);
+    if (f < n) {
+        float t[GELU_LANES] = {0};
+        for (int64_t i = f; i < n; i++) t[i - f] = x[i];
+        exp_shifted_lanes(t, shift);
+        for (int64_t i = f; i < n; i++) x[i] = t[i - f];
+    }
+}
+
+// o[j] = inv[j] * sum_t w[j][t] v_t for `per` query heads (w rows `wstride` apart, n keys from `first`),
+// v_t in the pool at its block (vbase: the pool at the key/value head), o rows D apart. Each output
+// lane is one accumulator, keys in order: the same operations whatever the other rows.
+#if defined(__AVX512F__)
+// NJ heads (at most 4) and NV vectors of 16 (a chunk of at most 64 of D) at a time, in registers
+template <int NJ, int NV>
+void weighted_chunk(const float *w, int64_t wstride, int64_t n, const float *vbase, const int64_t *blocks,
+                    int64_t first, int64_t S, int64_t stride, const float *inv, float *o, int64_t D) {
+    __m512 acc[NJ][NV];
+    for (int j = 0; j < NJ; j++)
+        for (int c = 0; c < NV; c++) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t at = first + t;
+        const float *vt = vbase + (blocks[at / S] * S + at % S) * stride;
+        __m512 v[NV];
+        for (int c = 0; c < NV; c++) v[c] = _mm512_loadu_ps(vt + 16 * c);
+        for (int j = 0; j < NJ; j++) {
+            const __m512 wj = _mm512_set1_ps(w[j * wstride + t]);
+            for (int c = 0; c < NV; c++) acc[j][c] = _mm512_fmadd_ps(wj, v[c], acc[j][c]);
+        }
+    }
+    for (int j = 0; j < NJ; j++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(o + j * D + 16 * c, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
+}
+
+using WeightedChunk = void (*)(const float *, int64_t, int64_t, const float *, const int64_t *, int64_t, int64_t,
+                               int64_t, const float *, float *, int64_t);
+constexpr WeightedChunk WEIGHTED[4][4] = {
+    {weighted_chunk<1, 1>, weighted_chunk<1, 2>, weighted_chunk<1, 3>, weighted_chunk<1, 4>},
+    {weighted_chunk<2, 1>, weighted_chunk<2, 2>, weighted_chunk<2, 3>, weighted_chunk<2, 4>},
+    {weighted_chunk<3, 1>, weighted_chunk<3, 2>, weighted_chunk<3, 3>, weighted_chunk<3, 4>},
+    {weighted_chunk<4, 1>, weighted_chunk<4, 2>, weighted_chunk<4, 3>, weighted_chunk<4, 4>},
+};
+#endif
+
+void weighted_values(const float *w, int64_t wstride, int64_t n, const float *vbase, const int64_t *blocks,
+                     int64_t first, int64_t S, int64_t stride, const float *inv, float *o, int64_t D, int64_t per) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {  // the heads four at a time, D 64 at a time: each value vector read once per chunk
+        for (int64_t j0 = 0; j0 < per; j0 += 4)
+            for (int64_t dc = 0; dc < D; dc += 64) {
+                const int64_t nj = std::min<int64_t>(4, per - j0), nv = std::min<int64_t>(4, (D - dc) / 16);
+                WEIGHTED[nj - 1][nv - 1](w + j0 * wstride, wstride, n, vbase + dc, blocks, first, S, stride,
+                                         inv + j0, o + j0 * D + dc, D);
+            }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < per; j++)
+        for (int64_t d = 0; d < D; d++) o[j * D + d] = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t at = first + t;
+        const float *__restrict vt = vbase + (blocks[at / S] * S + at % S) * stride;
+        for (int64_t j = 0; j < per; j++) {
+            const float weight = w[j * wstride + t];
+            float *__restrict oh = o + j * D;
+            for (int64_t d = 0; d < D; d++) oh[d] += weight * vt[d];
+        }
+    }
+    for (int64_t j = 0; j < per; j++)
+        for (int64_t d = 0; d < D; d++) o[j * D + d] *= inv[j];
+}
+
+// Attention of packed rows against a paged cache: q (N, H D) the rows' rotated queries, heads in order;
+// k_pool, v_pool (P, S, Hkv, D): P blocks of S positions; tables (Q, W) int64: the blocks holding each
+// sequence's positions in order; row_seq, row_pos (N,) int64: each row's sequence and its position there.
+// Row r attends to its own sequence's keys at positions [max(0, pos - window + 1), pos] (window 0: all),
+// i.e. document(row_seq) & causal with each sequence's own offset (& sliding_window): the ranges the
+// mask algebra's lowering gives (attnmask.engine.step). Every (row, head) is computed alone, in the
+// same order whatever the other rows, so a row's output does not depend on what it is packed with.
+at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at::Tensor &v_pool,
+                        const at::Tensor &tables, const at::Tensor &row_seq, const at::Tensor &row_pos,
+                        int64_t window, int64_t heads, double scale) {
+    const char *op = "paged_attend";
+    check_rows(q, op, "q");
+    TORCH_CHECK_VALUE(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(), op,
+                      ": the key and value pools must be (P, S, Hkv, D) alike; got ", k_pool.sizes(), " and ",
+                      v_pool.sizes());
+    check_rows(k_pool, op, "k_pool");
+    check_rows(v_pool, op, "v_pool");
+    const int64_t P = k_pool.size(0), S = k_pool.size(1), Hkv = k_pool.size(2), D = k_pool.size(3);
+    const int64_t N = q.dim() == 2 ? q.size(0) : -1, H = heads;
+    TORCH_CHECK_VALUE(H > 0 && H % Hkv == 0 && q.dim() == 2 && q.size(1) == H * D, op, ": q has shape ", q.sizes(),
+                      "; expected (N, ", H * D, ") for ", H, " heads of ", D, " over ", Hkv, " key/value heads");
+    for (const at::Tensor *t : {&tables, &row_seq, &row_pos}) {
+        TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(), op,
+                          ": tables, row_seq and row_pos must be contiguous int64 CPU tensors");
+    }
+    TORCH_CHECK_VALUE(tables.dim() == 2 && row_seq.dim() == 1 && row_pos.dim() == 1 && row_seq.size(0) == N &&
+                          row_pos.size(0) == N,
+                      op, ": tables (Q, W), row_seq (N,) and row_pos (N,) expected; got ", tables.sizes(), ", ",
+                      row_seq.sizes(), " and ", row_pos.sizes(), " for N = ", N);
+    const int64_t Q = tables.size(0), W = tables.size(1), G = H / Hkv;
+    TORCH_CHECK_VALUE(G <= 64, op, ": ", G, " query heads share a key/value head; at most 64 are supported");
+    const int64_t *tab = tables.const_data_ptr<int64_t>(), *seq = row_seq.const_data_ptr<int64_t>();
+    const int64_t *pos = row_pos.const_data_ptr<int64_t>();
+    int64_t longest = 0;
+    for (int64_t r = 0; r < N; r++) {  // every index checked before any is read
+        TORCH_CHECK_VALUE(0 <= seq[r] && seq[r] < Q && 0 <= pos[r] && pos[r] < W * S, op, ": row ", r,
+                          " is position ", pos[r], " of sequence ", seq[r], "; the tables hold ", Q,
+                          " sequences of at most ", W * S, " positions");
+        for (int64_t b = 0; b <= pos[r] / S; b++) {
+            const int64_t block = tab[seq[r] * W + b];
+            TORCH_CHECK_VALUE(0 <= block && block < P, op, ": sequence ", seq[r], " names block ", block,
+                              " of a pool of ", P);
+        }
+        longest = std::max(longest, pos[r] + 1);
+    }
+    at::Tensor out = at::empty({N, H * D}, q.options());
+    const float *qp = q.const_data_ptr<float>(), *kp = k_pool.const_data_ptr<float>();
+    const float *vp = v_pool.const_data_ptr<float>();
+    float *o = out.mutable_data_ptr<float>();
+    // A unit of work: one row and `per` of the G query heads that share one key/value head, so that each
+    // key and value is read once for all of them (a grouped-query model's cache is read G / per times,
+    // not G). `per` is G unless fewer units than threads would be left (batch 1 of a model with one
+    // key/value head); it changes only which thread computes a head, never how: each head's sums run
+    // in the same order either way, so the bits do not depend on it.
+    const int64_t threads = at::get_num_threads();
+    int64_t per = G;
+    while (per > 1 && N * Hkv * (G / per) < threads) {  // the next smaller divisor of G
+        int64_t next = per - 1;
+        while (G % next != 0) next--;
+        per = next;
+    }
+    const int64_t units = N * H / per;
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, longest * D * per));
+    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+        std::vector<float> p(per * longest);
+        float top[64], total[64];  // per <= G <= 64 (checked above); total: 1 / the weights' sum
+        for (int64_t u = begin; u < end; u++) {
+            const int64_t i0 = u * per, r = i0 / H, g = (i0 % H) / G, last = pos[r];
+            const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
+            const int64_t *blocks = tab + seq[r] * W;
+            for (int64_t j = 0; j < per; j++) top[j] = -std::numeric_limits<float>::infinity();
+            for (int64_t t = first; t <= last; t++) {
+                const float *kt = kp + ((blocks[t / S] * S + t % S) * Hkv + g) * D;
+                for (int64_t j = 0; j < per; j++) {
+                    float &pt = p[j * longest + t - first];
+                    pt = vdot<false>(qp + (i0 + j) * D, kt, D) * static_cast<float>(scale);
+                    top[j] = std::max(top[j], pt);
+                }
+            }
+            // the weights e^(score - top), then each head's total in key order
+            const int64_t n = last - first + 1;
+            for (int64_t j = 0; j < per; j++) {
+                float *w = p.data() + j * longest;
+                exp_shifted_row(w, n, top[j]);
+                float sum = 0.0f;
+                for (int64_t t = 0; t < n; t++) sum += w[t];
+                total[j] = 1.0f / sum;
+            }
+            weighted_values(p.data(), longest, n, vp + g * D, blocks, first, S, Hkv * D, total, o + i0 * D, D, per);
+        }
+    });
+    return out;
+}
+
+// x (M, K) W^T + bias for W (N, K) row-major (rows.cpp: each output computed by the same operations
+// whatever M and the thread count, so a row's result does not depend on its batch).
+at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+    const char *op = "linear_rows";
+    check_rows(x, op, "x");
+    check_rows(weight, op, "weight");
+    TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op, ": x has shape ",
+                      x.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
+    const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+    const float *b = nullptr;
+    if (bias.has_value()) {
+        check_rows(*bias, op, "bias");
+        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, op, ": bias has shape ", bias->sizes(),
+                          "; expected (", N, ",)");
+        b = bias->const_data_ptr<float>();
+    }
+    at::Tensor out = at::empty({M, N}, x.options());
+    attnmask::rows_matmul(x.const_data_ptr<float>(), M, weight.const_data_ptr<float>(), N, K, b,
+                          out.mutable_data_ptr<float>());
+    return out;
+}
+
+// One product of packed_step, by kind: DENSE is a float32 weight and its bias (an empty tensor for none),
+// through linear_rows; the others are a block layer's buffers in one of the kernel's layouts, through
+// attnmask::block_matmul (blocks.h: the function the operator runs, declared, not looked up): Q4_1 the
+// 4-bit layout (codes, d, m: Q4_1, and Q4_K repacked into it), Q8_0 the 8-bit one (codes, d: Q8_0, Q5_0),
+// Q6_K the 8-bit one with a scale per 16 weights (codes, d). NONE: no product in this slot.
+constexpr int64_t NONE = -1, DENSE = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3;
+
+at::Tensor product(int64_t kind, const at::Tensor *t, const at::Tensor &x) {
+    if (kind == DENSE) return linear_rows(x, t[0], t[1].numel() ? std::optional<at::Tensor>(t[1]) : std::nullopt);
+    const char *name = kind == Q4_1 ? "Q4_1" : kind == Q8_0 ? "Q8_0" : "Q6_K";
+    return attnmask::block_matmul(t[0], t[1], kind == Q4_1 ? std::optional<at::Tensor>(t[2]) : std::nullopt, x, name,
+                                  x.size(1));
+}
+
+int64_t product_tensors(int64_t kind) { return kind == NONE ? 0 : kind == Q4_1 ? 3 : 2; }
+
+// The slots of a layer's lists: norms (NORMS a layer, then the final norm's), products (PRODUCTS a layer,
+// then the head). A missing optional norm is an empty tensor; a missing product has kind NONE: k and v
+// when q's slot holds the fused q/k/v product, up when gate's slot holds the fused gate/up product.
+enum Norm { SELF_NORM, Q_NORM, K_NORM, POST_SELF_NORM, MLP_NORM, POST_MLP_NORM, NORMS };
+enum Product { QKV, K, V, O, GATE_UP, UP, DOWN, PRODUCTS };
 
 // The activation of the gated MLP: act(gate) * up, element by element (so a row's result never depends
 // on the other rows), gate and up rows of F floats `gs` and `us` apart: SiLU, a u / (1 + exp(-a)), and
