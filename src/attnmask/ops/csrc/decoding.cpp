@@ -288,20 +288,23 @@ void exp_shifted_row(float *x, int64_t n, float shift) {
     }
 }
 
-// o[j] = inv[j] * sum_t w[j][t] v_t for `per` query heads (w rows `wstride` apart, n keys from `first`),
-// v_t in the pool at its block (vbase: the pool at the key/value head), o rows D apart. Each output
-// lane is one accumulator, keys in order: the same operations whatever the other rows.
+// outs[j] = inv[j] * sum_t w[j][t] v_t for `count` (row, query head) pairs j: w rows `wstride` apart over
+// the n keys from `first` (a pair's weight is 0 at the keys outside its row's range: adding 0 w v leaves
+// a sum's bits as they were), v_t in the pool at its block (vbase: the pool at the key/value head).
+// Each output lane is one accumulator, keys in order: the same operations whatever rows are computed
+// beside it, and however the pairs are grouped below.
 #if defined(__AVX512F__)
-// NJ heads (at most 4) and NV vectors of 16 (a chunk of at most 64 of D) at a time, in registers
+// NJ pairs and NV vectors of 16 (a chunk of D from `dc`) at a time, in registers: each value vector
+// loaded once for the NJ pairs
 template <int NJ, int NV>
 void weighted_chunk(const float *w, int64_t wstride, int64_t n, const float *vbase, const int64_t *blocks,
-                    int64_t first, int64_t S, int64_t stride, const float *inv, float *o, int64_t D) {
+                    int64_t first, int64_t S, int64_t stride, const float *inv, float *const *outs, int64_t dc) {
     __m512 acc[NJ][NV];
     for (int j = 0; j < NJ; j++)
         for (int c = 0; c < NV; c++) acc[j][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
         const int64_t at = first + t;
-        const float *vt = vbase + (blocks[at / S] * S + at % S) * stride;
+        const float *vt = vbase + (blocks[at / S] * S + at % S) * stride + dc;
         __m512 v[NV];
         for (int c = 0; c < NV; c++) v[c] = _mm512_loadu_ps(vt + 16 * c);
         for (int j = 0; j < NJ; j++) {
@@ -310,45 +313,102 @@ void weighted_chunk(const float *w, int64_t wstride, int64_t n, const float *vba
         }
     }
     for (int j = 0; j < NJ; j++)
-        for (int c = 0; c < NV; c++) _mm512_storeu_ps(o + j * D + 16 * c, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
+        for (int c = 0; c < NV; c++)
+            _mm512_storeu_ps(outs[j] + dc + 16 * c, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
 }
 
 using WeightedChunk = void (*)(const float *, int64_t, int64_t, const float *, const int64_t *, int64_t, int64_t,
-                               int64_t, const float *, float *, int64_t);
-constexpr WeightedChunk WEIGHTED[4][4] = {
+                               int64_t, const float *, float *const *, int64_t);
+// up to 4 pairs: D 64 at a time; more (rows of one sequence side by side): up to 16 pairs, D 16 at a time
+constexpr WeightedChunk WEIGHTED4[4][4] = {
     {weighted_chunk<1, 1>, weighted_chunk<1, 2>, weighted_chunk<1, 3>, weighted_chunk<1, 4>},
     {weighted_chunk<2, 1>, weighted_chunk<2, 2>, weighted_chunk<2, 3>, weighted_chunk<2, 4>},
     {weighted_chunk<3, 1>, weighted_chunk<3, 2>, weighted_chunk<3, 3>, weighted_chunk<3, 4>},
     {weighted_chunk<4, 1>, weighted_chunk<4, 2>, weighted_chunk<4, 3>, weighted_chunk<4, 4>},
 };
+constexpr WeightedChunk WEIGHTED16[16] = {
+    weighted_chunk<1, 1>,  weighted_chunk<2, 1>,  weighted_chunk<3, 1>,  weighted_chunk<4, 1>,
+    weighted_chunk<5, 1>,  weighted_chunk<6, 1>,  weighted_chunk<7, 1>,  weighted_chunk<8, 1>,
+    weighted_chunk<9, 1>,  weighted_chunk<10, 1>, weighted_chunk<11, 1>, weighted_chunk<12, 1>,
+    weighted_chunk<13, 1>, weighted_chunk<14, 1>, weighted_chunk<15, 1>, weighted_chunk<16, 1>,
+};
 #endif
 
 void weighted_values(const float *w, int64_t wstride, int64_t n, const float *vbase, const int64_t *blocks,
-                     int64_t first, int64_t S, int64_t stride, const float *inv, float *o, int64_t D, int64_t per) {
+                     int64_t first, int64_t S, int64_t stride, const float *inv, float *const *outs, int64_t D,
+                     int64_t count) {
 #if defined(__AVX512F__)
-    if (D % 16 == 0) {  // the heads four at a time, D 64 at a time: each value vector read once per chunk
-        for (int64_t j0 = 0; j0 < per; j0 += 4)
-            for (int64_t dc = 0; dc < D; dc += 64) {
-                const int64_t nj = std::min<int64_t>(4, per - j0), nv = std::min<int64_t>(4, (D - dc) / 16);
-                WEIGHTED[nj - 1][nv - 1](w + j0 * wstride, wstride, n, vbase + dc, blocks, first, S, stride,
-                                         inv + j0, o + j0 * D + dc, D);
+    if (D % 16 == 0) {
+        const int64_t group = count <= 4 ? 4 : 16;
+        for (int64_t j0 = 0; j0 < count; j0 += group) {
+            const int64_t nj = std::min<int64_t>(group, count - j0);
+            if (group == 4) {
+                for (int64_t dc = 0; dc < D; dc += 64)
+                    WEIGHTED4[nj - 1][std::min<int64_t>(4, (D - dc) / 16) - 1](
+                        w + j0 * wstride, wstride, n, vbase, blocks, first, S, stride, inv + j0, outs + j0, dc);
+            } else {
+                for (int64_t dc = 0; dc < D; dc += 16)
+                    WEIGHTED16[nj - 1](w + j0 * wstride, wstride, n, vbase, blocks, first, S, stride, inv + j0,
+                                       outs + j0, dc);
             }
+        }
         return;
     }
 #endif
-    for (int64_t j = 0; j < per; j++)
-        for (int64_t d = 0; d < D; d++) o[j * D + d] = 0.0f;
+    for (int64_t j = 0; j < count; j++)
+        for (int64_t d = 0; d < D; d++) outs[j][d] = 0.0f;
     for (int64_t t = 0; t < n; t++) {
         const int64_t at = first + t;
         const float *__restrict vt = vbase + (blocks[at / S] * S + at % S) * stride;
-        for (int64_t j = 0; j < per; j++) {
+        for (int64_t j = 0; j < count; j++) {
             const float weight = w[j * wstride + t];
-            float *__restrict oh = o + j * D;
+            float *__restrict oh = outs[j];
             for (int64_t d = 0; d < D; d++) oh[d] += weight * vt[d];
         }
     }
-    for (int64_t j = 0; j < per; j++)
-        for (int64_t d = 0; d < D; d++) o[j * D + d] *= inv[j];
+    for (int64_t j = 0; j < count; j++)
+        for (int64_t d = 0; d < D; d++) outs[j][d] *= inv[j];
+}
+
+// Keys ta..tb of a sequence against one query: p[t] = (q . k_t) scale, vdot's operations in vdot's
+// order (with AVX-512 and D a multiple of 64 up to 256, the query is held in registers across the
+// keys: the same products and sums, so the same bits); returns the running maximum from `top`.
+constexpr int64_t KEY_BLOCK = 32;
+#if defined(__AVX512F__)
+template <int NK>  // D = 64 NK
+float scores_held(const float *q, const float *kbase, const int64_t *blocks, int64_t ta, int64_t tb, int64_t S,
+                  int64_t stride, float scale, float *p, float top) {
+    __m512 qr[NK * 4];
+    for (int i = 0; i < NK * 4; i++) qr[i] = _mm512_loadu_ps(q + 16 * i);
+    for (int64_t t = ta; t <= tb; t++) {
+        const float *kt = kbase + (blocks[t / S] * S + t % S) * stride;
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int k = 0; k < NK; k++)
+            for (int j = 0; j < 4; j++) a[j] = _mm512_fmadd_ps(qr[4 * k + j], _mm512_loadu_ps(kt + 64 * k + 16 * j), a[j]);
+        const float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+        p[t] = s * scale;
+        top = std::max(top, p[t]);
+    }
+    return top;
+}
+#endif
+
+float scores(const float *q, const float *kbase, const int64_t *blocks, int64_t ta, int64_t tb, int64_t S,
+             int64_t stride, int64_t D, float scale, float *p, float top) {
+#if defined(__AVX512F__)
+    switch (D) {
+        case 64: return scores_held<1>(q, kbase, blocks, ta, tb, S, stride, scale, p, top);
+        case 128: return scores_held<2>(q, kbase, blocks, ta, tb, S, stride, scale, p, top);
+        case 192: return scores_held<3>(q, kbase, blocks, ta, tb, S, stride, scale, p, top);
+        case 256: return scores_held<4>(q, kbase, blocks, ta, tb, S, stride, scale, p, top);
+        default: break;
+    }
+#endif
+    for (int64_t t = ta; t <= tb; t++) {
+        p[t] = vdot<false>(q, kbase + (blocks[t / S] * S + t % S) * stride, D) * scale;
+        top = std::max(top, p[t]);
+    }
+    return top;
 }
 
 // Attention of packed rows against a paged cache: q (N, H D) the rows' rotated queries, heads in order;
@@ -400,46 +460,69 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
     const float *qp = q.const_data_ptr<float>(), *kp = k_pool.const_data_ptr<float>();
     const float *vp = v_pool.const_data_ptr<float>();
     float *o = out.mutable_data_ptr<float>();
-    // A unit of work: one row and `per` of the G query heads that share one key/value head, so that each
-    // key and value is read once for all of them (a grouped-query model's cache is read G / per times,
-    // not G). `per` is G unless fewer units than threads would be left (batch 1 of a model with one
-    // key/value head); it changes only which thread computes a head, never how: each head's sums run
-    // in the same order either way, so the bits do not depend on it.
+    // A unit of work: up to ROW_BLOCK consecutive rows of one sequence (a prefill chunk's rows; a decoding
+    // step's rows are one a sequence) and `per` of the G query heads that share one key/value head, so
+    // that each key and value is read once for all of them (a grouped-query model's cache is read G / per
+    // times, not G; a chunk's keys once per block of rows, not once per row). `per` is G unless fewer
+    // units than threads would be left (batch 1 of a model with one key/value head). Neither changes
+    // how a (row, head) is computed: its scores, weights and sums run over its own keys in the same
+    // order, so the bits do not depend on which rows or heads share its unit.
+    constexpr int64_t ROW_BLOCK = 4;
+    std::vector<int64_t> starts;  // the units' first rows; a block ends where the sequence changes
+    for (int64_t r = 0; r < N; r++)
+        if (starts.empty() || r - starts.back() == ROW_BLOCK || seq[r] != seq[r - 1]) starts.push_back(r);
+    const int64_t nblocks = static_cast<int64_t>(starts.size());
+    starts.push_back(N);
     const int64_t threads = at::get_num_threads();
     int64_t per = G;
-    while (per > 1 && N * Hkv * (G / per) < threads) {  // the next smaller divisor of G
+    while (per > 1 && nblocks * Hkv * (G / per) < threads) {  // the next smaller divisor of G
         int64_t next = per - 1;
         while (G % next != 0) next--;
         per = next;
     }
-    const int64_t units = N * H / per;
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, longest * D * per));
+    const int64_t groups = H / per, units = nblocks * groups;
+    const int64_t grain =
+        std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, longest * D * per * ROW_BLOCK));
     at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> p(per * longest);
-        float top[64], total[64];  // per <= G <= 64 (checked above); total: 1 / the weights' sum
+        std::vector<float> p(ROW_BLOCK * per * longest);
+        float top[ROW_BLOCK * 64], inv[ROW_BLOCK * 64];  // per <= G <= 64 (checked above)
+        float *outs[ROW_BLOCK * 64];
         for (int64_t u = begin; u < end; u++) {
-            const int64_t i0 = u * per, r = i0 / H, g = (i0 % H) / G, last = pos[r];
-            const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
-            const int64_t *blocks = tab + seq[r] * W;
-            for (int64_t j = 0; j < per; j++) top[j] = -std::numeric_limits<float>::infinity();
-            for (int64_t t = first; t <= last; t++) {
-                const float *kt = kp + ((blocks[t / S] * S + t % S) * Hkv + g) * D;
-                for (int64_t j = 0; j < per; j++) {
-                    float &pt = p[j * longest + t - first];
-                    pt = vdot<false>(qp + (i0 + j) * D, kt, D) * static_cast<float>(scale);
-                    top[j] = std::max(top[j], pt);
+            const int64_t r0 = starts[u / groups], rows = starts[u / groups + 1] - r0, h0 = (u % groups) * per;
+            const int64_t g = h0 / G, count = rows * per;
+            const int64_t *blocks = tab + seq[r0] * W;
+            int64_t lo[ROW_BLOCK], hi[ROW_BLOCK];  // each row's keys [lo, hi]
+            for (int64_t i = 0; i < rows; i++) {
+                hi[i] = pos[r0 + i];
+                lo[i] = window > 0 ? std::max<int64_t>(0, hi[i] - window + 1) : 0;
+            }
+            const int64_t first = *std::min_element(lo, lo + rows), last = *std::max_element(hi, hi + rows);
+            const int64_t n = last - first + 1;  // the union of the rows' keys; pair c's weights: p[c * n ...]
+            std::fill(p.begin(), p.begin() + count * n, 0.0f);
+            for (int64_t c = 0; c < count; c++) top[c] = -std::numeric_limits<float>::infinity();
+            // the scores, KEY_BLOCK keys at a time for every (row, head) of the unit, so that the keys stay
+            // in L1 while each pair's query goes over them
+            for (int64_t t0 = first; t0 <= last; t0 += KEY_BLOCK)
+                for (int64_t i = 0; i < rows; i++) {
+                    const int64_t ta = std::max(t0, lo[i]), tb = std::min({t0 + KEY_BLOCK - 1, hi[i], last});
+                    for (int64_t j = 0; ta <= tb && j < per; j++) {
+                        const int64_t c = i * per + j;
+                        top[c] = scores(qp + ((r0 + i) * H + h0 + j) * D, kp + g * D, blocks, ta, tb, S, Hkv * D, D,
+                                        static_cast<float>(scale), p.data() + c * n - first, top[c]);
+                    }
                 }
-            }
-            // the weights e^(score - top), then each head's total in key order
-            const int64_t n = last - first + 1;
-            for (int64_t j = 0; j < per; j++) {
-                float *w = p.data() + j * longest;
-                exp_shifted_row(w, n, top[j]);
-                float sum = 0.0f;
-                for (int64_t t = 0; t < n; t++) sum += w[t];
-                total[j] = 1.0f / sum;
-            }
-            weighted_values(p.data(), longest, n, vp + g * D, blocks, first, S, Hkv * D, total, o + i0 * D, D, per);
+            // the weights e^(score - top) over each row's own keys, and 1 / their sum, in key order
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t j = 0; j < per; j++) {
+                    const int64_t c = i * per + j;
+                    float *w = p.data() + c * n + lo[i] - first;
+                    exp_shifted_row(w, hi[i] - lo[i] + 1, top[c]);
+                    float sum = 0.0f;
+                    for (int64_t t = 0; t <= hi[i] - lo[i]; t++) sum += w[t];
+                    inv[c] = 1.0f / sum;
+                    outs[c] = o + ((r0 + i) * H + h0 + j) * D;
+                }
+            weighted_values(p.data(), n, n, vp + g * D, blocks, first, S, Hkv * D, inv, outs, D, count);
         }
     });
     return out;
