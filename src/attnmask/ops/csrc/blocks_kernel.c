@@ -53,11 +53,23 @@ int attnmask_blocks_simd(void) { return BLOCKS_AVX512 ? 512 : BLOCKS_AVX2 ? 256 
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* The activations' scratch copy starts on a cache line: the AVX-512 loops read it 64 bytes at a
- * time, and a load that straddles two lines costs two (malloc aligns to 16 only, so the speed of a
- * call depended on where the allocator put it). Measured on Zen 5, one thread, Q4_1 with 4-64 rows:
- * 40 GMAC/s when misaligned, 60-62 aligned (same bits). */
-static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+/* The activations' scratch copy: one buffer per thread, kept from call to call (no allocation per
+ * product: a decoding step makes 121 of them) and on a cache line: the AVX-512 loops read it 64 bytes
+ * at a time, and a load that straddles two lines costs two. With malloc's 16-byte alignment the speed
+ * of a product depended on where the allocator put the copy: measured on Zen 5, one thread, Q4_1 with
+ * 4-64 rows, 40 GMAC/s misaligned against 60-62 aligned (same bits). Returns NULL if it cannot grow. */
+static float *scratch(size_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread size_t held = 0;
+    if (floats > held) {
+        const size_t want = (floats + 15) / 16 * 16; /* whole cache lines */
+        float *grown = (float *)aligned_alloc(64, want * sizeof(float));
+        if (!grown) return NULL;
+        free(buffer);
+        buffer = grown, held = want;
+    }
+    return buffer;
+}
 
 /* Software prefetch: the loops take ~10 cycles per 64 bytes of codes, too few for the hardware
  * prefetchers alone to bring a weight's streams (codes, d, m) from memory in time. Each step of a
@@ -275,7 +287,7 @@ static void q4_1_row(const uint32_t *codes, const float *d, const float *m, cons
 int attnmask_q4_1_matmul(const uint32_t *codes, const float *d, const float *m, const float *x, float *y, int64_t M,
                          int64_t N, int64_t K, int threads) {
     const int64_t nbp = ((K / QK) + 1) / 2 * 2, xb = q4_1_xblocks(nbp);
-    float *xq = (float *)scratch(sizeof(float) * (size_t)(M * xb * (QK + 1)));
+    float *xq = scratch((size_t)(M * xb * (QK + 1)));
     if (!xq) return -1;
     float *xsum = xq + M * xb * QK;
     q4_1_prepare(x, xq, xsum, M, K, nbp);
@@ -303,7 +315,6 @@ int attnmask_q4_1_matmul(const uint32_t *codes, const float *d, const float *m, 
                 q4_1_row(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK, xsum + r0 * xb,
                          y + r0 * N + n, min64(MAX_R, M - r0), N, nbp);
         }
-    free(xq);
     return 0;
 }
 
@@ -519,7 +530,7 @@ static int q8_matmul(const uint32_t *codes, const float *d, const float *x, floa
     const int64_t row_d = K / QK * (sub16 ? 2 : 1);
     float *xo = NULL;
     if (BLOCKS_AVX512) {
-        xo = (float *)scratch(sizeof(float) * (size_t)(M * K));
+        xo = scratch((size_t)(M * K));
         if (!xo) return -1;
         for (int64_t r = 0; r < M; r++)
             for (int64_t j = 0; j < K; j++) xo[r * K + lane_order(j, QK, K / QK, 0)] = x[r * K + j];
@@ -551,7 +562,6 @@ static int q8_matmul(const uint32_t *codes, const float *d, const float *x, floa
             for (; n < end; n++)
                 q8_row(codes + n * (K / 4), d + n * row_d, x + r0 * K, y + r0 * N + n, min64(MAX_R, M - r0), N, K, sub16);
         }
-    free(xo);
     return 0;
 }
 
