@@ -319,18 +319,16 @@ void weighted_chunk(const float *w, int64_t wstride, int64_t n, const float *vba
 
 using WeightedChunk = void (*)(const float *, int64_t, int64_t, const float *, const int64_t *, int64_t, int64_t,
                                int64_t, const float *, float *const *, int64_t);
-// up to 4 pairs: D 64 at a time; more (rows of one sequence side by side): up to 16 pairs, D 16 at a time
+// up to 4 pairs: D 64 at a time; more (rows of one sequence side by side): up to 8 pairs, D 32 at a time
 constexpr WeightedChunk WEIGHTED4[4][4] = {
     {weighted_chunk<1, 1>, weighted_chunk<1, 2>, weighted_chunk<1, 3>, weighted_chunk<1, 4>},
     {weighted_chunk<2, 1>, weighted_chunk<2, 2>, weighted_chunk<2, 3>, weighted_chunk<2, 4>},
     {weighted_chunk<3, 1>, weighted_chunk<3, 2>, weighted_chunk<3, 3>, weighted_chunk<3, 4>},
     {weighted_chunk<4, 1>, weighted_chunk<4, 2>, weighted_chunk<4, 3>, weighted_chunk<4, 4>},
 };
-constexpr WeightedChunk WEIGHTED16[16] = {
-    weighted_chunk<1, 1>,  weighted_chunk<2, 1>,  weighted_chunk<3, 1>,  weighted_chunk<4, 1>,
-    weighted_chunk<5, 1>,  weighted_chunk<6, 1>,  weighted_chunk<7, 1>,  weighted_chunk<8, 1>,
-    weighted_chunk<9, 1>,  weighted_chunk<10, 1>, weighted_chunk<11, 1>, weighted_chunk<12, 1>,
-    weighted_chunk<13, 1>, weighted_chunk<14, 1>, weighted_chunk<15, 1>, weighted_chunk<16, 1>,
+constexpr WeightedChunk WEIGHTED8[8] = {
+    weighted_chunk<1, 2>, weighted_chunk<2, 2>, weighted_chunk<3, 2>, weighted_chunk<4, 2>,
+    weighted_chunk<5, 2>, weighted_chunk<6, 2>, weighted_chunk<7, 2>, weighted_chunk<8, 2>,
 };
 #endif
 
@@ -339,7 +337,7 @@ void weighted_values(const float *w, int64_t wstride, int64_t n, const float *vb
                      int64_t count) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
-        const int64_t group = count <= 4 ? 4 : 16;
+        const int64_t group = count <= 4 || D % 32 ? 4 : 8;
         for (int64_t j0 = 0; j0 < count; j0 += group) {
             const int64_t nj = std::min<int64_t>(group, count - j0);
             if (group == 4) {
@@ -347,9 +345,9 @@ void weighted_values(const float *w, int64_t wstride, int64_t n, const float *vb
                     WEIGHTED4[nj - 1][std::min<int64_t>(4, (D - dc) / 16) - 1](
                         w + j0 * wstride, wstride, n, vbase, blocks, first, S, stride, inv + j0, outs + j0, dc);
             } else {
-                for (int64_t dc = 0; dc < D; dc += 16)
-                    WEIGHTED16[nj - 1](w + j0 * wstride, wstride, n, vbase, blocks, first, S, stride, inv + j0,
-                                       outs + j0, dc);
+                for (int64_t dc = 0; dc < D; dc += 32)
+                    WEIGHTED8[nj - 1](w + j0 * wstride, wstride, n, vbase, blocks, first, S, stride, inv + j0,
+                                      outs + j0, dc);
             }
         }
         return;
@@ -467,7 +465,7 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
     // units than threads would be left (batch 1 of a model with one key/value head). Neither changes
     // how a (row, head) is computed: its scores, weights and sums run over its own keys in the same
     // order, so the bits do not depend on which rows or heads share its unit.
-    constexpr int64_t ROW_BLOCK = 4;
+    constexpr int64_t ROW_BLOCK = 8;
     std::vector<int64_t> starts;  // the units' first rows; a block ends where the sequence changes
     for (int64_t r = 0; r < N; r++)
         if (starts.empty() || r - starts.back() == ROW_BLOCK || seq[r] != seq[r - 1]) starts.push_back(r);
