@@ -249,9 +249,10 @@ inline void silu_mul_lanes(const float *g, const float *u, float *o) {
 }
 #endif
 
-// act(g) u for a row of F, GELU_LANES elements at a time, the tail padded (see above)
-template <void (*lanes)(const float *, const float *, float *)>
-void gated_row(const float *g, const float *u, float *o, int64_t F) {
+// lanes(g + f, u + f, o + f) over a row of F, GELU_LANES elements at a time, the tail padded (see above):
+// act(g) u for the gated MLP, e^(x - shift) for attention's weights
+template <class Lanes>
+void by_lanes(const float *g, const float *u, float *o, int64_t F, Lanes lanes) {
     int64_t f = 0;
     for (; f + GELU_LANES <= F; f += GELU_LANES) lanes(g + f, u + f, o + f);
     if (f < F) {  // the tail through the same instructions, padded
@@ -263,30 +264,19 @@ void gated_row(const float *g, const float *u, float *o, int64_t F) {
 }
 
 
-// x - shift -> e^(x - shift) in place for a row of n, GELU_LANES at a time, the tail padded: each
-// element's bits depend on its value alone
+// e^(x - shift) of GELU_LANES elements (by_lanes: a row's tail padded, so each element's bits depend
+// on its value alone)
 #if defined(__AVX512F__)
-inline void exp_shifted_lanes(float *x, float shift) {
-    _mm512_storeu_ps(x, exp_lanes(_mm512_sub_ps(_mm512_loadu_ps(x), _mm512_set1_ps(shift))));
+inline void exp_shifted_lanes(const float *x, float shift, float *o) {
+    _mm512_storeu_ps(o, exp_lanes(_mm512_sub_ps(_mm512_loadu_ps(x), _mm512_set1_ps(shift))));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-inline void exp_shifted_lanes(float *x, float shift) {
-    _mm256_storeu_ps(x, exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_set1_ps(shift))));
+inline void exp_shifted_lanes(const float *x, float shift, float *o) {
+    _mm256_storeu_ps(o, exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_set1_ps(shift))));
 }
 #else
-inline void exp_shifted_lanes(float *x, float shift) { *x = exp_lanes(*x - shift); }
+inline void exp_shifted_lanes(const float *x, float shift, float *o) { *o = exp_lanes(*x - shift); }
 #endif
-
-void exp_shifted_row(float *x, int64_t n, float shift) {
-    int64_t f = 0;
-    for (; f + GELU_LANES <= n; f += GELU_LANES) exp_shifted_lanes(x + f, shift);
-    if (f < n) {
-        float t[GELU_LANES] = {0};
-        for (int64_t i = f; i < n; i++) t[i - f] = x[i];
-        exp_shifted_lanes(t, shift);
-        for (int64_t i = f; i < n; i++) x[i] = t[i - f];
-    }
-}
 
 // outs[j] = inv[j] * sum_t w[j][t] v_t for `count` (row, query head) pairs j: w rows `wstride` apart over
 // the n keys from `first` (a pair's weight is 0 at the keys outside its row's range: adding 0 w v leaves
@@ -496,7 +486,6 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
             }
             const int64_t first = *std::min_element(lo, lo + rows), last = *std::max_element(hi, hi + rows);
             const int64_t n = last - first + 1;  // the union of the rows' keys; pair c's weights: p[c * n ...]
-            std::fill(p.begin(), p.begin() + count * n, 0.0f);
             for (int64_t c = 0; c < count; c++) top[c] = -std::numeric_limits<float>::infinity();
             // the scores, KEY_BLOCK keys at a time for every (row, head) of the unit, so that the keys stay
             // in L1 while each pair's query goes over them
@@ -513,8 +502,12 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
             for (int64_t i = 0; i < rows; i++)
                 for (int64_t j = 0; j < per; j++) {
                     const int64_t c = i * per + j;
-                    float *w = p.data() + c * n + lo[i] - first;
-                    exp_shifted_row(w, hi[i] - lo[i] + 1, top[c]);
+                    float *w = p.data() + c * n + lo[i] - first;  // scores here; zero outside the row's keys
+                    std::fill(p.data() + c * n, w, 0.0f);
+                    std::fill(w + hi[i] - lo[i] + 1, p.data() + (c + 1) * n, 0.0f);
+                    by_lanes(w, w, w, hi[i] - lo[i] + 1, [&](const float *x, const float *, float *e) {
+                        exp_shifted_lanes(x, top[c], e);
+                    });
                     float sum = 0.0f;
                     for (int64_t t = 0; t <= hi[i] - lo[i]; t++) sum += w[t];
                     inv[c] = 1.0f / sum;
@@ -572,7 +565,7 @@ enum Product { QKV, K, V, O, GATE_UP, UP, DOWN, PRODUCTS };
 
 // The activation of the gated MLP: act(gate) * up, element by element (so a row's result never depends
 // on the other rows), gate and up rows of F floats `gs` and `us` apart: SiLU, a u / (1 + exp(-a)), and
-// tanh-GELU (Gemma), both through exp_lanes, GELU_LANES elements at a time (gated_row). The exponential
+// tanh-GELU (Gemma), both through exp_lanes, GELU_LANES elements at a time (by_lanes). The exponential
 // in vectors rather than libm's, one element at a time: measured on Zen 5, SmolLM2's 30 SiLUs of a
 // 16-row step took ~1 ms of one thread, all of it serial between the products.
 enum class Act { SILU, GELU_TANH };
@@ -590,9 +583,9 @@ void gated_rows(Act act, const float *gate, int64_t gs, const float *up, int64_t
         const float *g = gate + r * gs, *u = up + r * us;
         float *o = out + r * F;
         if (act == Act::SILU) {
-            gated_row<silu_mul_lanes>(g, u, o, F);
+            by_lanes(g, u, o, F, silu_mul_lanes);
         } else {
-            gated_row<gelu_mul_lanes>(g, u, o, F);
+            by_lanes(g, u, o, F, gelu_mul_lanes);
         }
     }
 }
