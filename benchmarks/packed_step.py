@@ -18,6 +18,7 @@ asserted; figures go to docs/benchmarks.md with the CPU named.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -48,26 +49,28 @@ def best_of(fn, repeats: int = 5, span: float = 0.2) -> float:
 
 def step_times(rows_list: list[int], new_tokens: int, repeats: int) -> None:
     from attnmask import pretrained
-    from attnmask.engine import Engine, RequestParams
 
     model = pretrained.load("smollm2", quantized=True)[0]
     for rows in rows_list:
         prompts = [[1, 504, 3575, 282, 4649, 314, 100 + i, 100 + i, 100 + i] for i in range(rows)]
-
-        def run() -> float:
-            engine = Engine(model, kv_cache_mib=512, max_batch_tokens=256)
-            for prompt in prompts:
-                engine.add_request(prompt, RequestParams(max_tokens=new_tokens, ignore_eos=True))
-            engine.step()  # the prompts
-            start, steps = time.perf_counter(), 0
-            while engine.has_work():
-                engine.step()
-                steps += 1
-            return (time.perf_counter() - start) / steps
-
-        run()
-        ms = min(run() for _ in range(repeats)) * 1e3
+        seconds_a_step(model, prompts, new_tokens)
+        ms = min(seconds_a_step(model, prompts, new_tokens) for _ in range(repeats)) * 1e3
         print(f"step   SmolLM2 blocks, {rows:3d} rows: {ms:7.2f} ms a step, {rows / ms * 1e3:7.1f} tok/s", flush=True)
+
+
+def seconds_a_step(model, prompts: list[list[int]], new_tokens: int) -> float:
+    """The mean time of the decoding steps that follow the prompts' step, a fresh engine each call."""
+    from attnmask.engine import Engine, RequestParams
+
+    engine = Engine(model, kv_cache_mib=512, max_batch_tokens=256)
+    for prompt in prompts:
+        engine.add_request(prompt, RequestParams(max_tokens=new_tokens, ignore_eos=True))
+    engine.step()  # the prompts
+    start, steps = time.perf_counter(), 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - start) / steps
 
 
 def attend_times() -> None:
@@ -83,9 +86,8 @@ def attend_times() -> None:
         else:
             row_seq, row_pos = torch.arange(n), torch.full((n,), ctx - 1)
         q = torch.randn(n, heads * dim, generator=g)
-        seconds = best_of(
-            lambda: torch.ops.attnmask.paged_attend(q, k, v, tables, row_seq, row_pos, 0, heads, dim**-0.5)
-        )
+        args = (q, k, v, tables, row_seq, row_pos, 0, heads, dim**-0.5)
+        seconds = best_of(functools.partial(torch.ops.attnmask.paged_attend, *args))
         print(f"attend {name:42s} {seconds * 1e3:9.3f} ms", flush=True)
 
 

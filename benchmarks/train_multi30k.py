@@ -8,7 +8,13 @@ scores the detokenized output against the raw references with sacreBLEU's defaul
     python benchmarks/train_multi30k.py --minutes 25 [--png bleu.png]
 
 It also prints validation BLEU (greedy, the official ``val`` split) against the training loop's wall
-clock at every evaluation, and with ``--png`` draws that curve.
+clock at every evaluation, and with ``--png`` draws that curve. ``--at 10,30`` also keeps the weights at
+those CPU minutes of the training loop (the process's CPU time, saving excluded) and scores each the
+same way once the run ends: the from-scratch curve that ``benchmarks/finetune.py bleu`` is compared
+with, at equal CPU minutes::
+
+    python benchmarks/train_multi30k.py --minutes 60 --threads 1 --eval-every 0 --at 10,30 \
+        --set batch_tokens=8192 --set 'precision="bf16"'
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import sacrebleu
 import torch
 
 from attnmask.data import read_parallel
-from attnmask.train import TrainConfig, train
+from attnmask.train import TrainConfig, distributed
+from attnmask.train.loop import Trainer
 from attnmask.train.rundir import load_run, read_metrics
 
 DATA = Path(os.environ.get("ATTNMASK_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -57,6 +64,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=1000)
     ap.add_argument("--beam", type=int, default=4, help="also score beam search of this size (1 = greedy only)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="override a recipe field")
+    ap.add_argument("--at", default="", help="also keep and score the weights at these CPU minutes of training")
     ap.add_argument("--png", default=None, help="draw validation BLEU against training minutes into this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -74,14 +82,47 @@ def main() -> None:
         max_minutes=args.minutes, eval_every=args.eval_every, eval_sentences=1014, log_every=50, progress=False,
         **recipe,
     )  # fmt: skip
+    marks = sorted(float(m) for m in args.at.split(",") if m)
+    kept: list[tuple[float, float, int, Path]] = []  # (CPU minutes, wall minutes, step, weights)
+    clock = {"cpu0": 0.0, "spent": 0.0, "wall0": 0.0}  # set when the training loop starts
+
+    def cpu_minutes() -> float:
+        return (time.process_time() - clock["cpu0"] - clock["spent"]) / 60
+
+    def keep(step: int, model, rec) -> None:
+        clock["last"] = cpu_minutes()
+        if marks and clock["last"] >= marks[0]:
+            t = time.process_time()
+            path = Path(args.out) / f"snapshot-{marks.pop(0):g}cpumin.pt"
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
+            kept.append((clock["last"], (time.perf_counter() - clock["wall0"]) / 60, step, path))
+            print(f"kept step {step} at {kept[-1][0]:.2f} CPU min: {path}", flush=True)
+            clock["spent"] += time.process_time() - t
+
+    # the clocks start with the training loop, as in ``benchmarks/finetune.py bleu``: the tokenizer and
+    # the batches are prepared before, outside the CPU minutes that the kept weights are compared at
     t0 = time.perf_counter()
-    result = train(cfg)
+    ctx = distributed.setup(cfg.run.device)
+    trainer = Trainer(cfg, ctx, on_step=keep if marks else None)
+    clock.update(cpu0=time.process_time(), wall0=time.perf_counter())
+    result = trainer.run()
+    trainer = None
     train_wall = time.perf_counter() - t0
     if result.stopped not in ("max_steps", "time budget"):
         raise SystemExit(f"interrupted ({result.stopped}); no score")
 
     run = load_run(args.out)
     test = read_parallel(m30k / "test_2016_flickr.de.gz", m30k / "test_2016_flickr.en.gz")
+    if kept:
+        # the kept weights, then the end of the run, greedy: the curve at equal CPU minutes
+        final = {k: v.clone() for k, v in run.model.state_dict().items()}
+        points = []
+        for cpu, wall, step, path in kept:
+            run.model.load_state_dict(torch.load(path, weights_only=True))
+            hyps = translate_all(run, test.sources, 1)
+            points.append((cpu, wall, step, sacrebleu.BLEU().corpus_score(hyps, [test.targets]).score,
+                           sacrebleu.corpus_chrf(hyps, [test.targets]).score))  # fmt: skip
+        run.model.load_state_dict(final)
     rows = []
     for beam in sorted({1, args.beam}):
         t1 = time.perf_counter()
@@ -102,6 +143,13 @@ def main() -> None:
         name = "greedy" if beam == 1 else f"beam {beam}"
         print(f"| {name} | {bleu.score:.2f} | {chrf.score:.2f} | {seconds:.0f} s |")
     print(f"sacreBLEU signature: {bleu_metric.get_signature()}")  # the metric of the last decoding
+    if kept:
+        print("\n| training CPU minutes | wall minutes | step | BLEU (test_2016_flickr, greedy) | chrF |")
+        print("|---:|---:|---:|---:|---:|")
+        for cpu, wall, step, bleu, chrf in points:
+            print(f"| {cpu:.1f} | {wall:.1f} | {step} | {bleu:.2f} | {chrf:.2f} |")
+        print(f"| {clock.get('last', 0.0):.1f} (end) | {result.elapsed_s / 60:.1f} | {result.step} | "
+              f"{rows[0][1].score:.2f} | {rows[0][2].score:.2f} |")  # fmt: skip
     curve = [(r["elapsed_s"] / 60, r["step"], r["bleu"]) for r in read_metrics(args.out)
              if r["split"] == "valid" and "elapsed_s" in r and "bleu" in r]  # fmt: skip
     print("\n| training minutes | step | validation BLEU (greedy) |")

@@ -221,14 +221,15 @@ def test_encoder_decoder_needs_a_source():
 # ---------------------------------------------------------------------------------------------
 # fuse_projections_: one q/k/v product and one gate/up product, same function
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_projections_compute_the_same_logits(arch):
+def test_fused_projections_compute_the_same_logits(arch, activation):
     import copy
 
     from attnmask import decode
     from attnmask.model import fuse_projections_
 
-    model = make_model(arch, activation="swiglu", positions="rotary", n_kv_heads=2)
+    model = make_model(arch, activation=activation, positions="rotary", n_kv_heads=2)
     fused = fuse_projections_(copy.deepcopy(model))
     keys = set(fused.state_dict())
     assert "layers.0.self_attn.qkv_proj.weight" in keys and "layers.0.mlp.gate_up_proj.weight" in keys

@@ -418,11 +418,11 @@ def _concat_linear(layers: list[nn.Module]) -> nn.Module | None:
 
 
 def fuse_projections_(model: nn.Module) -> nn.Module:
-    """For inference: every self-attention computes q, k and v in one product, every SwiGLU MLP
-    its gate and up projections in one, in place. Each fused product's rows are the stacked rows
-    of the separate ones, so each output is the same sum of the same products (a wider product
-    may add them in another order: equal up to float32 rounding); at one token a step this saves
-    two of every seven matrix calls and their overhead.
+    """For inference: every self-attention computes q, k and v in one product, every gated MLP
+    (SwiGLU, Gemma's tanh-GeGLU) its gate and up projections in one, in place. Each fused product's
+    rows are the stacked rows of the separate ones, so each output is the same sum of the same
+    products (a wider product may add them in another order: equal up to float32 rounding); at one
+    token a step this saves two of every seven matrix calls and their overhead.
 
     The separate projection modules are removed (``state_dict`` keys change: fuse after loading,
     do not train or save a fused model); a fused attention can no longer attend to a context.
@@ -438,7 +438,7 @@ def fuse_projections_(model: nn.Module) -> nn.Module:
                 attn.qkv_proj = fused
                 attn.q_proj = attn.k_proj = attn.v_proj = None
         mlp = block.mlp
-        if mlp.activation == "swiglu" and mlp.gate_up_proj is None and mlp.gate_proj is not None:
+        if getattr(mlp, "gated", False) and mlp.gate_up_proj is None and mlp.gate_proj is not None:
             fused = _concat_linear([mlp.gate_proj, mlp.up_proj])
             if fused is not None:
                 mlp.gate_up_proj = fused
