@@ -68,8 +68,11 @@ class Status:
 
 def _flags() -> dict[str, list]:
     return {
-        "cflags": ["-ffp-contract=off", *build.simd_flags()],  # the block sums in the order they are written
-        "cxxflags": build.simd_flags(),
+        # every sum and product in the order and rounding it is written in: the block sums, and the C++
+        # code that must equal its PyTorch definition bit for bit (g++ contracts a * b + c * d into a fused
+        # multiply-add by default, even with -std=c++20, where gcc's C mode does not)
+        "cflags": ["-ffp-contract=off", *build.simd_flags()],
+        "cxxflags": ["-ffp-contract=off", *build.simd_flags()],
         "variants": [["-fopenmp"], []],  # without an OpenMP runtime: one thread
     }
 
