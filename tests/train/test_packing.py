@@ -200,6 +200,17 @@ def test_rounding_lengths_keeps_the_loss():
     assert_close(loss, ref, rtol=1e-10, atol=1e-10)
 
 
+def test_off_the_cpu_lengths_round_to_flex_attentions_block():
+    # packed rows end wherever their last conversation does: without rounding a GPU step would see a
+    # new length (a FlexAttention kernel and BlockMask compile) almost every step
+    from attnmask.train.loop import length_multiple
+
+    assert length_multiple(torch.device("cpu"), compiled=False) == 0
+    assert length_multiple(torch.device("cpu"), compiled=True) == 16
+    assert length_multiple(torch.device("cuda"), compiled=False) == 128
+    assert length_multiple(torch.device("cuda"), compiled=True) == 128
+
+
 def test_a_compiler_that_fails_gives_one_notice_and_trains_eagerly(tmp_path, monkeypatch):
     def broken_compile(fn, *args, **kwargs):
         def call(*a, **k):

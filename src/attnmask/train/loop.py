@@ -62,6 +62,10 @@ from attnmask.train.rundir import ADAPTERS, FORMAT_VERSION, TRAINER_STATE, WEIGH
 from attnmask.train.tasks import Batch, TrainingTask, build_task
 
 COMPILE_ROUND_TO = 16  # --compile: batch lengths rounded up to a multiple of this, so few shapes compile
+# Off the CPU, attention runs compiled FlexAttention, whose kernel and BlockMask builder specialize on the
+# batch's length: lengths rounded up to its block size (128) leave one shape where packed rows of N tokens
+# would otherwise give a new length (and a compile) almost every step.
+ACCELERATOR_ROUND_TO = 128
 
 
 def compile_failure(err: BaseException) -> str:
@@ -71,6 +75,12 @@ def compile_failure(err: BaseException) -> str:
         root = inner
     lines = str(root).strip().splitlines()
     return f"{type(root).__name__}: {lines[0] if lines else ''}"
+
+
+def length_multiple(device: torch.device, compiled: bool) -> int:
+    """What a step's batch lengths are padded up to a multiple of (0: left as built): the block size
+    of FlexAttention off the CPU, :data:`COMPILE_ROUND_TO` for a compiled step, else nothing."""
+    return max(COMPILE_ROUND_TO if compiled else 0, ACCELERATOR_ROUND_TO if device.type != "cpu" else 0)
 
 
 def round_lengths(b: Batch, multiple: int, pad_id: int | None) -> Batch:
@@ -235,6 +245,8 @@ class Trainer:
         self.autocast = self._autocast()
         # the model step, compiled with --compile (eager again, with one notice, if compiling fails)
         self.forward = torch.compile(self.ddp) if cfg.run.compile else self.ddp
+        # batch lengths padded up to a multiple of this (0: as built), so that compiled code sees few shapes
+        self._round_to = length_multiple(ctx.device, cfg.run.compile)
 
     # -- setup --------------------------------------------------------------------------------
     @property
@@ -406,8 +418,8 @@ class Trainer:
         loss_sum = None
         for k, b in enumerate(micro):
             sync = k == len(micro) - 1 or not ctx.enabled
-            if cfg.run.compile:
-                b = round_lengths(b, COMPILE_ROUND_TO, self.model.config.pad_id)
+            if self._round_to:
+                b = round_lengths(b, self._round_to, self.model.config.pad_id)
             if self.sharded is not None:  # FSDP reduce-scatters every micro-batch's gradients
                 with self.autocast():
                     part = self.sharded.root(b.inputs, b.src, b.labels, b.segments, b.src_segments,
