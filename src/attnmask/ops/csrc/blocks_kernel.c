@@ -47,6 +47,10 @@
 #define QK 32
 #define ROWS_PER_TASK 16
 #define MAX_R 4 /* activation rows per pass over a weight row */
+/* the loops over a pass's rows unrolled before GCC's scalar replacement of the accumulator arrays, so
+ * that those stay in registers (AVX2: rolled, they were kept on the stack, a store and a load per
+ * multiply-add) */
+#define ROWS_UNROLLED _Pragma("GCC unroll 4")
 
 /* the vector width the loops were built for: 512, 256, or 0 (portable C) */
 int attnmask_blocks_simd(void) { return BLOCKS_AVX512 ? 512 : BLOCKS_AVX2 ? 256 : 0; }
@@ -205,18 +209,34 @@ static inline __attribute__((always_inline)) void q4_1_pair8(const uint32_t *cod
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + p * 8));
     ahead(codes + p * 8, CODES_AHEAD);
     if (!(p & 7)) scales_ahead(d + 2 * p, m + 2 * p);
-    __m256 v[8];
-    for (int k = 0; k < 7; k++) v[k] = _mm256_cvtepi32_ps(_mm256_and_si256(raw, _mm256_slli_epi32(nib, 4 * k)));
-    v[7] = _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 28));
-    const __m256 d0 = _mm256_broadcast_ss(d + 2 * p), d1 = _mm256_broadcast_ss(d + 2 * p + 1);
-    for (int r = 0; r < R; r++) {
-        const float *xp = xq + r * nbp * QK + at;
-        const __m256 t0 = _mm256_add_ps(_mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xp))),
-                                        _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(xp + 16))));
-        const __m256 t1 = _mm256_add_ps(_mm256_fmadd_ps(v[5], _mm256_loadu_ps(xp + 40), _mm256_mul_ps(v[4], _mm256_loadu_ps(xp + 32))),
-                                        _mm256_fmadd_ps(v[7], _mm256_loadu_ps(xp + 56), _mm256_mul_ps(v[6], _mm256_loadu_ps(xp + 48))));
-        acc0[r] = _mm256_fmadd_ps(d0, t0, acc0[r]);
-        acc1[r] = _mm256_fmadd_ps(d1, t1, acc1[r]);
+    /* the first block (planes 0..3) for every row, then the second (planes 4..7): four decoded planes
+     * live at a time, so that with R = 4 the eight accumulators stay in the 16 registers (all eight
+     * planes at once spilled 27 registers a pair to the stack at R = 4, 15 at R = 2). Each row's
+     * operations are the same either way. */
+    {
+        __m256 v[4];
+        for (int k = 0; k < 4; k++) v[k] = _mm256_cvtepi32_ps(_mm256_and_si256(raw, _mm256_slli_epi32(nib, 4 * k)));
+        const __m256 d0 = _mm256_broadcast_ss(d + 2 * p);
+        ROWS_UNROLLED
+        for (int r = 0; r < R; r++) {
+            const float *xp = xq + r * nbp * QK + at;
+            const __m256 t0 = _mm256_add_ps(_mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xp))),
+                                            _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(xp + 16))));
+            acc0[r] = _mm256_fmadd_ps(d0, t0, acc0[r]);
+        }
+    }
+    {
+        __m256 v[4];
+        for (int k = 0; k < 3; k++) v[k] = _mm256_cvtepi32_ps(_mm256_and_si256(raw, _mm256_slli_epi32(nib, 4 * k + 16)));
+        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 28));
+        const __m256 d1 = _mm256_broadcast_ss(d + 2 * p + 1);
+        ROWS_UNROLLED
+        for (int r = 0; r < R; r++) {
+            const float *xp = xq + r * nbp * QK + at;
+            const __m256 t1 = _mm256_add_ps(_mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 40), _mm256_mul_ps(v[0], _mm256_loadu_ps(xp + 32))),
+                                            _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 56), _mm256_mul_ps(v[2], _mm256_loadu_ps(xp + 48))));
+            acc1[r] = _mm256_fmadd_ps(d1, t1, acc1[r]);
+        }
     }
 }
 
@@ -224,8 +244,10 @@ static inline __attribute__((always_inline)) void q4_1_row_r(const uint32_t *cod
                                                              const float *xq, const float *xsum, float *y, const int R,
                                                              int64_t N, int64_t nbp) {
     __m256 acc0[MAX_R], acc1[MAX_R];
+    ROWS_UNROLLED
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     for (int64_t p = 0; p < nbp / 2; p++) q4_1_pair8(codes, d, m, xq, acc0, acc1, R, nbp, p, p * 64);
+    ROWS_UNROLLED
     for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + dot(m, xsum + r * nbp, nbp);
 }
 #endif
@@ -355,24 +377,29 @@ static inline __attribute__((always_inline)) void q8_block8(const uint32_t *code
     const uint8_t *q = plane8(codes, b, K / QK);
     const int64_t step = plane_step(b, K / QK);
     ahead(codes + b * 8, CODES_AHEAD);
+    if (sub16) { /* each half for every row in turn: two decoded planes live at a time (fewer spills at R = 4) */
+        if (!(b & 7)) ahead(d + 2 * b, CODES_AHEAD / 4); /* 8 bytes of scales per 32 of codes */
+        for (int h = 0; h < 2; h++) {
+            const __m256 va = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 2 * h * step))));
+            const __m256 vb = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + (2 * h + 1) * step))));
+            const __m256 dh = _mm256_broadcast_ss(d + 2 * b + h);
+            __m256 *acc = h ? acc1 : acc0;
+            ROWS_UNROLLED
+            for (int r = 0; r < R; r++) {
+                const float *xb = x + r * K + at + 16 * h;
+                const __m256 t = _mm256_fmadd_ps(vb, _mm256_loadu_ps(xb + 8), _mm256_mul_ps(va, _mm256_loadu_ps(xb)));
+                acc[r] = _mm256_fmadd_ps(dh, t, acc[r]);
+            }
+        }
+        return;
+    }
     const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
     const __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + step))));
     const __m256 v2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 2 * step))));
     const __m256 v3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 3 * step))));
-    if (sub16) {
-        if (!(b & 7)) ahead(d + 2 * b, CODES_AHEAD / 4); /* 8 bytes of scales per 32 of codes */
-        const __m256 lo = _mm256_broadcast_ss(d + 2 * b), hi = _mm256_broadcast_ss(d + 2 * b + 1);
-        for (int r = 0; r < R; r++) {
-            const float *xb = x + r * K + at;
-            const __m256 t0 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xb + 8), _mm256_mul_ps(v0, _mm256_loadu_ps(xb)));
-            const __m256 t1 = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xb + 24), _mm256_mul_ps(v2, _mm256_loadu_ps(xb + 16)));
-            acc0[r] = _mm256_fmadd_ps(lo, t0, acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(hi, t1, acc1[r]);
-        }
-        return;
-    }
     const __m256 db = _mm256_broadcast_ss(d + b);
     __m256 *acc = (b & 1) ? acc1 : acc0;
+    ROWS_UNROLLED
     for (int r = 0; r < R; r++) {
         const float *xb = x + r * K + at;
         const __m256 t = _mm256_add_ps(_mm256_fmadd_ps(v1, _mm256_loadu_ps(xb + 8), _mm256_mul_ps(v0, _mm256_loadu_ps(xb))),
@@ -474,13 +501,16 @@ static inline __attribute__((always_inline)) void q8_row_r(const uint32_t *codes
     const int64_t nb = K / QK;
     ahead(d, CODES_AHEAD / 8);
     __m256 acc0[MAX_R], acc1[MAX_R];
+    ROWS_UNROLLED
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) { /* by two blocks, as the AVX-512 loop takes groups */
-        q8_block8(codes, d, x, acc0, acc1, R, K, b, b * QK, sub16);
-        q8_block8(codes, d, x, acc0, acc1, R, K, b + 1, (b + 1) * QK, sub16);
+    for (; b + 2 <= nb; b += 2) { /* by two blocks, as the AVX-512 loop takes groups; Q8_0's even block adds
+                                     * to acc0 and the odd one to acc1, passed so that the compiler sees which */
+        q8_block8(codes, d, x, acc0, sub16 ? acc1 : acc0, R, K, b, b * QK, sub16);
+        q8_block8(codes, d, x, sub16 ? acc0 : acc1, acc1, R, K, b + 1, (b + 1) * QK, sub16);
     }
     if (b < nb) q8_block8(codes, d, x, acc0, acc1, R, K, b, b * QK, sub16);
+    ROWS_UNROLLED
     for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 #endif
