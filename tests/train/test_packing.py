@@ -200,6 +200,25 @@ def test_rounding_lengths_keeps_the_loss():
     assert_close(loss, ref, rtol=1e-10, atol=1e-10)
 
 
+def test_rounding_stops_at_the_position_tables_end():
+    from attnmask.train.loop import round_lengths
+    from attnmask.train.tasks import Batch
+
+    model = tiny_model("encoder_decoder", std=0.5).double()
+    src, tgt = random_pairs(4, seed=5)
+    b = make_translation_batch(src, tgt, pad_id=PAD, sos_id=SOS, eos_id=EOS)
+    batch = Batch(b.tgt_in, b.src, b.labels, 0.0, b.num_tokens)
+    T, S = batch.inputs.shape[1], batch.src.shape[1]
+    limit = max(T, S) + 1  # short of the next multiple of 128
+    rounded = round_lengths(batch, 128, PAD, limit=limit)
+    assert rounded.inputs.shape[1] == limit and rounded.src.shape[1] == limit
+    assert round_lengths(batch, 128, PAD, limit=1).inputs.shape[1] == T  # never shorter than it was
+    assert limit <= model.config.max_seq_len
+    loss = lm_loss(model(rounded.inputs, rounded.src).logits, rounded.labels, reduction="sum")[0]
+    ref = lm_loss(model(batch.inputs, batch.src).logits, batch.labels, reduction="sum")[0]
+    assert_close(loss, ref, rtol=1e-10, atol=1e-10)
+
+
 def test_off_the_cpu_lengths_round_to_flex_attentions_block():
     # packed rows end wherever their last conversation does: without rounding a GPU step would see a
     # new length (a FlexAttention kernel and BlockMask compile) almost every step

@@ -83,15 +83,20 @@ def length_multiple(device: torch.device, compiled: bool) -> int:
     return max(COMPILE_ROUND_TO if compiled else 0, ACCELERATOR_ROUND_TO if device.type != "cpu" else 0)
 
 
-def round_lengths(b: Batch, multiple: int, pad_id: int | None) -> Batch:
+def round_lengths(b: Batch, multiple: int, pad_id: int | None, limit: int | None = None) -> Batch:
     """``b`` with its time dimensions padded up to a multiple of ``multiple``: pad ids (masked as
     padding by the model), ``IGNORE_INDEX`` labels, :data:`PAD_SEGMENT` segments. The loss is
-    unchanged; a compiled step sees a handful of shapes instead of one per batch."""
+    unchanged; a compiled step sees a handful of shapes instead of one per batch. ``limit``: never
+    past this length (a model with a position table of ``max_seq_len`` entries numbers unsegmented
+    padding too), so a batch near it grows to ``limit`` exactly, one more shape."""
 
     def grow(t: torch.Tensor | None, fill: int) -> torch.Tensor | None:
         if t is None or t.shape[-1] % multiple == 0:
             return t
-        return torch.nn.functional.pad(t, (0, multiple - t.shape[-1] % multiple), value=fill)
+        target = t.shape[-1] + multiple - t.shape[-1] % multiple
+        if limit is not None:
+            target = max(t.shape[-1], min(target, limit))
+        return torch.nn.functional.pad(t, (0, target - t.shape[-1]), value=fill)
 
     pad = 0 if pad_id is None else pad_id
     return dataclasses.replace(
@@ -419,7 +424,8 @@ class Trainer:
         for k, b in enumerate(micro):
             sync = k == len(micro) - 1 or not ctx.enabled
             if self._round_to:
-                b = round_lengths(b, self._round_to, self.model.config.pad_id)
+                mc = self.model.config
+                b = round_lengths(b, self._round_to, mc.pad_id, None if mc.positions == "rotary" else mc.max_seq_len)
             if self.sharded is not None:  # FSDP reduce-scatters every micro-batch's gradients
                 with self.autocast():
                     part = self.sharded.root(b.inputs, b.src, b.labels, b.segments, b.src_segments,
