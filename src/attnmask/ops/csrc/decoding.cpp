@@ -430,6 +430,17 @@ float scores_held(const float *q, const float *kbase, const int64_t *blocks, int
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// vdot's last steps for D a multiple of 32: its four accumulators added in pairs, then its lanes one by one
+inline float vdot_total(const __m256 *a) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    float s = 0.0f;
+    for (float lane : lanes) s += lane;
+    return s;
+}
+#endif
+
 float scores(const float *q, const float *kbase, const int64_t *blocks, int64_t ta, int64_t tb, int64_t S,
              int64_t stride, int64_t D, float scale, float *p, float top) {
 #if defined(__AVX512F__)
@@ -439,6 +450,33 @@ float scores(const float *q, const float *kbase, const int64_t *blocks, int64_t 
         case 192: return scores_held<3>(q, kbase, blocks, ta, tb, S, stride, scale, p, top);
         case 256: return scores_held<4>(q, kbase, blocks, ta, tb, S, stride, scale, p, top);
         default: break;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    // AVX2 has too few registers to hold the query (D = 256 is 32 of them): two keys at a time share
+    // each load of it instead. Each key's accumulators, products and sums are vdot's, in its order.
+    if (D % 32 == 0) {
+        int64_t t = ta;
+        for (; t + 1 <= tb; t += 2) {
+            const float *k0 = kbase + (blocks[t / S] * S + t % S) * stride;
+            const float *k1 = kbase + (blocks[(t + 1) / S] * S + (t + 1) % S) * stride;
+            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            __m256 b[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t k = 0; k < D; k += 32)
+                for (int j = 0; j < 4; j++) {
+                    const __m256 qv = _mm256_loadu_ps(q + k + 8 * j);
+                    a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k + 8 * j), a[j]);
+                    b[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k + 8 * j), b[j]);
+                }
+            p[t] = vdot_total(a) * scale;
+            top = std::max(top, p[t]);
+            p[t + 1] = vdot_total(b) * scale;
+            top = std::max(top, p[t + 1]);
+        }
+        if (t == tb) {
+            p[t] = vdot<false>(q, kbase + (blocks[t / S] * S + t % S) * stride, D) * scale;
+            top = std::max(top, p[t]);
+        }
+        return top;
     }
 #endif
     for (int64_t t = ta; t <= tb; t++) {
