@@ -250,8 +250,11 @@ class Trainer:
         self.autocast = self._autocast()
         # the model step, compiled with --compile (eager again, with one notice, if compiling fails)
         self.forward = torch.compile(self.ddp) if cfg.run.compile else self.ddp
-        # batch lengths padded up to a multiple of this (0: as built), so that compiled code sees few shapes
+        # batch lengths padded up to a multiple of this (0: as built), so that compiled code sees few
+        # shapes, never past a position table's end
+        mc = self.model.config
         self._round_to = length_multiple(ctx.device, cfg.run.compile)
+        self._round_limit = None if mc.positions == "rotary" else mc.max_seq_len
 
     # -- setup --------------------------------------------------------------------------------
     @property
@@ -424,8 +427,7 @@ class Trainer:
         for k, b in enumerate(micro):
             sync = k == len(micro) - 1 or not ctx.enabled
             if self._round_to:
-                mc = self.model.config
-                b = round_lengths(b, self._round_to, mc.pad_id, None if mc.positions == "rotary" else mc.max_seq_len)
+                b = round_lengths(b, self._round_to, self.model.config.pad_id, self._round_limit)
             if self.sharded is not None:  # FSDP reduce-scatters every micro-batch's gradients
                 with self.autocast():
                     part = self.sharded.root(b.inputs, b.src, b.labels, b.segments, b.src_segments,
