@@ -549,18 +549,24 @@ def test_inference_tensors_are_prepared_without_a_version_counter():
 
 
 @pytest.mark.parametrize(
-    "dtype, shape, grad, expected",  # shape: (B, H, Tq, Tk)
+    "dtype, shape, grad, native, expected",  # shape: (B, H, Tq, Tk); native: the CPU multiplies bfloat16
     [
-        (torch.bfloat16, (128, 4, 32, 32), True, True),  # bf16 training, short keys
-        (torch.bfloat16, (8, 4, 256, 256), True, False),  # bf16 training, long keys: SDPA
-        (torch.float32, (64, 8, 1, 32), False, True),  # a batch's one-token decoding step
-        (torch.float32, (128, 4, 32, 32), True, True),  # float32 training, short keys
-        (torch.float32, (32, 8, 96, 96), True, False),  # float32 training, longer keys: SDPA
-        (torch.float32, (4, 4, 32, 32), True, False),  # float32 training, few problems: SDPA
-        (torch.float32, (1, 9, 1, 200), False, False),  # one row's step: too few problems
+        (torch.bfloat16, (128, 4, 32, 32), True, True, True),  # bf16 training, short keys
+        (torch.bfloat16, (128, 4, 32, 32), True, False, False),  # ... converted bf16 products: SDPA
+        (torch.bfloat16, (128, 4, 32, 32), False, False, False),  # ... and at inference
+        (torch.bfloat16, (8, 4, 256, 256), True, True, False),  # bf16 training, long keys: SDPA
+        (torch.float32, (64, 8, 1, 32), False, False, True),  # a batch's one-token decoding step
+        (torch.float32, (128, 4, 32, 32), True, False, True),  # float32 training, short keys
+        (torch.float32, (32, 8, 96, 96), True, True, False),  # float32 training, longer keys: SDPA
+        (torch.float32, (4, 4, 32, 32), True, True, False),  # float32 training, few problems: SDPA
+        (torch.float32, (1, 9, 1, 200), False, True, False),  # one row's step: too few problems
     ],
 )
-def test_auto_takes_the_math_backend_for_many_short_problems_on_the_cpu(dtype, shape, grad, expected, monkeypatch):
+def test_auto_takes_the_math_backend_for_many_short_problems_on_the_cpu(
+    dtype, shape, grad, native, expected, monkeypatch
+):
+    """A rule on shapes, dtype and what the CPU can do (``avx512_bf16`` / ``amx_bf16``), never a clock."""
+    monkeypatch.setattr(backends, "_native_bf16", lambda: native)
     calls = []
     original = backends._math
 

@@ -426,7 +426,9 @@ def _flex_suits(pm: PreparedMask) -> bool:
 
 # ``auto`` on the CPU takes ``math`` for many short problems, where SDPA's fused kernels lose
 # (measured on Zen 5 with torch 2.13: docs/benchmarks.md, attention): bfloat16 with up to 128 keys
-# (at 256 keys SDPA is faster); float32 at inference for up to 64 queries over up to 256 keys in at
+# (at 256 keys SDPA is faster) on a CPU that multiplies bfloat16 natively -- without avx512_bf16 /
+# amx_bf16 (Zen 3) ``math``'s converted bfloat16 products made it 2.5-13x slower than SDPA at 16-128
+# keys, forward and backward; float32 at inference for up to 64 queries over up to 256 keys in at
 # least 32 (batch row, head) pairs, as a batch of short sentences through the encoder or a short
 # decoder forward (decoding steps attend through the paged cache's ``paged_attend``, not here);
 # float32 training over up to 64 keys in at least 32 pairs (at 96-128 keys and 8 heads SDPA catches
@@ -442,8 +444,8 @@ def _math_suits(q: Tensor, k: Tensor, v: Tensor) -> bool:
     Tk = k.shape[2]
     if B * H * Tq * Tk > _MATH_MAX_SCORES:
         return False
-    if q.dtype == torch.bfloat16:
-        return Tk <= 128
+    if q.dtype == torch.bfloat16:  # without native products each bfloat16 product is converted
+        return Tk <= 128 and _native_bf16()
     if q.dtype != torch.float32 or B * H < 32:
         return False
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
