@@ -456,3 +456,15 @@ def test_smollm2_greedy_64_tokens_equal_transformers_generate(smol, smol_hf, smo
 
 def test_pretrained_module_doc_names_the_install_command():
     assert MODELS["smollm2"].install in pretrained.__doc__
+
+
+def test_a_chat_template_is_compiled_once_a_process():
+    """Rendering is what a conversation costs; parsing and compiling the template happen once."""
+    pytest.importorskip("jinja2")
+    from attnmask.pretrained import chat as chat_module
+
+    chat_module._compile.cache_clear()
+    for k in range(3):
+        assert ChatTemplate(SMOL_TEMPLATE)(f"Hi {k}").endswith("<|im_start|>assistant\n")
+    info = chat_module._compile.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
