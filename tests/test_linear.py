@@ -243,3 +243,58 @@ def test_a_compiled_training_step_matches_eager(backend, engine_restored):
         step(fn)
     # the forward and d weight (x needs no gradient), under compile through attnmask's operator
     assert sum(e.count for e in prof.key_averages() if e.key == "attnmask::onednn_linear") == 2
+
+
+def bf16_reference(x, w, b, grad):
+    """bfloat16 autocast's function in float64: bfloat16 operands and incoming gradient, exact sums."""
+    r = lambda t: t.detach().to(torch.bfloat16).double()  # noqa: E731
+    xd, wd = r(x).requires_grad_(), r(w).requires_grad_()
+    bd = None if b is None else r(b).requires_grad_()
+    y = F.linear(xd, wd, bd)
+    y.backward(r(grad))
+    return y, xd.grad, wd.grad, None if bd is None else bd.grad
+
+
+def close_in_bf16(got, want):
+    """Within one bfloat16 rounding of the float64 value (plus float32 sums' few ulps)."""
+    assert got.dtype != torch.float64
+    tol = want.abs() * 2.0**-8 + want.abs().max() * 2.0**-16
+    assert ((got.double() - want).abs() <= tol).all(), (got.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bfloat16_without_fast_bf16_products_is_autocasts_function_in_float32(autocast, bias, monkeypatch):
+    monkeypatch.setattr(L, "fast_bf16_products", lambda: False)
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    x = torch.randn(3, 40, 96, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(72, 96, generator=g).to(dtype).requires_grad_()
+    b = torch.randn(72, generator=g).to(dtype).requires_grad_() if bias else None
+    grad = torch.randn(3, 40, 72, generator=g)
+    calls = []
+    monkeypatch.setattr(
+        L._Bf16ByFloat32, "apply", lambda *a, _apply=L._Bf16ByFloat32.apply: calls.append(1) or _apply(*a)
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = L.linear(x, w, b)
+    y.backward(grad.to(y.dtype))
+    assert calls == [1] and y.dtype == torch.bfloat16
+    y_ref, gx, gw, gb = bf16_reference(x, w, b, grad)
+    close_in_bf16(y, y_ref)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        torchs = F.linear(x, w, b)  # PyTorch's own bfloat16 product: the same up to the sums' order
+    assert (y != torchs).float().mean() < 0.01
+    for got, want, like in ((x.grad, gx, x), (w.grad, gw, w), (None if b is None else b.grad, gb, b)):
+        if like is not None:
+            assert got.dtype == like.dtype
+            close_in_bf16(got, want)
+
+
+def test_bfloat16_with_fast_bf16_products_is_torchs_own(monkeypatch):
+    monkeypatch.setattr(L, "fast_bf16_products", lambda: True)
+    monkeypatch.setattr(L._Bf16ByFloat32, "apply", lambda *a: pytest.fail("widened where bf16 is fast"))
+    layer = L.Linear(64, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(torch.randn(8, 64)).dtype == torch.bfloat16
+    assert L.linear(torch.randn(8, 64, dtype=torch.bfloat16), layer.weight.bfloat16()).dtype == torch.bfloat16

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
+import attnmask.linear as products
 from attnmask.data.collate import IGNORE_INDEX
 from attnmask.model import ModelConfig, Transformer, head_loss, lm_loss
 from attnmask.model import loss as loss_module
@@ -60,7 +61,10 @@ def test_ignored_rows_get_no_gradient():
     assert gh[1].abs().min() > 0
 
 
-def test_under_bf16_autocast_it_matches_lm_loss_there():
+@pytest.mark.parametrize("fast_bf16", [True, False])  # False: bfloat16 products through float32 ones
+def test_under_bf16_autocast_it_matches_lm_loss_there(fast_bf16, monkeypatch):
+    monkeypatch.setattr(products, "fast_bf16_products", lambda: fast_bf16)
+    monkeypatch.setattr(loss_module, "CHUNK_SCORES", 300 * 8)  # several chunks: operands rounded once for all
     hidden, head, labels = problem(dtype=torch.float32, C=64, V=300)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = head_loss(hidden, head, labels, label_smoothing=0.1)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from attnmask.errors import UserError
-from attnmask.linear import Linear
+from attnmask.linear import Linear, linear
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -53,7 +53,8 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
-        update = (x @ self.lora_a.t()) @ self.lora_b.t()  # (..., r) -> (..., out)
+        # x A^T B^T, through attnmask's products (bfloat16 through float32 where the CPU's bfloat16 is slow)
+        update = linear(linear(x, self.lora_a), self.lora_b)  # (..., in) -> (..., r) -> (..., out)
         return self.base(x) + update * self.scale
 
     def merged(self) -> nn.Linear:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import attnmask.linear as products
 from attnmask.data.collate import IGNORE_INDEX
 from attnmask.errors import UserError
 from attnmask.linear import linear
@@ -32,15 +33,28 @@ class _HeadLoss(torch.autograd.Function):
         acc = torch.promote_types(dtype, torch.float32)
         N, C = h.shape
         V = weight.shape[0]
-        w = weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
+        # where this CPU multiplies bfloat16 slowly, bfloat16 products as attnmask.linear computes them
+        # (float32 products of bfloat16-rounded operands, each result rounded to bfloat16), with the
+        # operands rounded once here rather than in every product
+        widen = dtype == torch.bfloat16 and h.device.type == "cpu" and not products.fast_bf16_products()
+        held = torch.float32 if widen else dtype  # the dtype the rounded operands are held in
+
+        def rounded(t: Tensor) -> Tensor:
+            return t.to(dtype).to(held)
+
+        def product(a: Tensor, m: Tensor, bias_: Tensor | None = None) -> Tensor:
+            out = linear(a, m, bias_)
+            return out.to(dtype) if widen else out
+
+        w = rounded(weight)
+        b = None if bias is None else rounded(bias)
         grad_h = torch.empty(N, C, dtype=h.dtype, device=h.device)
         grad_wt = torch.zeros(C, V, dtype=acc, device=h.device)  # W's gradient, transposed
         grad_b = None if bias is None else torch.zeros(V, dtype=acc, device=h.device)
         total = torch.zeros((), dtype=acc, device=h.device)
         for i in range(0, N, rows):
-            hc, y = h[i : i + rows].to(dtype), labels[i : i + rows]  # (R, C), (R,)
-            z = linear(hc, w, b).to(acc)  # (R, V) logits
+            hc, y = rounded(h[i : i + rows]), labels[i : i + rows]  # (R, C), (R,)
+            z = product(hc, w, b).to(acc)  # (R, V) logits
             z.sub_(z.amax(dim=-1, keepdim=True))  # shifted by each row's max, in place: the same softmax
             real = (y != IGNORE_INDEX).unsqueeze(1)  # (R, 1)
             target = y.clamp(min=0).unsqueeze(1)  # (R, 1): any class for ignored rows, zeroed below
@@ -59,9 +73,9 @@ class _HeadLoss(torch.autograd.Function):
             g.scatter_add_(1, target, torch.full_like(sums, smoothing - 1))
             if not all_real:
                 g.masked_fill_(~real, 0)
-            gc = g.to(dtype)
-            grad_h[i : i + rows] = linear(gc, w.t())  # (R, V) x (V, C)
-            grad_wt += linear(hc.t().contiguous(), gc.t())  # (C, R) x (R, V)
+            gc = rounded(g)
+            grad_h[i : i + rows] = product(gc, w.t())  # (R, V) x (V, C)
+            grad_wt += product(hc.t().contiguous(), gc.t())  # (C, R) x (R, V)
             if grad_b is not None:
                 grad_b += g.sum(0)
         ctx.save_for_backward(grad_h, grad_wt, grad_b)

@@ -338,7 +338,8 @@ class Trainer:
         device_type = self.ctx.device.type
         if device_type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             warnings.warn(
-                "this CPU has no native bfloat16 (AVX512-BF16/AMX): bf16 is emulated and likely slower than fp32",
+                "this CPU has no native bfloat16 (AVX512-BF16/AMX): bf16 products run as float32 ones on bf16-rounded "
+                "operands, no faster than fp32",
                 stacklevel=3,
             )
         return lambda: torch.autocast(device_type=device_type, dtype=torch.bfloat16)
