@@ -552,8 +552,8 @@ def test_inference_tensors_are_prepared_without_a_version_counter():
     "dtype, shape, grad, native, expected",  # shape: (B, H, Tq, Tk); native: the CPU multiplies bfloat16
     [
         (torch.bfloat16, (128, 4, 32, 32), True, True, True),  # bf16 training, short keys
-        (torch.bfloat16, (128, 4, 32, 32), True, False, False),  # ... converted bf16 products: SDPA
-        (torch.bfloat16, (128, 4, 32, 32), False, False, False),  # ... and at inference
+        (torch.bfloat16, (128, 4, 32, 32), True, False, True),  # ... slow bf16: in float32, so math
+        (torch.bfloat16, (128, 4, 32, 32), False, False, False),  # ... at inference: SDPA in bf16
         (torch.bfloat16, (8, 4, 256, 256), True, True, False),  # bf16 training, long keys: SDPA
         (torch.float32, (64, 8, 1, 32), False, False, True),  # a batch's one-token decoding step
         (torch.float32, (128, 4, 32, 32), True, False, True),  # float32 training, short keys
@@ -566,7 +566,10 @@ def test_auto_takes_the_math_backend_for_many_short_problems_on_the_cpu(
     dtype, shape, grad, native, expected, monkeypatch
 ):
     """A rule on shapes, dtype and what the CPU can do (``avx512_bf16`` / ``amx_bf16``), never a clock."""
+    import attnmask.linear as products
+
     monkeypatch.setattr(backends, "_native_bf16", lambda: native)
+    monkeypatch.setattr(products, "fast_bf16_products", lambda: native)  # training there runs in float32
     calls = []
     original = backends._math
 
@@ -591,3 +594,32 @@ def test_auto_takes_the_math_backend_for_many_short_problems_on_the_cpu(
         rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
         atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
     )
+
+
+@pytest.mark.parametrize("fast_bf16, grad, widened", [(False, True, True), (False, False, False), (True, True, False)])
+def test_bfloat16_training_attention_runs_in_float32_where_the_cpus_bfloat16_is_slow(
+    fast_bf16, grad, widened, monkeypatch
+):
+    """A rule on what the CPU can do (``linear.fast_bf16_products``), never a clock: with a backward
+    pass and slow bfloat16 products, ``auto`` computes in float32 on the bfloat16 values."""
+    import attnmask.linear as products
+
+    monkeypatch.setattr(products, "fast_bf16_products", lambda: fast_bf16)
+    seen = []
+    original = backends._cpu_choice
+    monkeypatch.setattr(backends, "_cpu_choice", lambda q, *a: seen.append(q.dtype) or original(q, *a))
+    q, k, v = qkv(3, 4, 2, 40, 40, 16, dtype=torch.bfloat16, seed=5, requires_grad=grad)
+    mask = masks.causal() & masks.padding(lengths=[40, 31, 7])
+    with torch.set_grad_enabled(grad):
+        out = attention(q, k, v, mask)
+    assert out.dtype == torch.bfloat16
+    assert seen == [torch.float32 if widened else torch.bfloat16]
+    ref = attention(q.double(), k.double(), v.double(), mask, backend="reference")
+    assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    if grad:
+        out.float().square().sum().backward()
+        assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        attention(qd, kd, vd, mask, backend="reference").square().sum().backward()
+        for got, want in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+            assert_close(got.double(), want, rtol=5e-2, atol=5e-2)
