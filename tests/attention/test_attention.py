@@ -610,10 +610,13 @@ def test_bfloat16_training_attention_runs_in_float32_where_the_cpus_bfloat16_is_
     monkeypatch.setattr(backends, "_cpu_choice", lambda q, *a: seen.append(q.dtype) or original(q, *a))
     q, k, v = qkv(3, 4, 2, 40, 40, 16, dtype=torch.bfloat16, seed=5, requires_grad=grad)
     mask = masks.causal() & masks.padding(lengths=[40, 31, 7])
-    with torch.set_grad_enabled(grad):
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):  # as in training
         out = attention(q, k, v, mask)
     assert out.dtype == torch.bfloat16
     assert seen == [torch.float32 if widened else torch.bfloat16]
+    if widened:  # bit for bit the float32 function of the same values, rounded once
+        with torch.no_grad():
+            assert torch.equal(out, attention(q.float(), k.float(), v.float(), mask).to(torch.bfloat16))
     ref = attention(q.double(), k.double(), v.double(), mask, backend="reference")
     assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
     if grad:

@@ -486,7 +486,8 @@ def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     if return_weights:
         return _reference(q, k, v, pm, scale=scale, dropout_p=dropout_p, return_weights=True)
     if _bf16_by_float32(q, k, v):  # the same function in float32 on the bfloat16 values, cast back
-        out, _ = _auto(q.float(), k.float(), v.float(), pm, scale=scale, dropout_p=dropout_p, return_weights=False)
+        with torch.autocast("cpu", enabled=False):  # (autocast would cast SDPA's inputs back)
+            out, _ = _auto(q.float(), k.float(), v.float(), pm, scale=scale, dropout_p=dropout_p, return_weights=False)
         return out.to(torch.bfloat16), None
     if q.device.type != "cpu":
         if not pm.is_causal and dropout_p == 0 and _flex_suits(pm) and flex_available():
