@@ -291,8 +291,9 @@ def _bf16_by_float32(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     :class:`_Bf16ByFloat32` should compute: on a CPU without fast bfloat16 products, off compile."""
     if x.device.type != "cpu" or weight.device.type != "cpu" or torch.compiler.is_compiling():
         return False
-    if torch.is_autocast_enabled("cpu"):
-        wanted = torch.get_autocast_dtype("cpu") == torch.bfloat16 and x.is_floating_point()
+    if torch.is_autocast_enabled("cpu"):  # autocast casts float32 (not float64) operands
+        halves = (torch.float32, torch.bfloat16)
+        wanted = torch.get_autocast_dtype("cpu") == torch.bfloat16 and x.dtype in halves and weight.dtype in halves
     else:
         wanted = x.dtype == weight.dtype == torch.bfloat16
     return wanted and not fast_bf16_products()
