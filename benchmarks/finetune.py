@@ -25,6 +25,10 @@ On a GPU (attnmask: FlexAttention document masks; TRL: padding-free packing over
     python benchmarks/finetune.py throughput --device cuda --precisions bf16 --rows 16 --row-tokens 1024 \
         --steps 100 --warmup-steps 5 --conversations 29000 --no-valid --print-steps
 
+On a lent machine with a hard time limit, run each engine as its own process (``--engine trl``, then
+``--engine attnmask`` with the same arguments and ``--precision bf16``), each under ``timeout``: the
+harness has no timeout of its own, and a run it is waiting on would leave the other side unmeasured.
+
 Data: ``$ATTNMASK_DATA/multi30k`` (default ``../shared/data/multi30k``).
 """
 
