@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from attnmask.linear import fast_bf16_products
 from attnmask.train import TrainConfig, read_metrics, train
 from attnmask.train.precision import matmul_speedup
 from matmul import cpu_name  # benchmarks/, run as a script
@@ -53,11 +54,11 @@ def settings(task: str, steps: int, data_dir: Path) -> dict:
         m30k = DATA / "multi30k"
         if not (m30k / "train.de.gz").exists():
             raise SystemExit(f"Multi30k not found under {m30k} (set ATTNMASK_DATA)")
-        recipe = {**RECIPE, "batch_tokens": 4096, "warmup": min(RECIPE["warmup"], steps // 3)}
+        recipe = {**RECIPE, "batch_tokens": 4096, "warmup": min(RECIPE["warmup"], steps // 3), **common}
         return dict(
             task="translation", src=str(m30k / "train.de.gz"), tgt=str(m30k / "train.en.gz"),
             valid_src=str(m30k / "val.de.gz"), valid_tgt=str(m30k / "val.en.gz"), eval_sentences=100,
-            **recipe, **{**common, "max_steps": steps},
+            **recipe,
         )  # fmt: skip
     if task == "finetune":
         from finetune import RECIPE, multi30k, write_chat
@@ -88,7 +89,8 @@ def one_run(task: str, steps: int, precision: str, seed: int, out: Path) -> dict
     result = train(cfg, log=lambda msg: None)
     seconds = time.perf_counter() - t0
     records = read_metrics(cfg.run.out)
-    rates = [r["tokens_per_s"] for r in records if r["split"] == "train"][1:]  # first window: warm-up
+    rates = [r["tokens_per_s"] for r in records if r["split"] == "train"]
+    rates = rates[1:] or rates  # the first window is the warm-up, unless it is the only one
     return {
         "precision": precision, "seed": seed, "wall_s": seconds, "tokens_per_s": sum(rates) / max(len(rates), 1),
         "curve": [(r["step"], r["loss"]) for r in records if r["split"] == "valid"],
@@ -137,7 +139,7 @@ def main() -> None:
         result = one_run(args.task, args.steps, precision, int(seed), Path(args.out))
         (Path(args.out) / "precision_run.json").write_text(json.dumps(result))
         return
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native = fast_bf16_products()
     print(f"CPU: {cpu_name()}, {args.threads} threads a run, {args.jobs} run(s) at once; native bf16: {native}; "
           f"768x768 product bf16 speed-up {matmul_speedup():.1f}x")  # fmt: skip
     seeds = [int(x) for x in args.seeds.split(",")]

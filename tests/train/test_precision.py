@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnmask import linear
 from attnmask.train import precision
 
 
@@ -16,7 +17,7 @@ def test_auto_on_the_cpu_follows_native_bf16_and_times_nothing(monkeypatch):
     monkeypatch.setattr(precision, "matmul_speedup", timing)
     cpu = torch.device("cpu")
     for native, want in ((True, "bf16"), (False, "fp32")):
-        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda native=native: native)
+        monkeypatch.setattr(linear, "fast_bf16_products", lambda native=native: native)
         chosen, why = precision.choose("auto", cpu)
         assert chosen == want and why.startswith("auto: ")
         assert "AVX512-BF16/AMX" in why

@@ -336,7 +336,7 @@ class Trainer:
         if self.precision != "bf16":
             return contextlib.nullcontext
         device_type = self.ctx.device.type
-        if device_type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if device_type == "cpu" and not linear.fast_bf16_products():
             warnings.warn(
                 "this CPU has no native bfloat16 (AVX512-BF16/AMX): bf16 products run as float32 ones on bf16-rounded "
                 "operands, no faster than fp32",

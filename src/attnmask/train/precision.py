@@ -2,7 +2,8 @@
 the device can do rather than from its name.
 
 ``auto`` takes bf16 on a CUDA device that supports it, and on a CPU when it has native bf16
-instructions (AVX512-BF16 or AMX, as oneDNN reports). The rule reads what the CPU can do and times
+instructions (AVX512-BF16 or AMX, as oneDNN reports: :func:`attnmask.linear.fast_bf16_products`, the
+one place that fact is read for training). The rule reads what the CPU can do and times
 nothing, so the same command takes the same precision whatever else the machine is doing (it once
 also timed a product, which made the choice depend on the load). Measured: bf16 products 4.7x
 float32's on Zen 5, whole training steps 1.5-2x on Zen 4 and Zen 5 (docs/benchmarks.md). On CPUs
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from attnmask import linear as products
 from attnmask.linear import linear
 
 
@@ -54,6 +56,6 @@ def choose(precision: str, device: torch.device) -> tuple[str, str]:
         return "fp32", f"auto: {torch.cuda.get_device_name(device)} has no bfloat16"
     if device.type != "cpu":
         return "fp32", f"auto: no bfloat16 rule for {device.type}"
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not products.fast_bf16_products():
         return "fp32", "auto: this CPU has no native bfloat16 (AVX512-BF16/AMX)"
     return "bf16", "auto: this CPU has native bfloat16 products (AVX512-BF16/AMX)"
