@@ -261,6 +261,22 @@ def test_a_run_records_its_matmul_engine_and_a_resume_keeps_it(tmp_path, monkeyp
     assert linear.engine() == "blas"
 
 
+@pytest.mark.filterwarnings("ignore:this CPU has no native bfloat16")
+def test_auto_precision_is_recorded_and_a_resume_keeps_it(tmp_path, monkeypatch):
+    # --precision auto decides from the machine; a run resumed elsewhere must not switch mid-run
+    monkeypatch.setattr(linear, "fast_bf16_products", lambda: True)  # a CPU with native bfloat16
+    cfg = tiny(tmp_path / "run", max_steps=2, save_every=2, precision="auto", eval_sentences=2)
+    lines: list[str] = []
+    train(cfg, log=lines.append)
+    assert any(line.startswith("precision: bf16 (auto: this CPU has native bfloat16") for line in lines)
+    assert checkpoint.load_torch(tmp_path / "run" / "trainer_state.pt")["precision"] == "bf16"
+    monkeypatch.setattr(linear, "fast_bf16_products", lambda: False)  # resumed where auto would take fp32
+    lines.clear()
+    assert train(resume_config(cfg.run.out).replace(max_steps=3), log=lines.append).step == 3
+    assert "precision: bf16 (auto: as the run began (this machine would take fp32))" in lines
+    assert checkpoint.load_torch(tmp_path / "run" / "trainer_state.pt")["precision"] == "bf16"
+
+
 def test_the_progress_bar_stays_off_a_redirected_stderr(tmp_path, capsys, monkeypatch):
     def run(out: Path) -> None:
         logger = TrainLogger(out, is_main=True)

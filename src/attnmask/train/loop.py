@@ -199,6 +199,7 @@ class Trainer:
         self.step, self.elapsed = 0, 0.0
         self.signal_name: str | None = None
         self._resumed_engine: str | None = None
+        self._resumed_precision: str | None = None  # what `auto` chose when the run began
         self.grad_accum = cfg.optim.grad_accum  # micro-batches of this rank a step (--fsdp resumes adapt it)
         self.sharded: fsdp.Sharded | None = None  # --fsdp: the sharded model's root unit
         self._precision: tuple[str, str] | None = None  # (precision, why), chosen before sharding
@@ -318,6 +319,11 @@ class Trainer:
 
     def _autocast(self):
         self.precision, why = self._precision or precision.choose(self.cfg.run.precision, self.ctx.device)
+        if self.cfg.run.precision == "auto" and self._precision is None and self._resumed_precision in ("fp32", "bf16"):
+            # a resumed run keeps the precision it began in, on whatever machine it resumes
+            if self._resumed_precision != self.precision:
+                why = f"auto: as the run began (this machine would take {self.precision})"
+            self.precision = self._resumed_precision
         self.logger.line(f"precision: {self.precision} ({why})")
         if self.ctx.device.type == "cpu":
             # one library for every rank and for the whole run, resumes included: the same sums
@@ -360,6 +366,7 @@ class Trainer:
         checkpoint.set_rng_state(mine["rng"])
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
         self._resumed_engine = state.get("matmul_engine")  # absent in runs saved before it was kept
+        self._resumed_precision = state.get("precision")  # likewise
         if self.ctx.is_main:
             self.dir.truncate_metrics(self.step)  # the steps after the checkpoint run again
         name = ADAPTERS if lora_modules(self.model) else WEIGHTS
@@ -398,6 +405,7 @@ class Trainer:
             state = {
                 "format": FORMAT_VERSION, "step": self.step, "elapsed": self.elapsed, "ranks": ranks,
                 "micro_batches": self.ctx.world_size * self.grad_accum, "matmul_engine": linear.engine(),
+                "precision": self.precision,
             }  # fmt: skip
             fsdp.save(self.sharded, self.optimizer, self.dir, state, self.ctx)
             return
@@ -411,6 +419,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "ranks": ranks,
             "matmul_engine": linear.engine(),
+            "precision": self.precision,
         }
         self.dir.save_checkpoint(state, self.model)
 
