@@ -274,6 +274,22 @@ static void q4_1_row_pair(const uint32_t *codes, const float *d, const float *m,
 }
 #endif
 
+#if !BLOCKS_AVX512
+/* one activation row against weight rows n and n + 1 (a decoding step): q4_1_row_r's operations for
+ * each row, interleaved pair by pair, so that one row's reductions and loop overheads overlap the
+ * other's products; each row's result is q4_1_row_r's, bit for bit */
+static void q4_1_row_pair(const uint32_t *codes, const float *d, const float *m, const float *xq, const float *xsum,
+                          float *y, int64_t nbp) {
+    __m256 a0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, a1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t p = 0; p < nbp / 2; p++) {
+        q4_1_pair8(codes, d, m, xq, &a0[0], &a1[0], 1, nbp, p, p * 64);
+        q4_1_pair8(codes + nbp * 4, d + nbp, m + nbp, xq, &a0[1], &a1[1], 1, nbp, p, p * 64);
+    }
+    y[0] = hsum8(_mm256_add_ps(a0[0], a1[0])) + dot(m, xsum, nbp);
+    y[1] = hsum8(_mm256_add_ps(a0[1], a1[1])) + dot(m + nbp, xsum, nbp);
+}
+#endif
+
 static void q4_1_row(const uint32_t *codes, const float *d, const float *m, const float *xq, const float *xsum,
                      float *y, int64_t R, int64_t N, int64_t nbp) {
     switch (R) {
@@ -332,6 +348,12 @@ int attnmask_q4_1_matmul(const uint32_t *codes, const float *d, const float *m, 
                                   lanes + 16 * (n - first), nbp);
                 for (int64_t i = first; i < n; i++) y[r0 * N + i] = _mm512_reduce_add_ps(_mm512_loadu_ps(lanes + 16 * (i - first)));
             }
+#elif BLOCKS_AVX2
+            /* one activation row: weight rows two at a time (see q4_1_row_pair) */
+            if (M - r0 == 1)
+                for (; n + 2 <= end; n += 2)
+                    q4_1_row_pair(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK, xsum + r0 * xb,
+                                  y + r0 * N + n, nbp);
 #endif
             for (; n < end; n++)
                 q4_1_row(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK, xsum + r0 * xb,
@@ -513,6 +535,31 @@ static inline __attribute__((always_inline)) void q8_row_r(const uint32_t *codes
     ROWS_UNROLLED
     for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
+
+/* one activation row against weight rows n and n + 1: q8_row_r's operations for each row, interleaved
+ * two blocks at a time (each row's result is q8_row_r's, bit for bit) */
+static inline __attribute__((always_inline)) void q8_row_pair(const uint32_t *codes, const float *d, const float *x,
+                                                              float *y, int64_t K, const int sub16) {
+    const int64_t nb = K / QK, row_d = sub16 ? 2 * nb : nb;
+    const uint32_t *codes1 = codes + K / 4;
+    const float *d1 = d + row_d;
+    ahead(d, CODES_AHEAD / 8);
+    ahead(d1, CODES_AHEAD / 8);
+    __m256 a0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, a1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        q8_block8(codes, d, x, &a0[0], sub16 ? &a1[0] : &a0[0], 1, K, b, b * QK, sub16);
+        q8_block8(codes1, d1, x, &a0[1], sub16 ? &a1[1] : &a0[1], 1, K, b, b * QK, sub16);
+        q8_block8(codes, d, x, sub16 ? &a0[0] : &a1[0], &a1[0], 1, K, b + 1, (b + 1) * QK, sub16);
+        q8_block8(codes1, d1, x, sub16 ? &a0[1] : &a1[1], &a1[1], 1, K, b + 1, (b + 1) * QK, sub16);
+    }
+    if (b < nb) {
+        q8_block8(codes, d, x, &a0[0], &a1[0], 1, K, b, b * QK, sub16);
+        q8_block8(codes1, d1, x, &a0[1], &a1[1], 1, K, b, b * QK, sub16);
+    }
+    y[0] = hsum8(_mm256_add_ps(a0[0], a1[0]));
+    y[1] = hsum8(_mm256_add_ps(a0[1], a1[1]));
+}
 #endif
 
 static void q8_row(const uint32_t *codes, const float *d, const float *x, float *y, int64_t R, int64_t N, int64_t K,
@@ -588,6 +635,15 @@ static int q8_matmul(const uint32_t *codes, const float *d, const float *x, floa
                 for (int64_t i = first; i < n; i++)
                     y[r0 * N + i] = _mm512_reduce_add_ps(_mm512_loadu_ps(lanes + 16 * (i - first))) + tails[i - first];
             }
+#elif BLOCKS_AVX2
+            /* one activation row: weight rows two at a time (see q8_row_pair) */
+            if (M - r0 == 1)
+                for (; n + 2 <= end; n += 2) {
+                    if (sub16)
+                        q8_row_pair(codes + n * (K / 4), d + n * row_d, x + r0 * K, y + r0 * N + n, K, 1);
+                    else
+                        q8_row_pair(codes + n * (K / 4), d + n * row_d, x + r0 * K, y + r0 * N + n, K, 0);
+                }
 #endif
             for (; n < end; n++)
                 q8_row(codes + n * (K / 4), d + n * row_d, x + r0 * K, y + r0 * N + n, min64(MAX_R, M - r0), N, K, sub16);
