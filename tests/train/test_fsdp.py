@@ -57,6 +57,7 @@ def settings(out: Path, **overrides) -> dict:
         out=str(out), builtin_task="dates", train_size=200, valid_size=24, tokenizer="char", model="tiny",
         dim=32, n_layers=1, n_heads=2, ffn_dim=64, batch_tokens=256, warmup=0, min_lr_ratio=1.0, lr=3e-3,
         dropout=0.0, eval_every=0, eval_sentences=8, log_every=1, progress=False, deterministic=True,
+        precision="fp32",  # the tests' comparisons are float32's; auto would take bf16 on a CPU that has it
     )  # fmt: skip
     cfg.update(overrides)
     return cfg

@@ -29,6 +29,7 @@ def tiny(out: Path, **overrides) -> TrainConfig:
         out=str(out), builtin_task="dates", train_size=200, valid_size=16, tokenizer="char", model="tiny",
         dim=32, n_layers=1, n_heads=2, ffn_dim=64, batch_tokens=384, max_steps=10, warmup=2, lr=3e-3,
         eval_every=0, eval_sentences=8, log_every=1, dropout=0.1, deterministic=True, progress=False,
+        precision="fp32",  # the tests' comparisons are float32's; auto would take bf16 on a CPU that has it
     )  # fmt: skip
     settings.update(overrides)
     return TrainConfig.of(**settings)

@@ -60,6 +60,9 @@ def demo_config(out: str, *, seed: int = 0, device: str = "auto", quick: bool = 
         positions="rotary",
         norm="rmsnorm",
         activation="swiglu",
+        # the recipe's margins below were established in float32 on every seed tried; `auto` would
+        # take bf16 on a CPU with native bf16 and change them there
+        precision="fp32",
     )
     if quick:
         return TrainConfig.of(

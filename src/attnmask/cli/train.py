@@ -127,8 +127,8 @@ _FLAGS = (
         "--precision",
         "precision",
         ("auto", "fp32", "bf16"),
-        "fp32, bfloat16 autocast, or auto: bf16 on a GPU "
-        "that has it and on a CPU whose bf16 products measure faster (AVX512-BF16, AMX), else fp32",
+        "auto: bfloat16 autocast on a GPU that has bf16 and on a CPU with native bf16 products (AVX512-BF16, "
+        "AMX; read from the hardware, never timed), else fp32; or fp32, or bf16 (autocast)",
     ),
     ("--device", "device", str, "auto, cpu, cuda or cuda:N"),
     ("--deterministic", "deterministic", "store_true", "deterministic algorithms (bit-identical resumes)"),

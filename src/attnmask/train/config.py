@@ -228,7 +228,7 @@ class RunConfig:
     log_every: int = 10  # steps between metrics.jsonl / TensorBoard records
     save_every: int | None = None  # steps between checkpoints; None = eval_every (and at the end)
     seed: int = 0
-    precision: str = "fp32"  # "fp32", "bf16" (autocast) or "auto" (bf16 where it is faster: train/precision.py)
+    precision: str = "auto"  # "auto" (bf16 where the hardware has it: train/precision.py), "fp32" or "bf16" (autocast)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     deterministic: bool = False  # torch.use_deterministic_algorithms for bit-identical resumes
     progress: bool = True  # show a progress bar
