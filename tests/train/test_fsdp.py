@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from torch.testing import assert_close
 
+from attnmask import linear
 from attnmask.cli import main
 from attnmask.train import TrainConfig, train
 from attnmask.train.checkpoint import load_torch
@@ -183,6 +184,23 @@ def test_bf16_gathers_bfloat16_weights_and_keeps_float32_master_weights(tmp_path
                   log=lambda msg: None)  # fmt: skip
     # bf16 weights against bf16 products of float32 weights: bfloat16's 8-bit mantissa, not float32's
     assert_close(torch.tensor(sharded.losses), torch.tensor(plain.losses), rtol=2e-2, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:this CPU has no native bfloat16")
+def test_a_sharded_auto_run_resumes_in_the_precision_it_began_in(tmp_path, one_rank, monkeypatch):
+    # the shards are gathered in the run's precision: chosen before sharding, from the saved state on a resume
+    monkeypatch.setattr(linear, "fast_bf16_products", lambda: True)  # a CPU with native bfloat16
+    out = tmp_path / "run"
+    lines: list[str] = []
+    train(TrainConfig.of(**settings(out, max_steps=2, precision="auto", fsdp=True)), log=lines.append)
+    assert any(line.startswith("precision: bf16 (auto: this CPU has native bfloat16") for line in lines)
+    monkeypatch.setattr(linear, "fast_bf16_products", lambda: False)  # resumed where auto would take fp32
+    lines.clear()
+    resume = TrainConfig.of(**settings(out, max_steps=3, precision="auto", fsdp=True, resume=True))
+    assert train(resume, log=lines.append).step == 3
+    assert "precision: bf16 (auto: as the run began (this machine would take fp32))" in lines
+    assert any("bfloat16 gathers" in line for line in lines)
+    assert load_torch(out / "trainer_state.pt")["precision"] == "bf16"
 
 
 @pytest.mark.slow  # LoRA fine-tuning of a tiny GGUF Llama, sharded and not

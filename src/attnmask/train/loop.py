@@ -199,10 +199,9 @@ class Trainer:
         self.step, self.elapsed = 0, 0.0
         self.signal_name: str | None = None
         self._resumed_engine: str | None = None
-        self._resumed_precision: str | None = None  # what `auto` chose when the run began
         self.grad_accum = cfg.optim.grad_accum  # micro-batches of this rank a step (--fsdp resumes adapt it)
         self.sharded: fsdp.Sharded | None = None  # --fsdp: the sharded model's root unit
-        self._precision: tuple[str, str] | None = None  # (precision, why), chosen before sharding
+        self._precision: tuple[str, str] | None = None  # (precision, why): _choose_precision's, rank 0's
         created = False
         try:
             state = self._check_run_dir()
@@ -226,8 +225,10 @@ class Trainer:
             if created and not self.dir.has_checkpoint:  # nothing of value in it: leave no trace
                 shutil.rmtree(self.dir.path, ignore_errors=True)
             raise
-        if cfg.run.fsdp:  # every rank takes rank 0's precision: the shards must agree on their dtype
-            self._precision = distributed.all_gather_objects(ctx, precision.choose(cfg.run.precision, ctx.device))[0]
+        # The precision the run computes in, chosen once before anything depends on it (--fsdp shards the
+        # weights in it), every rank taking rank 0's: the ranks' products, and FSDP's shards, must agree.
+        self._precision = distributed.all_gather_objects(ctx, self._choose_precision(state))[0]
+        if cfg.run.fsdp:
             self.sharded = fsdp.shard(self.model, ctx, bf16=self._precision[0] == "bf16")
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, cfg.optim.weight_decay),
@@ -317,13 +318,20 @@ class Trainer:
         """What a checkpoint keeps of the model: the LoRA adapters alone, or every weight."""
         return lora_state_dict(self.model) if lora_modules(self.model) else self.model.state_dict()
 
+    def _choose_precision(self, state: dict | None) -> tuple[str, str]:
+        """(precision, why): ``--precision`` as given, or ``auto``'s choice on this machine; a resumed
+        ``auto`` run keeps the precision it began in (its trainer state says which), on whatever machine
+        it resumes, sharded or not."""
+        chosen, why = precision.choose(self.cfg.run.precision, self.ctx.device)
+        began = state.get("precision") if state is not None else None  # absent in runs saved before it was kept
+        if self.cfg.run.precision == "auto" and began in ("fp32", "bf16"):
+            if began != chosen:
+                why = f"auto: as the run began (this machine would take {chosen})"
+            chosen = began
+        return chosen, why
+
     def _autocast(self):
-        self.precision, why = self._precision or precision.choose(self.cfg.run.precision, self.ctx.device)
-        if self.cfg.run.precision == "auto" and self._precision is None and self._resumed_precision in ("fp32", "bf16"):
-            # a resumed run keeps the precision it began in, on whatever machine it resumes
-            if self._resumed_precision != self.precision:
-                why = f"auto: as the run began (this machine would take {self.precision})"
-            self.precision = self._resumed_precision
+        self.precision, why = self._precision
         self.logger.line(f"precision: {self.precision} ({why})")
         if self.ctx.device.type == "cpu":
             # one library for every rank and for the whole run, resumes included: the same sums
@@ -366,7 +374,6 @@ class Trainer:
         checkpoint.set_rng_state(mine["rng"])
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
         self._resumed_engine = state.get("matmul_engine")  # absent in runs saved before it was kept
-        self._resumed_precision = state.get("precision")  # likewise
         if self.ctx.is_main:
             self.dir.truncate_metrics(self.step)  # the steps after the checkpoint run again
         name = ADAPTERS if lora_modules(self.model) else WEIGHTS
