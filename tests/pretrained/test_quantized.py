@@ -364,6 +364,12 @@ def test_quantized_load_needs_float32(tmp_path):
     for dtype in (torch.bfloat16, torch.float16):
         with pytest.raises(ValueError, match=r"float32 activations; got dtype=torch\.b?float16, expected float32"):
             load(tmp_path / "tiny.gguf", quantized=True, dtype=dtype)
+    with pytest.raises(
+        ValueError, match=r"activations='int8' is a setting of the GGUF block layers; it needs quantized"
+    ):
+        load(tmp_path / "tiny.gguf", activations="int8")
+    with pytest.raises(ValueError, match=r"activations='int4' is not one of \['float32', 'int8'\]"):
+        load(tmp_path / "tiny.gguf", quantized=True, activations="int4")
 
 
 # ---------------------------------------------------------------------------------------------

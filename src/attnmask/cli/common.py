@@ -18,6 +18,9 @@ import torch
 from attnmask.errors import UserError
 
 DEVICE_HELP = "auto, cpu, cuda or cuda:N"
+# --activations of the quantized blocks: attnmask.pretrained.quantized.ACTIVATIONS (named here so that
+# building the parsers imports nothing of the model code; a test keeps the two equal)
+ACTIVATIONS = ("float32", "int8")
 
 # OS errors that are about a path the user named (--src, --out, --png, ...) or the disk it is on:
 # the file is not there, is a directory or is not one, may not be read or written, already exists

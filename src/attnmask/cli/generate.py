@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnmask.cli.common import check_args
+from attnmask.cli.common import ACTIVATIONS, check_args
 from attnmask.decode import DEFAULT_NEW_TOKENS, DEFAULT_TEMPERATURE, Sampling, generate
 from attnmask.errors import UserError
 
@@ -51,14 +51,21 @@ def add_parser(sub) -> None:
         help="--model: keep the GGUF file's quantized blocks (Q4_1/Q8_0) and multiply by them directly: "
         "the same function with float32 activations, ~2.5x faster on CPU (needs a C compiler at first use)",
     )
+    p.add_argument(
+        "--activations",
+        default="float32",
+        choices=ACTIVATIONS,
+        help="with --quantized: float32 multiplies exactly; int8 rounds each row's activations to 8 bits per "
+        "block of 32 and multiplies in integers, as llama.cpp does (faster on CPU, not exact)",
+    )
     p.add_argument("--device", default="cpu", help="torch device")
     p.set_defaults(func=run)
 
 
-def _load_pretrained(name: str, quantized: bool = False):
+def _load_pretrained(name: str, quantized: bool = False, activations: str = "float32"):
     from attnmask.pretrained import load
 
-    return load(name, quantized=quantized)
+    return load(name, quantized=quantized, activations=activations)
 
 
 def _template(tokenizer, spec, own):
@@ -83,6 +90,8 @@ def run(args) -> int:
     echo = True  # plain continuation: print the prompt, then what follows it
     if not prompt:
         raise UserError("empty prompt: expected some text to continue (--prompt TEXT)")
+    if args.activations != "float32" and not args.quantized:
+        raise UserError(f"--activations {args.activations} is a setting of the quantized blocks; add --quantized")
     if args.run is not None:
         if args.quantized:
             raise UserError("--quantized applies to --model (a GGUF file's weights), not to --run")
@@ -101,7 +110,7 @@ def run(args) -> int:
     else:
         if args.quantized and args.device != "cpu":
             raise UserError(f"--quantized runs on the CPU; got --device {args.device}")
-        model, tokenizer, chat_template = _load_pretrained(args.model, args.quantized)
+        model, tokenizer, chat_template = _load_pretrained(args.model, args.quantized, args.activations)
         model.to(args.device)
         if args.chat:
             chat_template = _template(tokenizer, args.chat_template, chat_template)

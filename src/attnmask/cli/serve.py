@@ -17,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-from attnmask.cli.common import check_device, check_run_dir
+from attnmask.cli.common import ACTIVATIONS, check_device, check_run_dir
 from attnmask.errors import UserError
 
 DEFAULTS = {
@@ -49,6 +49,14 @@ def add_parser(sub) -> None:
     src.add_argument("--run", metavar="DIR", help="a run directory written by `attnmask train` (task lm)")
     p.add_argument(
         "--quantized", action="store_true", help="--model: keep the GGUF file's quantized blocks (faster on CPU)"
+    )
+    p.add_argument(
+        "--activations",
+        default="float32",
+        choices=ACTIVATIONS,
+        help="with --quantized: float32 multiplies exactly; int8 rounds each row's activations to 8 bits per "
+        "block of 32 and multiplies in integers, as llama.cpp does (faster on CPU, not exact; answers still "
+        "never depend on the batch)",
     )
     p.add_argument(
         "--served-model-name",
@@ -92,6 +100,8 @@ def check_flags(args) -> None:
         if args.quantized:
             raise UserError("--quantized applies to --model (a GGUF file's weights), not to --run")
     args.device = check_device(args.device)
+    if getattr(args, "activations", "float32") != "float32" and not args.quantized:
+        raise UserError(f"--activations {args.activations} is a setting of the quantized blocks; add --quantized")
     if args.quantized and (args.device != "cpu" or args.dtype != "float32"):
         raise UserError(f"--quantized runs on the CPU in float32; got --device {args.device} --dtype {args.dtype}")
     if not 0 <= args.port <= 65535:
@@ -132,7 +142,8 @@ def load_model(args):
         return run.model, run.tokenizer, getattr(run, "chat_template", None), name
     from attnmask.pretrained import load
 
-    model, tokenizer, chat_template = load(args.model, quantized=args.quantized)
+    activations = getattr(args, "activations", "float32")
+    model, tokenizer, chat_template = load(args.model, quantized=args.quantized, activations=activations)
     return model, tokenizer, chat_template, args.served_model_name or str(args.model)
 
 

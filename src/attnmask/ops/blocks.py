@@ -30,6 +30,13 @@ threads with OpenMP):
   dequantized matrix up to summation order. Each output element is computed by the same
   operations in the same order whatever the number of rows and threads (threads split W's rows,
   not the sum), so a row's result does not depend on the batch it comes in, bit for bit;
+- ``torch.ops.attnmask.block_matmul_i8(codes, d, m, x, kind, in_features)``: the same product in
+  llama.cpp's arithmetic, an opt-in (:func:`quantize_activations`): each row of ``x`` rounded to 8
+  bits per block of 32 (a float scale ``dx`` a block), then ``d * dx * sum q_w q_x`` per block with
+  the integer sums exact (``+ m * sum x`` with the float sum of ``x`` for the 4-bit layout). Not the
+  float32 product: the activations are rounded (a relative error of a few 1e-3 on a product's
+  outputs). Each output element is again computed by the same operations in the same order
+  whatever the rows and threads, so a row's result does not depend on its batch, bit for bit;
 - ``torch.ops.attnmask.block_dequantize(codes, d, m, kind, in_features)``: the float32 weight.
 
 Both check every buffer before the kernel reads it (:func:`check_buffers`; the C++ checks say the
@@ -53,8 +60,10 @@ __all__ = [
     "QK_K",
     "block_dequantize",
     "block_matmul",
+    "block_matmul_i8",
     "check_buffers",
     "dequantize_blocks",
+    "quantize_activations",
     "repack",
     "unpack",
 ]
@@ -220,6 +229,34 @@ def block_matmul_reference(codes: Tensor, d: Tensor, m: Tensor | None, x: Tensor
     return F.linear(x, unpack(packed, kind, in_features).to(x.dtype))
 
 
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x (rows, K)`` float32 -> ``(q, dx)``: ``block_matmul_i8``'s 8-bit activations, ``q`` float32
+    integers ``(rows, K)`` in -127..127 and ``dx`` float32 ``(rows, K / 32)``, ``x ~ dx * q`` per block
+    of 32: ``dx = max|x| / 127``, ``q = x * (127 / max|x|)`` rounded to the nearest integer, ties to
+    even (a block whose ``max|x| < 2^-120``: ``q = 0``), each step in float32 as the C kernel takes it."""
+    rows, k = x.shape
+    xb = x.float().reshape(rows, k // QK, QK)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax >= 2.0**-120, 127.0 / amax.clamp_min(2.0**-120), 0.0)  # below, 127 / amax could overflow
+    return torch.round(xb * inv[..., None]).reshape(rows, k), amax / 127.0
+
+
+def block_matmul_i8_reference(codes: Tensor, d: Tensor, m: Tensor | None, x: Tensor, kind: str, in_features: int):
+    """What ``block_matmul_i8`` computes, in PyTorch: the product with the 8-bit activations of
+    :func:`quantize_activations` (scaled back, ``dx * q``) and, for the 4-bit layout, ``m`` times
+    the exact float sums of ``x``. Equal to the kernel's up to the order and rounding of its float sums."""
+    if x.device.type == "cpu":
+        check_buffers(codes, d, m, kind, in_features, x)
+    q, dx = quantize_activations(x)
+    xq = (q.reshape(x.shape[0], -1, QK) * dx[..., None]).reshape(x.shape)
+    if m is None:
+        return F.linear(xq, unpack({"codes": codes, "d": d}, kind, in_features)).to(x.dtype)
+    w = unpack({"codes": codes, "d": d, "m": torch.zeros_like(m)}, kind, in_features)  # d * q alone
+    nb = in_features // QK
+    sums = x.float().reshape(x.shape[0], nb, QK).sum(-1)  # (rows, nb): the exact block sums of x
+    return (F.linear(xq, w) + sums @ m[:, :nb].t()).to(x.dtype)
+
+
 def block_dequantize_reference(codes: Tensor, d: Tensor, m: Tensor | None, kind: str, in_features: int) -> Tensor:
     """What ``block_dequantize`` computes, in PyTorch."""
     if codes.device.type == "cpu":
@@ -230,12 +267,20 @@ def block_dequantize_reference(codes: Tensor, d: Tensor, m: Tensor | None, kind:
 
 _LIBRARY = torch.library.Library("attnmask", "FRAGMENT")
 _LIBRARY.define("block_matmul(Tensor codes, Tensor d, Tensor? m, Tensor x, str kind, int in_features) -> Tensor")
+_LIBRARY.define("block_matmul_i8(Tensor codes, Tensor d, Tensor? m, Tensor x, str kind, int in_features) -> Tensor")
 _LIBRARY.define("block_dequantize(Tensor codes, Tensor d, Tensor? m, str kind, int in_features) -> Tensor")
 _LIBRARY.impl("block_matmul", block_matmul_reference, "CompositeExplicitAutograd")
+_LIBRARY.impl("block_matmul_i8", block_matmul_i8_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("block_dequantize", block_dequantize_reference, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("attnmask::block_matmul", lib=_LIBRARY)
+def _(codes, d, m, x, kind, in_features):
+    torch._check(x.dim() == 2 and x.shape[1] == in_features)
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+@torch.library.register_fake("attnmask::block_matmul_i8", lib=_LIBRARY)
 def _(codes, d, m, x, kind, in_features):
     torch._check(x.dim() == 2 and x.shape[1] == in_features)
     return x.new_empty(x.shape[0], codes.shape[0])
@@ -247,4 +292,5 @@ def _(codes, d, m, kind, in_features):
 
 
 block_matmul = torch.ops.attnmask.block_matmul.default
+block_matmul_i8 = torch.ops.attnmask.block_matmul_i8.default
 block_dequantize = torch.ops.attnmask.block_dequantize.default

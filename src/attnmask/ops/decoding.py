@@ -63,8 +63,9 @@ __all__ = [
 
 # packed_step's product kinds: a float32 weight and its bias; a block layer's buffers in the kernel's
 # 4-bit layout (codes, d, m: Q4_1, Q4_K), its 8-bit layout (codes, d: Q8_0, Q5_0) or its 8-bit layout with
-# a scale per 16 weights (codes, d: Q6_K); NONE: no product in an optional slot
-NONE, DENSE, Q4_1, Q8_0, Q6_K = -1, 0, 1, 2, 3
+# a scale per 16 weights (codes, d: Q6_K); INT8 + each of those: the same buffers, multiplied with int8
+# activations (blocks.block_matmul_i8); NONE: no product in an optional slot
+NONE, DENSE, Q4_1, Q8_0, Q6_K, INT8 = -1, 0, 1, 2, 3, 3
 # The slots of each layer in packed_step's lists: its norms (an empty weight where it has none of an
 # optional one: q_norm, k_norm, post_self_norm, post_mlp_norm), then the final norm; its products (NONE
 # for k and v when the first slot holds the fused q/k/v product, for up when GATE_UP holds gate and up),
@@ -96,10 +97,10 @@ def linear_rows_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Ten
 
 def _first_tensors(kinds: list[int]) -> list[int]:
     """Where each product's tensors start in a step's list (``kinds[i]``: NONE none, DENSE weight and
-    bias, Q4_1 codes, d and m, Q8_0 / Q6_K codes and d), and the end."""
+    bias, Q4_1 (and its INT8 kind) codes, d and m, Q8_0 / Q6_K codes and d), and the end."""
     first = [0]
     for kind in kinds:
-        first.append(first[-1] + (0 if kind == NONE else 3 if kind == Q4_1 else 2))
+        first.append(first[-1] + (0 if kind == NONE else 3 if kind in (Q4_1, Q4_1 + INT8) else 2))
     return first
 
 
@@ -114,8 +115,10 @@ def _projector(products: list[Tensor], kinds: list[int]):
         t = products[first[i] : first[i + 1]]
         if kinds[i] == DENSE:
             return linear_rows(h, t[0], t[1] if t[1].numel() else None)
-        m = t[2] if kinds[i] == Q4_1 else None
-        return blocks.block_matmul(t[0], t[1], m, h, _BLOCK_NAMES[kinds[i]], h.shape[1])
+        layout = kinds[i] - INT8 if kinds[i] > Q6_K else kinds[i]
+        m = t[2] if layout == Q4_1 else None
+        product = blocks.block_matmul_i8 if kinds[i] > Q6_K else blocks.block_matmul
+        return product(t[0], t[1], m, h, _BLOCK_NAMES[layout], h.shape[1])
 
     return project
 

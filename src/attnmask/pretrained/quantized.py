@@ -18,6 +18,12 @@ for bit. That costs long prompts some speed against the BLAS on a decoded matrix
 (``F.linear``): the same function, as fast and as large as plain float32 weights. Inputs that need
 a gradient, and other dtypes, use the decoded matrix and ``F.linear``.
 
+``activations="int8"`` (an opt-in: ``load(..., quantized=True, activations="int8")``, ``--activations
+int8``) multiplies in llama.cpp's arithmetic instead (:func:`attnmask.ops.blocks.block_matmul_i8`):
+each input row rounded to 8 bits per block of 32, integer dot products with the codes. Faster on a
+CPU (fewer operations per weight), not the float32 function: the activations are rounded. Each row's
+result still does not depend on its batch, bit for bit.
+
 Inference only: the block weights are buffers, not parameters, and have no gradient.
 """
 
@@ -30,9 +36,21 @@ from torch import Tensor, nn
 
 from attnmask import ops
 from attnmask.errors import UserError
-from attnmask.ops.blocks import BLOCK_BYTES, BLOCK_WEIGHTS, LAYOUT, block_dequantize, block_matmul, repack, unpack
+from attnmask.ops.blocks import (
+    BLOCK_BYTES,
+    BLOCK_WEIGHTS,
+    LAYOUT,
+    block_dequantize,
+    block_matmul,
+    block_matmul_i8,
+    repack,
+    unpack,
+)
 
-__all__ = ["BlockLinear", "kernel_status"]
+__all__ = ["ACTIVATIONS", "BlockLinear", "kernel_status"]
+
+# How a block layer takes its input: "float32" (exact, the default) or "int8" (rounded per block of 32)
+ACTIVATIONS = ("float32", "int8")
 
 
 def kernel_status() -> str:
@@ -55,9 +73,11 @@ class BlockLinear(nn.Module):
             They are repacked once into the kernel's layout (:func:`repack`); the values are unchanged.
         kind: ``"Q4_1"``, ``"Q8_0"``, ``"Q5_0"``, ``"Q4_K"`` or ``"Q6_K"``.
         in_features: K, a multiple of the block size (32; 256 for Q4_K and Q6_K).
+        activations: ``"float32"`` (exact) or ``"int8"`` (llama.cpp's arithmetic, see the module
+            docstring); the attribute of that name may be changed afterwards.
     """
 
-    def __init__(self, blocks: Tensor, kind: str, in_features: int):
+    def __init__(self, blocks: Tensor, kind: str, in_features: int, activations: str = "float32"):
         super().__init__()
         if kind not in BLOCK_BYTES:
             raise UserError(f"block format {kind!r} is not supported; expected one of {sorted(BLOCK_BYTES)}")
@@ -70,13 +90,24 @@ class BlockLinear(nn.Module):
                 f"{kind} blocks for in_features={in_features} must be uint8 (out_features, {row_bytes}); "
                 f"got {tuple(blocks.shape)} {blocks.dtype}"
             )
-        self._adopt(repack(blocks, kind, in_features), kind, in_features)
+        self._adopt(repack(blocks, kind, in_features), kind, in_features, activations)
 
-    def _adopt(self, packed: dict[str, Tensor], kind: str, in_features: int) -> None:
+    def _adopt(self, packed: dict[str, Tensor], kind: str, in_features: int, activations: str) -> None:
         self.kind, self.in_features, self.out_features = kind, in_features, packed["codes"].shape[0]
+        self.activations = activations
         self._dense: Tensor | None = None  # the float32 weight, kept only when there is no kernel
         for name in ("codes", "d", "m"):
             self.register_buffer(name, packed.get(name))
+
+    @property
+    def activations(self) -> str:
+        return self._activations
+
+    @activations.setter
+    def activations(self, value: str) -> None:
+        if value not in ACTIVATIONS:
+            raise UserError(f"activations={value!r} is not one of {list(ACTIVATIONS)}")
+        self._activations = value
 
     @classmethod
     def concat(cls, layers: list[BlockLinear]) -> BlockLinear:
@@ -86,6 +117,9 @@ class BlockLinear(nn.Module):
         keeping its values; the fused layer is then named by the layout's first format (``Q8_0``,
         ``Q4_1``), whose kernel it runs. Each output is the same bits as in its own layer."""
         kinds, ins = {layer.kind for layer in layers}, {layer.in_features for layer in layers}
+        activations = {layer.activations for layer in layers}
+        if len(activations) != 1:
+            raise UserError(f"only layers of one activations setting concatenate; got {sorted(activations)}")
         if len({LAYOUT[kind] for kind in kinds}) != 1 or len(ins) != 1:
             raise UserError(
                 f"only layers of one format and input size concatenate (or formats of one layout: Q5_0 and "
@@ -96,7 +130,7 @@ class BlockLinear(nn.Module):
         packed = {name: torch.cat([layer._packed()[name] for layer in layers]) for name in layers[0]._packed()}
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
-        fused._adopt(packed, kind, ins.pop())
+        fused._adopt(packed, kind, ins.pop(), activations.pop())
         return fused
 
     @classmethod
@@ -137,6 +171,10 @@ class BlockLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise UserError(f"input has {x.shape[-1]} features; this layer expects {self.in_features}")
         rows = x.numel() // self.in_features
+        if self.activations == "int8":  # the operator (its PyTorch definition where the kernel is not built)
+            xs = x.reshape(rows, self.in_features).float().contiguous()
+            out = block_matmul_i8(self.codes, self.d, self.m, xs, self.kind, self.in_features)
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if not ops.available() or x.device.type != "cpu":  # no kernel: decode the blocks once, keep float32
             if self._dense is None or self._dense.device != x.device:
                 self._dense = self.dequantize().to(x.device)
@@ -155,21 +193,25 @@ class BlockLinear(nn.Module):
         fits = x.dim() == 2 and x.is_cpu and x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad
         if fits and ops.available():
             b = self._buffers  # not self.codes...: nn.Module's __getattr__ costs ~0.6 us a lookup
-            return block_matmul(b["codes"], b["d"], b["m"], x, self.kind, self.in_features)
+            product = block_matmul_i8 if self._activations == "int8" else block_matmul
+            return product(b["codes"], b["d"], b["m"], x, self.kind, self.in_features)
         return self(x)
 
     def decoder_operands(self) -> tuple[int, list[Tensor]] | None:
         """This layer as :func:`attnmask.ops.decoding.packed_step` multiplies by it: ``(kind, [codes,
         d(, m)])``, kind 1 for the 4-bit layout (Q4_1, and Q4_K repacked into it), 2 for the 8-bit one
-        (Q8_0, Q5_0) and 3 for the 8-bit one with a scale per 16 weights (Q6_K); None where the kernels
-        are not built (the layer then multiplies by its weight itself, which the step leaves to the module)."""
+        (Q8_0, Q5_0) and 3 for the 8-bit one with a scale per 16 weights (Q6_K), 3 more with int8
+        activations (4, 5, 6); None where the kernels are not built (the layer then multiplies by its
+        weight itself, which the step leaves to the module)."""
         b = self._buffers  # not self.codes...: nn.Module's __getattr__ costs ~0.6 us a lookup
         layout = LAYOUT[self.kind]
         if not ops.available() or not b["codes"].is_cpu:
             return None
+        int8 = 3 if self._activations == "int8" else 0
         if layout == "4-bit":
-            return 1, [b["codes"], b["d"], b["m"]]
-        return (2 if layout == "8-bit" else 3), [b["codes"], b["d"]]
+            return 1 + int8, [b["codes"], b["d"], b["m"]]
+        return (2 if layout == "8-bit" else 3) + int8, [b["codes"], b["d"]]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+        extra = ", activations=int8" if self._activations == "int8" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}{extra}"

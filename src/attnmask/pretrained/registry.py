@@ -38,6 +38,7 @@ from attnmask.model import Transformer, fuse_projections_
 from attnmask.pretrained import cache as weight_cache
 from attnmask.pretrained.build import build, column_major_
 from attnmask.pretrained.chat import ChatTemplate, PretrainedTokenizer
+from attnmask.pretrained.quantized import ACTIVATIONS, BlockLinear
 
 __all__ = ["MODELS", "PretrainedSpec", "load", "locate"]
 
@@ -129,6 +130,7 @@ def load(
     cache: bool | str | os.PathLike = True,
     column_major: bool = False,
     quantized: bool = False,
+    activations: str = "float32",
     fuse: bool = True,
 ) -> tuple[Transformer, PretrainedTokenizer, ChatTemplate | None]:
     """Load a pretrained model by name (see :data:`MODELS`) or GGUF path.
@@ -146,6 +148,10 @@ def load(
             (products regrouped per block, activations float32) reading ~6x fewer weight bytes per
             step. Inference only. Needs ``dtype=torch.float32``; cached in a file of its own
             (about 210 MB for SmolLM2).
+        activations: with ``quantized``, how the block layers take their inputs: ``"float32"`` (the
+            default: exact) or ``"int8"``, llama.cpp's arithmetic (each row rounded to 8 bits per
+            block of 32, integer dot products; faster on a CPU, not the float32 function; see
+            :mod:`attnmask.pretrained.quantized`).
         fuse: compute q/k/v and gate/up projections as one product each
             (:func:`attnmask.model.fuse_projections_`: same logits, ~7% faster decoding at batch 1;
             the state_dict then has ``qkv_proj``/``gate_up_proj`` keys). False keeps the
@@ -158,13 +164,21 @@ def load(
 
     Raises:
         ValueError: unknown name, missing package (with its install command), unsupported file,
-            ``quantized`` with a dtype other than float32.
+            ``quantized`` with a dtype other than float32, ``activations`` other than float32 without
+            ``quantized``.
     """
     if quantized and dtype != torch.float32:
         raise UserError(f"quantized weights compute with float32 activations; got dtype={dtype}, expected float32")
+    if activations not in ACTIVATIONS:
+        raise UserError(f"activations={activations!r} is not one of {list(ACTIVATIONS)}")
+    if activations != "float32" and not quantized:
+        raise UserError(f"activations={activations!r} is a setting of the GGUF block layers; it needs quantized=True")
     loaded = weight_cache.read(locate(name), cache, quantized)
     state_dict = {k: v.to(dtype) for k, v in loaded.state_dict.items()}
     model = build(loaded.config, state_dict, loaded.blocks).eval()
+    for layer in model.modules():
+        if isinstance(layer, BlockLinear):
+            layer.activations = activations
     if fuse:
         fuse_projections_(model)
     if column_major:

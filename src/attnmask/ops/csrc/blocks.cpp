@@ -1,5 +1,6 @@
-// The block-weight operators' CPU implementations (attnmask.ops.blocks): attnmask::block_matmul and
-// attnmask::block_dequantize over blocks_kernel.c, and attnmask::kernel_simd.
+// The block-weight operators' CPU implementations (attnmask.ops.blocks): attnmask::block_matmul (and
+// block_matmul_i8, its int8-activation arithmetic), attnmask::block_dequantize over blocks_kernel.c, and
+// attnmask::kernel_simd.
 //
 // The schemas, the shape rules for torch.compile and the PyTorch definitions (what runs on other
 // devices, and everywhere when this library is not built) are registered from Python; this file adds
@@ -32,6 +33,12 @@ int attnmask_q8_0_matmul(const uint32_t *codes, const float *d, const float *x, 
 void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads);
 int attnmask_q6_k_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
                          int64_t K, int threads);
+int attnmask_q4_1_matmul_i8(const uint32_t *codes, const float *d, const float *m, const float *x, float *y, int64_t M,
+                            int64_t N, int64_t K, int threads);
+int attnmask_q8_0_matmul_i8(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
+                            int64_t K, int threads);
+int attnmask_q6_k_matmul_i8(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
+                            int64_t K, int threads);
 }
 
 namespace {
@@ -100,7 +107,7 @@ int64_t check_blocks(const at::Tensor &codes, const at::Tensor &d, const std::op
 namespace attnmask {
 
 at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
-                        const at::Tensor &x, c10::string_view kind_view, int64_t in_features) {
+                        const at::Tensor &x, c10::string_view kind_view, int64_t in_features, bool int8_activations) {
     const std::string kind(kind_view);
     const Format f = format_of(kind);
     const int64_t n = check_blocks(codes, d, m, kind, in_features, f.layout, f.block);
@@ -113,12 +120,13 @@ at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std:
     const float *dp = d.const_data_ptr<float>(), *xp = x.const_data_ptr<float>();
     float *yp = out.mutable_data_ptr<float>();
     int status = 0;
+    const auto q4 = int8_activations ? attnmask_q4_1_matmul_i8 : attnmask_q4_1_matmul;
+    const auto q8 = int8_activations ? attnmask_q8_0_matmul_i8 : attnmask_q8_0_matmul;
+    const auto q6 = int8_activations ? attnmask_q6_k_matmul_i8 : attnmask_q6_k_matmul;
     switch (f.layout) {
-        case Layout::four_bit:
-            status = attnmask_q4_1_matmul(c, dp, m->const_data_ptr<float>(), xp, yp, rows, n, in_features, threads);
-            break;
-        case Layout::eight_bit: status = attnmask_q8_0_matmul(c, dp, xp, yp, rows, n, in_features, threads); break;
-        case Layout::eight_bit_16: status = attnmask_q6_k_matmul(c, dp, xp, yp, rows, n, in_features, threads); break;
+        case Layout::four_bit: status = q4(c, dp, m->const_data_ptr<float>(), xp, yp, rows, n, in_features, threads); break;
+        case Layout::eight_bit: status = q8(c, dp, xp, yp, rows, n, in_features, threads); break;
+        case Layout::eight_bit_16: status = q6(c, dp, xp, yp, rows, n, in_features, threads); break;
     }
     if (status) throw std::bad_alloc();  // -> MemoryError: the kernel's scratch buffer
     return out;
@@ -152,6 +160,13 @@ TORCH_LIBRARY_FRAGMENT(attnmask, lib) {
 }
 
 TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
-    lib.impl("block_matmul", &attnmask::block_matmul);
+    lib.impl("block_matmul", [](const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
+                                const at::Tensor &x, c10::string_view kind, int64_t in_features) {
+        return attnmask::block_matmul(codes, d, m, x, kind, in_features, false);
+    });
+    lib.impl("block_matmul_i8", [](const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
+                                   const at::Tensor &x, c10::string_view kind, int64_t in_features) {
+        return attnmask::block_matmul(codes, d, m, x, kind, in_features, true);
+    });
     lib.impl("block_dequantize", &attnmask::block_dequantize);
 }

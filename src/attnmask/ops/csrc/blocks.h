@@ -12,9 +12,11 @@ namespace attnmask {
 
 // x (rows, in_features) float32 @ W^T, W held as GGUF blocks repacked by attnmask.ops.blocks.repack;
 // every buffer is checked first (ValueError naming it). kind: "Q4_1", "Q8_0", "Q5_0", "Q4_K" or "Q6_K"
-// (attnmask.ops.blocks.BLOCK_BYTES); m is given for the 4-bit layout (Q4_1, Q4_K) only.
+// (attnmask.ops.blocks.BLOCK_BYTES); m is given for the 4-bit layout (Q4_1, Q4_K) only. int8_activations:
+// the operator block_matmul_i8's arithmetic (each row of x quantized to 8 bits per block of 32, integer
+// dot products) instead of block_matmul's exact float32 one.
 at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
-                        const at::Tensor &x, c10::string_view kind, int64_t in_features);
+                        const at::Tensor &x, c10::string_view kind, int64_t in_features, bool int8_activations);
 
 // The float32 (out, in_features) weight the blocks hold, d * q (+ m).
 at::Tensor block_dequantize(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,

@@ -27,6 +27,12 @@
  * same operations in the same order for every batch size and thread count, as on the AVX2 path.
  *
  * Rows of W are split over `threads` OpenMP threads (the libgomp PyTorch has loaded).
+ *
+ * The `_i8` entry points (at the end) are the opt-in other arithmetic, llama.cpp's: each activation
+ * row quantized to 8 bits per block of 32, integer dot products with the codes as stored, one float
+ * scale product per block. Faster (no conversion of every code to float, a byte multiply-add per pair
+ * of weights), not exact: the activations are rounded. Each output is again computed by the same
+ * operations in the same order whatever the rows and threads.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -679,4 +685,374 @@ void attnmask_q8_0_dequantize(const uint32_t *codes, const float *d, float *out,
 
 void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads) {
     q8_dequantize(codes, d, out, N, K, threads, 16);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* int8 activations (opt-in, llama.cpp's arithmetic): each activation row quantized per block of 32  */
+/* ------------------------------------------------------------------------------------------ */
+/* A block of 32 activations x_j becomes dx * q_j: dx = max|x_j| / 127, q_j = x_j * (127 / max|x_j|)
+ * rounded to the nearest integer (ties to even), |q_j| <= 127 (a block with max|x_j| < 2^-120: q = 0). A
+ * weight block's sum is then d * dx * sum_j w_j q_j (+ m * sum_j x_j for the 4-bit layout, with the
+ * exact float sum of x): the integer dot product is exact, so each output is computed by the same
+ * operations in the same order whatever the rows and threads, as in the float32 loops.
+ *
+ * The codes are laid out in the order the weight codes are (one byte each): 4-bit layout, per pair p
+ * of blocks, 32 bytes "low" (byte 4i + c: weight 16c + i of the pair) then 32 "high" (16c + 8 + i);
+ * 8-bit layout, per pair of blocks, planes k = 0..3 of 16 bytes (weights 8k..8k + 7 of the first
+ * block, then of the second), an odd last block's 32 in order. The scales are kept as 8 lanes a
+ * block (4-bit: dx of the block in every lane; 8-bit: per pair, dx of the first block in lanes 0, 1,
+ * 4, 5 and of the second in 2, 3, 6, 7: the lanes where the integer sums of those blocks end up). */
+static inline float i8_block(const float *x, int8_t *q) {
+    float amax = 0.0f;
+    for (int j = 0; j < QK; j++) amax = x[j] > amax ? x[j] : -x[j] > amax ? -x[j] : amax;
+    const float inv = amax >= 0x1p-120f ? 127.0f / amax : 0.0f; /* below, 127 / amax could overflow: q = 0 */
+    for (int j = 0; j < QK; j++) q[j] = (int8_t)__builtin_rintf(x[j] * inv);
+    return amax / 127.0f;
+}
+
+/* x (M rows of K) -> xq (M rows of `nbp` * 32 codes in the 4-bit layout's order), xd (M rows of nbp * 8
+ * lanes), xsum (M rows of nbp exact block sums); nbp = blocks rounded up to pairs (a zero block pads) */
+static void i8_prepare4(const float *x, int8_t *xq, float *xd, float *xsum, int64_t M, int64_t K, int64_t nbp) {
+    const int64_t nb = K / QK;
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t p = 0; p < nbp / 2; p++) {
+            int8_t q[64] = {0};
+            float dx[2] = {0.0f, 0.0f};
+            for (int h = 0; h < 2; h++) {
+                const int64_t b = 2 * p + h;
+                float s = 0.0f;
+                if (b < nb) {
+                    dx[h] = i8_block(x + r * K + b * QK, q + 32 * h);
+                    for (int j = 0; j < QK; j++) s += x[r * K + b * QK + j];
+                }
+                xsum[r * nbp + b] = s;
+                for (int l = 0; l < 8; l++) xd[(r * nbp + b) * 8 + l] = dx[h];
+            }
+            int8_t *to = xq + (r * nbp + 2 * p) * QK;
+            for (int i = 0; i < 8; i++)
+                for (int c = 0; c < 4; c++) {
+                    to[4 * i + c] = q[16 * c + i];
+                    to[32 + 4 * i + c] = q[16 * c + 8 + i];
+                }
+        }
+    }
+}
+
+/* x (M rows of K) -> xq (M rows of K codes in the 8-bit layout's order), xd (M rows of nb * 8 lanes:
+ * per pair 8 lanes, then an odd last block's dx in 8) */
+static void i8_prepare8(const float *x, int8_t *xq, float *xd, int64_t M, int64_t K) {
+    const int64_t nb = K / QK, pairs = nb / 2, xlanes = (nb + 1) / 2 * 8;
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t g = 0; g < pairs; g++) {
+            int8_t q[64];
+            const float d0 = i8_block(x + r * K + 2 * g * QK, q), d1 = i8_block(x + r * K + (2 * g + 1) * QK, q + 32);
+            int8_t *to = xq + r * K + g * 64;
+            for (int k = 0; k < 4; k++)
+                for (int i = 0; i < 8; i++) {
+                    to[16 * k + i] = q[8 * k + i];
+                    to[16 * k + 8 + i] = q[32 + 8 * k + i];
+                }
+            float *lanes = xd + r * xlanes + g * 8;
+            for (int l = 0; l < 8; l++) lanes[l] = (l & 2) ? d1 : d0;
+        }
+        if (nb % 2) {
+            const float dl = i8_block(x + r * K + (nb - 1) * QK, xq + r * K + (nb - 1) * QK);
+            for (int l = 0; l < 8; l++) xd[r * xlanes + pairs * 8 + l] = dl;
+        }
+    }
+}
+
+#if BLOCKS_AVX2
+/* 4-bit, pair p of weight row codes/d against R activation rows: acc0 += d0 dx0 (q . x) of the first
+ * block, lane by lane, acc1 likewise for the second */
+static inline __attribute__((always_inline)) void i8_pair4(const uint32_t *codes, const float *d, const int8_t *xq,
+                                                           const float *xd, __m256 *acc0, __m256 *acc1, const int R,
+                                                           int64_t nbp, int64_t p) {
+    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + p * 8));
+    ahead(codes + p * 8, CODES_AHEAD);
+    const __m256i wl = _mm256_and_si256(raw, low), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    const __m256 d0 = _mm256_broadcast_ss(d + 2 * p), d1 = _mm256_broadcast_ss(d + 2 * p + 1);
+    
+    ROWS_UNROLLED
+    for (int r = 0; r < R; r++) {
+        const int8_t *xp = xq + (r * nbp + 2 * p) * QK;
+        const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_loadu_si256((const __m256i *)xp)),
+                                           _mm256_maddubs_epi16(wh, _mm256_loadu_si256((const __m256i *)(xp + 32))));
+        const float *dx = xd + (r * nbp + 2 * p) * 8;
+        acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(s, 16), 16)), _mm256_mul_ps(d0, _mm256_loadu_ps(dx)), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(s, 16)), _mm256_mul_ps(d1, _mm256_loadu_ps(dx + 8)), acc1[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void i8_row4_r(const uint32_t *codes, const float *d, const float *m,
+                                                            const int8_t *xq, const float *xd, const float *xsum,
+                                                            float *y, const int R, int64_t N, int64_t nbp) {
+    __m256 acc0[MAX_R], acc1[MAX_R];
+    ROWS_UNROLLED
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < nbp / 2; p++) i8_pair4(codes, d, xq, xd, acc0, acc1, R, nbp, p);
+    ROWS_UNROLLED
+    for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + dot(m, xsum + r * nbp, nbp);
+}
+
+/* one activation row against weight rows n and n + 1, interleaved pair by pair (each row's result is
+ * i8_row4_r's, bit for bit) */
+static void i8_row4_pair(const uint32_t *codes, const float *d, const float *m, const int8_t *xq, const float *xd,
+                         const float *xsum, float *y, int64_t nbp) {
+    __m256 a0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, a1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t p = 0; p < nbp / 2; p++) {
+        i8_pair4(codes, d, xq, xd, &a0[0], &a1[0], 1, nbp, p);
+        i8_pair4(codes + nbp * 4, d + nbp, xq, xd, &a0[1], &a1[1], 1, nbp, p);
+    }
+    y[0] = hsum8(_mm256_add_ps(a0[0], a1[0])) + dot(m, xsum, nbp);
+    y[1] = hsum8(_mm256_add_ps(a0[1], a1[1])) + dot(m + nbp, xsum, nbp);
+}
+
+static void i8_row4(const uint32_t *codes, const float *d, const float *m, const int8_t *xq, const float *xd,
+                    const float *xsum, float *y, int64_t R, int64_t N, int64_t nbp) {
+    switch (R) {
+        case 1: i8_row4_r(codes, d, m, xq, xd, xsum, y, 1, N, nbp); break;
+        case 2: i8_row4_r(codes, d, m, xq, xd, xsum, y, 2, N, nbp); break;
+        case 3: i8_row4_r(codes, d, m, xq, xd, xsum, y, 3, N, nbp); break;
+        default: i8_row4_r(codes, d, m, xq, xd, xsum, y, 4, N, nbp); break;
+    }
+}
+#else
+static void i8_row4(const uint32_t *codes, const float *d, const float *m, const int8_t *xq, const float *xd,
+                    const float *xsum, float *y, int64_t R, int64_t N, int64_t nbp) {
+    const uint8_t *bytes = (const uint8_t *)codes;
+    for (int64_t r = 0; r < R; r++) {
+        float lanes0[8] = {0}, lanes1[8] = {0};
+        for (int64_t p = 0; p < nbp / 2; p++) {
+            const int8_t *xp = xq + (r * nbp + 2 * p) * QK;
+            const float *dx = xd + (r * nbp + 2 * p) * 8;
+            for (int i = 0; i < 8; i++) {
+                int32_t s[2] = {0, 0};
+                for (int c = 0; c < 4; c++) {
+                    const uint8_t raw = bytes[p * 32 + 4 * i + c];
+                    s[c / 2] += (raw & 15) * xp[4 * i + c] + (raw >> 4) * xp[32 + 4 * i + c];
+                }
+                lanes0[i] += (float)s[0] * (d[2 * p] * dx[i]);
+                lanes1[i] += (float)s[1] * (d[2 * p + 1] * dx[8 + i]);
+            }
+        }
+        float v[8];
+        for (int i = 0; i < 8; i++) v[i] = lanes0[i] + lanes1[i];
+        y[r * N] = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])) + dot(m, xsum + r * nbp, nbp);
+    }
+}
+#endif
+
+int attnmask_q4_1_matmul_i8(const uint32_t *codes, const float *d, const float *m, const float *x, float *y, int64_t M,
+                            int64_t N, int64_t K, int threads) {
+    const int64_t nbp = ((K / QK) + 1) / 2 * 2;
+    /* xd (nbp * 8 floats a row) and xsum (nbp) first, then the codes (nbp * 32 bytes a row) */
+    float *xd = scratch((size_t)(M * nbp * 9 + M * nbp * 8 + 16));
+    if (!xd) return -1;
+    float *xsum = xd + M * nbp * 8;
+    int8_t *xq = (int8_t *)(xsum + M * nbp + (16 - (M * nbp) % 16) % 16);
+    i8_prepare4(x, xq, xd, xsum, M, K, nbp);
+    const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
+    for (int64_t task = 0; task < tasks; task++)
+        for (int64_t r0 = 0; r0 < M; r0 += MAX_R) {
+            int64_t n = task * ROWS_PER_TASK;
+            const int64_t end = min64((task + 1) * ROWS_PER_TASK, N);
+#if BLOCKS_AVX2
+            if (M - r0 == 1)
+                for (; n + 2 <= end; n += 2)
+                    i8_row4_pair(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * nbp * QK, xd + r0 * nbp * 8,
+                                 xsum + r0 * nbp, y + r0 * N + n, nbp);
+#endif
+            for (; n < end; n++)
+                i8_row4(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * nbp * QK, xd + r0 * nbp * 8,
+                        xsum + r0 * nbp, y + r0 * N + n, min64(MAX_R, M - r0), N, nbp);
+        }
+    return 0;
+}
+
+#if BLOCKS_AVX2
+/* 8-bit, pair g (blocks 2g and 2g + 1: planes 0 and 1, then 2 and 3, 32 bytes each) against R activation
+ * rows. Each plane's 16 codes are block 2g's 8 then block 2g + 1's, so after the byte products and
+ * the pairwise sums, int32 lanes 0, 1, 4, 5 hold block 2g's sums and 2, 3, 6, 7 block 2g + 1's; the
+ * scales are laid out to match. Q8_0 adds both halves' sums before scaling (to acc0 for an even g,
+ * acc1 for an odd one); sub16 scales planes 0-1 (weights 0..15) and 2-3 (16..31) on their own. */
+static inline __attribute__((always_inline)) void i8_pair8(const uint32_t *codes, const float *d, const int8_t *xq,
+                                                           const float *xd, __m256 *acc0, __m256 *acc1, const int R,
+                                                           int64_t K, int64_t xlanes, int64_t g, const int sub16) {
+    const __m256i *w = (const __m256i *)((const uint8_t *)codes + g * 64);
+    ahead(w, CODES_AHEAD);
+    const __m256i w01 = _mm256_loadu_si256(w), w23 = _mm256_loadu_si256(w + 1);
+    const __m256i a01 = _mm256_abs_epi8(w01), a23 = _mm256_abs_epi8(w23), ones = _mm256_set1_epi16(1);
+    __m256 s0, s1;
+    if (sub16) { /* d[4g .. 4g + 3]: block 2g's halves, then block 2g + 1's */
+        if (!(g & 3)) ahead(d + 4 * g, CODES_AHEAD / 4);
+        const __m128 d4 = _mm_loadu_ps(d + 4 * g);
+        const __m128 h0 = _mm_shuffle_ps(d4, d4, _MM_SHUFFLE(2, 2, 0, 0)), h1 = _mm_shuffle_ps(d4, d4, _MM_SHUFFLE(3, 3, 1, 1));
+        s0 = _mm256_set_m128(h0, h0), s1 = _mm256_set_m128(h1, h1);
+    } else {
+        const __m128 d2 = _mm_castpd_ps(_mm_load_sd((const double *)(d + 2 * g)));
+        const __m128 dd = _mm_shuffle_ps(d2, d2, _MM_SHUFFLE(1, 1, 0, 0));
+        s0 = s1 = _mm256_set_m128(dd, dd);
+    }
+    ROWS_UNROLLED
+    for (int r = 0; r < R; r++) {
+        const int8_t *xp = xq + r * K + g * 64;
+        const __m256i p01 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(a01, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xp), w01)), ones);
+        const __m256i p23 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(a23, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xp + 32)), w23)), ones);
+        const __m256 dx = _mm256_loadu_ps(xd + r * xlanes + g * 8);
+        if (sub16) {
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p01), _mm256_mul_ps(s0, dx), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p23), _mm256_mul_ps(s1, dx), acc1[r]);
+        } else {
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p01, p23)), _mm256_mul_ps(s0, dx), acc0[r]);
+        }
+    }
+}
+
+/* an odd last block (its 32 codes in order: int32 lanes 0..3 weights 0..15, 4..7 16..31), added to acc0 */
+static inline __attribute__((always_inline)) void i8_last8(const uint32_t *codes, const float *d, const int8_t *xq,
+                                                           const float *xd, __m256 *acc0, const int R, int64_t K,
+                                                           int64_t xlanes, const int sub16) {
+    const int64_t b = K / QK - 1;
+    const __m256i w = _mm256_loadu_si256((const __m256i *)((const uint8_t *)codes + b * QK));
+    const __m256i a = _mm256_abs_epi8(w), ones = _mm256_set1_epi16(1);
+    const __m256 s = sub16 ? _mm256_set_m128(_mm_set1_ps(d[2 * b + 1]), _mm_set1_ps(d[2 * b])) : _mm256_set1_ps(d[b]);
+    ROWS_UNROLLED
+    for (int r = 0; r < R; r++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(x, w)), ones);
+        acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s, _mm256_loadu_ps(xd + r * xlanes + (b / 2) * 8)), acc0[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void i8_row8_r(const uint32_t *codes, const float *d, const int8_t *xq,
+                                                            const float *xd, float *y, const int R, int64_t N, int64_t K,
+                                                            const int sub16) {
+    const int64_t nb = K / QK, xlanes = (nb + 1) / 2 * 8;
+    ahead(d, CODES_AHEAD / 8);
+    __m256 acc0[MAX_R], acc1[MAX_R];
+    ROWS_UNROLLED
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= nb / 2; g += 2) { /* by two pairs: Q8_0's even one adds to acc0, the odd one to acc1 */
+        i8_pair8(codes, d, xq, xd, acc0, sub16 ? acc1 : acc0, R, K, xlanes, g, sub16);
+        i8_pair8(codes, d, xq, xd, sub16 ? acc0 : acc1, acc1, R, K, xlanes, g + 1, sub16);
+    }
+    if (g < nb / 2) i8_pair8(codes, d, xq, xd, acc0, acc1, R, K, xlanes, g, sub16);
+    if (nb % 2) i8_last8(codes, d, xq, xd, acc0, R, K, xlanes, sub16);
+    ROWS_UNROLLED
+    for (int r = 0; r < R; r++) y[r * N] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+/* one activation row against weight rows n and n + 1: i8_row8_r's operations for each row, interleaved */
+static inline __attribute__((always_inline)) void i8_row8_pair(const uint32_t *codes, const float *d, const int8_t *xq,
+                                                               const float *xd, float *y, int64_t K, const int sub16) {
+    const int64_t nb = K / QK, xlanes = (nb + 1) / 2 * 8, row_d = sub16 ? 2 * nb : nb;
+    const uint32_t *codes1 = codes + K / 4;
+    const float *d1 = d + row_d;
+    ahead(d, CODES_AHEAD / 8);
+    ahead(d1, CODES_AHEAD / 8);
+    __m256 a0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, a1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t g = 0;
+    for (; g + 2 <= nb / 2; g += 2) {
+        i8_pair8(codes, d, xq, xd, &a0[0], sub16 ? &a1[0] : &a0[0], 1, K, xlanes, g, sub16);
+        i8_pair8(codes1, d1, xq, xd, &a0[1], sub16 ? &a1[1] : &a0[1], 1, K, xlanes, g, sub16);
+        i8_pair8(codes, d, xq, xd, sub16 ? &a0[0] : &a1[0], &a1[0], 1, K, xlanes, g + 1, sub16);
+        i8_pair8(codes1, d1, xq, xd, sub16 ? &a0[1] : &a1[1], &a1[1], 1, K, xlanes, g + 1, sub16);
+    }
+    if (g < nb / 2) {
+        i8_pair8(codes, d, xq, xd, &a0[0], &a1[0], 1, K, xlanes, g, sub16);
+        i8_pair8(codes1, d1, xq, xd, &a0[1], &a1[1], 1, K, xlanes, g, sub16);
+    }
+    if (nb % 2) {
+        i8_last8(codes, d, xq, xd, &a0[0], 1, K, xlanes, sub16);
+        i8_last8(codes1, d1, xq, xd, &a0[1], 1, K, xlanes, sub16);
+    }
+    y[0] = hsum8(_mm256_add_ps(a0[0], a1[0]));
+    y[1] = hsum8(_mm256_add_ps(a0[1], a1[1]));
+}
+
+static void i8_row8(const uint32_t *codes, const float *d, const int8_t *xq, const float *xd, float *y, int64_t R,
+                    int64_t N, int64_t K, const int sub16) {
+    if (sub16) {
+        switch (R) {
+            case 1: i8_row8_r(codes, d, xq, xd, y, 1, N, K, 1); break;
+            case 2: i8_row8_r(codes, d, xq, xd, y, 2, N, K, 1); break;
+            case 3: i8_row8_r(codes, d, xq, xd, y, 3, N, K, 1); break;
+            default: i8_row8_r(codes, d, xq, xd, y, 4, N, K, 1); break;
+        }
+        return;
+    }
+    switch (R) {
+        case 1: i8_row8_r(codes, d, xq, xd, y, 1, N, K, 0); break;
+        case 2: i8_row8_r(codes, d, xq, xd, y, 2, N, K, 0); break;
+        case 3: i8_row8_r(codes, d, xq, xd, y, 3, N, K, 0); break;
+        default: i8_row8_r(codes, d, xq, xd, y, 4, N, K, 0); break;
+    }
+}
+#else
+static void i8_row8(const uint32_t *codes, const float *d, const int8_t *xq, const float *xd, float *y, int64_t R,
+                    int64_t N, int64_t K, const int sub16) {
+    const int64_t nb = K / QK, xlanes = (nb + 1) / 2 * 8;
+    const int8_t *w = (const int8_t *)codes;
+    for (int64_t r = 0; r < R; r++) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *q = (const int8_t *)plane8(codes, b, nb);
+            const int8_t *xb = xq + r * K + (q - w); /* the activations sit where the codes do */
+            const int64_t step = plane_step(b, nb);
+            int32_t s[2] = {0, 0};
+            for (int k = 0; k < 4; k++)
+                for (int i = 0; i < 8; i++) s[sub16 ? k / 2 : 0] += (int32_t)q[k * step + i] * xb[k * step + i];
+            const float dx = xd[r * xlanes + (b / 2) * 8 + (b % 2) * 2];
+            total += sub16 ? (float)s[0] * (d[2 * b] * dx) + (float)s[1] * (d[2 * b + 1] * dx) : (float)s[0] * (d[b] * dx);
+        }
+        y[r * N] = total;
+    }
+}
+#endif
+
+static int i8_matmul8(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                      int threads, const int sub16) {
+    const int64_t nb = K / QK, row_d = nb * (sub16 ? 2 : 1), xlanes = (nb + 1) / 2 * 8;
+    /* xd (xlanes floats a row), then the codes (K bytes a row) on a cache line */
+    const int64_t lanes = (M * xlanes + 15) / 16 * 16;
+    float *xd = scratch((size_t)(lanes + (M * K + 3) / 4));
+    if (!xd) return -1;
+    int8_t *xq = (int8_t *)(xd + lanes);
+    i8_prepare8(x, xq, xd, M, K);
+    const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
+    for (int64_t task = 0; task < tasks; task++)
+        for (int64_t r0 = 0; r0 < M; r0 += MAX_R) {
+            int64_t n = task * ROWS_PER_TASK;
+            const int64_t end = min64((task + 1) * ROWS_PER_TASK, N);
+#if BLOCKS_AVX2
+            if (M - r0 == 1)
+                for (; n + 2 <= end; n += 2) {
+                    if (sub16)
+                        i8_row8_pair(codes + n * (K / 4), d + n * row_d, xq + r0 * K, xd + r0 * xlanes, y + r0 * N + n, K, 1);
+                    else
+                        i8_row8_pair(codes + n * (K / 4), d + n * row_d, xq + r0 * K, xd + r0 * xlanes, y + r0 * N + n, K, 0);
+                }
+#endif
+            for (; n < end; n++)
+                i8_row8(codes + n * (K / 4), d + n * row_d, xq + r0 * K, xd + r0 * xlanes, y + r0 * N + n,
+                        min64(MAX_R, M - r0), N, K, sub16);
+        }
+    return 0;
+}
+
+int attnmask_q8_0_matmul_i8(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
+                            int64_t K, int threads) {
+    return i8_matmul8(codes, d, x, y, M, N, K, threads, 0);
+}
+
+int attnmask_q6_k_matmul_i8(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
+                            int64_t K, int threads) {
+    return i8_matmul8(codes, d, x, y, M, N, K, threads, 1);
 }

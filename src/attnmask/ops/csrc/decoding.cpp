@@ -632,17 +632,20 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
 // through linear_rows; the others are a block layer's buffers in one of the kernel's layouts, through
 // attnmask::block_matmul (blocks.h: the function the operator runs, declared, not looked up): Q4_1 the
 // 4-bit layout (codes, d, m: Q4_1, and Q4_K repacked into it), Q8_0 the 8-bit one (codes, d: Q8_0, Q5_0),
-// Q6_K the 8-bit one with a scale per 16 weights (codes, d). NONE: no product in this slot.
-constexpr int64_t NONE = -1, DENSE = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3;
+// Q6_K the 8-bit one with a scale per 16 weights (codes, d); INT8 + each of those: the same buffers with
+// int8 activations (the operator block_matmul_i8's arithmetic). NONE: no product in this slot.
+constexpr int64_t NONE = -1, DENSE = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3, INT8 = 3;
 
 at::Tensor product(int64_t kind, const at::Tensor *t, const at::Tensor &x) {
     if (kind == DENSE) return linear_rows(x, t[0], t[1].numel() ? std::optional<at::Tensor>(t[1]) : std::nullopt);
-    const char *name = kind == Q4_1 ? "Q4_1" : kind == Q8_0 ? "Q8_0" : "Q6_K";
-    return attnmask::block_matmul(t[0], t[1], kind == Q4_1 ? std::optional<at::Tensor>(t[2]) : std::nullopt, x, name,
-                                  x.size(1));
+    const bool int8 = kind > Q6_K;
+    const int64_t layout = int8 ? kind - INT8 : kind;
+    const char *name = layout == Q4_1 ? "Q4_1" : layout == Q8_0 ? "Q8_0" : "Q6_K";
+    return attnmask::block_matmul(t[0], t[1], layout == Q4_1 ? std::optional<at::Tensor>(t[2]) : std::nullopt, x,
+                                  name, x.size(1), int8);
 }
 
-int64_t product_tensors(int64_t kind) { return kind == NONE ? 0 : kind == Q4_1 ? 3 : 2; }
+int64_t product_tensors(int64_t kind) { return kind == NONE ? 0 : (kind == Q4_1 || kind == Q4_1 + INT8) ? 3 : 2; }
 
 // The slots of a layer's lists: norms (NORMS a layer, then the final norm's), products (PRODUCTS a layer,
 // then the head). A missing optional norm is an empty tensor; a missing product has kind NONE: k and v
@@ -706,9 +709,10 @@ std::vector<int64_t> check_layers(const char *op, int64_t L, int64_t C, int64_t 
     for (size_t i = 0; i < kinds.size(); i++) {
         const int64_t slot = i < static_cast<size_t>(PRODUCTS * L) ? static_cast<int64_t>(i) % PRODUCTS : QKV;
         const bool optional = slot == K || slot == V || slot == UP;
-        TORCH_CHECK_VALUE((optional && kinds[i] == NONE) || (DENSE <= kinds[i] && kinds[i] <= Q6_K), op,
+        TORCH_CHECK_VALUE((optional && kinds[i] == NONE) || (DENSE <= kinds[i] && kinds[i] <= Q6_K + INT8), op,
                           ": product kind ", kinds[i], " in slot ", i, " is not one of 0 (float32), 1 (4-bit "
-                          "blocks), 2 (8-bit), 3 (8-bit, a scale per 16)", optional ? " or -1 (none)" : "");
+                          "blocks), 2 (8-bit), 3 (8-bit, a scale per 16), 4-6 (those with int8 activations)",
+                          optional ? " or -1 (none)" : "");
         first[i + 1] = first[i] + product_tensors(kinds[i]);
     }
     for (int64_t l = 0; l < L; l++) {
