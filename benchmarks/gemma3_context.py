@@ -5,7 +5,9 @@ never stopping early, batch 1, the same GGUF file on both sides:
 
 - attnmask: the serving engine (:class:`attnmask.engine.Engine`: the packed step over the paged cache,
   whose local layers keep their blocks for the last 512 positions only), prefilling ``--chunk`` prompt
-  tokens a step; ``blocks`` (``load("gemma3", quantized=True)``) and/or ``float32``.
+  tokens a step; ``blocks`` (``load("gemma3", quantized=True)``), ``blocks-int8`` (the same blocks with
+  ``activations="int8"``: each input row rounded to 8 bits per block of 32, llama.cpp's own arithmetic)
+  and/or ``float32``.
   Cache memory = the most blocks in use at once (over the whole run) x the bytes of a block
   (:meth:`PagedKVCache.nbytes` / blocks), beside what one table for every layer would hold for the
   same positions (a full cache, same dtype).
@@ -19,7 +21,7 @@ decode tok/s = the other new tokens / the time from the first token to the last.
 ``--repeats`` runs, contenders taking turns, after one warm-up run each. The first new tokens of
 each side are printed (llama.cpp's int8 activations may part ways with attnmask's float32 ones).
 
-Run: ``python benchmarks/gemma3_context.py [--tokens 8192] [--threads 2] [--variants blocks]``.
+Run: ``python benchmarks/gemma3_context.py [--tokens 8192] [--threads 2] [--variants blocks blocks-int8]``.
 Needs the Gemma 3 weights (see benchmarks/gemma3.py). Nothing is asserted; figures belong in
 docs/benchmarks.md with the CPU named.
 """
@@ -132,7 +134,7 @@ def main(argv=None) -> None:
     p.add_argument("--chunk", type=int, default=512, help="prompt tokens a step (llama.cpp: n_batch)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--variants", nargs="+", choices=("blocks", "float32"), default=["blocks"])
+    p.add_argument("--variants", nargs="+", choices=("blocks", "blocks-int8", "float32"), default=["blocks"])
     p.add_argument("--no-llama-cpp", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -141,7 +143,8 @@ def main(argv=None) -> None:
           f"prompt {args.tokens} tokens, {n} new, chunk {args.chunk}")  # fmt: skip
     rows = []
     for variant in args.variants:
-        model, tokenizer, _ = load("gemma3", quantized=variant == "blocks")
+        activations = "int8" if variant == "blocks-int8" else "float32"
+        model, tokenizer, _ = load("gemma3", quantized=variant != "float32", activations=activations)
         ids = prompt_ids(tokenizer, args.tokens)
         run = attnmask_runner(model, ids, n, args.chunk, args.block_size)
         run()  # warm-up: kernels built, memory touched

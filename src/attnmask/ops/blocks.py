@@ -33,9 +33,9 @@ threads with OpenMP):
 - ``torch.ops.attnmask.block_matmul_i8(codes, d, m, x, kind, in_features)``: the same product in
   llama.cpp's arithmetic, an opt-in (:func:`quantize_activations`): each row of ``x`` rounded to 8
   bits per block of 32 (a float scale ``dx`` a block), then ``d * dx * sum q_w q_x`` per block with
-  the integer sums exact (``+ m * sum x`` with the float sum of ``x`` for the 4-bit layout). Not the
-  float32 product: the activations are rounded (a relative error of a few 1e-3 on a product's
-  outputs). Each output element is again computed by the same operations in the same order
+  the integer sums exact (``+ m * dx * sum q_x`` for the 4-bit layout): the product of the dequantized
+  weight with the rounded activations. Not the float32 product: the activations are rounded (about
+  1e-2 relative on a product's outputs). Each output element is again computed by the same operations in the same order
   whatever the rows and threads, so a row's result does not depend on its batch, bit for bit;
 - ``torch.ops.attnmask.block_dequantize(codes, d, m, kind, in_features)``: the float32 weight.
 
@@ -242,18 +242,19 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def block_matmul_i8_reference(codes: Tensor, d: Tensor, m: Tensor | None, x: Tensor, kind: str, in_features: int):
-    """What ``block_matmul_i8`` computes, in PyTorch: the product with the 8-bit activations of
-    :func:`quantize_activations` (scaled back, ``dx * q``) and, for the 4-bit layout, ``m`` times
-    the exact float sums of ``x``. Equal to the kernel's up to the order and rounding of its float sums."""
+    """What ``block_matmul_i8`` computes, in PyTorch: the product of the dequantized weight with the
+    8-bit activations of :func:`quantize_activations` scaled back (``dx * q``); for the 4-bit layout the
+    ``m`` term apart, ``m * (dx * sum q)``, as the kernel takes it. Equal to the kernel's up to the
+    order and rounding of its float sums."""
     if x.device.type == "cpu":
         check_buffers(codes, d, m, kind, in_features, x)
     q, dx = quantize_activations(x)
-    xq = (q.reshape(x.shape[0], -1, QK) * dx[..., None]).reshape(x.shape)
+    nb = in_features // QK
+    xq = (q.reshape(x.shape[0], nb, QK) * dx[..., None]).reshape(x.shape)
     if m is None:
         return F.linear(xq, unpack({"codes": codes, "d": d}, kind, in_features)).to(x.dtype)
     w = unpack({"codes": codes, "d": d, "m": torch.zeros_like(m)}, kind, in_features)  # d * q alone
-    nb = in_features // QK
-    sums = x.float().reshape(x.shape[0], nb, QK).sum(-1)  # (rows, nb): the exact block sums of x
+    sums = q.reshape(x.shape[0], nb, QK).sum(-1) * dx  # (rows, nb): dx * sum q, the integer sum exact
     return (F.linear(xq, w) + sums @ m[:, :nb].t()).to(x.dtype)
 
 

@@ -692,9 +692,11 @@ void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out,
 /* ------------------------------------------------------------------------------------------ */
 /* A block of 32 activations x_j becomes dx * q_j: dx = max|x_j| / 127, q_j = x_j * (127 / max|x_j|)
  * rounded to the nearest integer (ties to even), |q_j| <= 127 (a block with max|x_j| < 2^-120: q = 0). A
- * weight block's sum is then d * dx * sum_j w_j q_j (+ m * sum_j x_j for the 4-bit layout, with the
- * exact float sum of x): the integer dot product is exact, so each output is computed by the same
- * operations in the same order whatever the rows and threads, as in the float32 loops.
+ * weight block's sum is then d * dx * sum_j w_j q_j (+ m * (dx * sum_j q_j) for the 4-bit layout): the
+ * product of the dequantized weight with the rounded activations, the integer sums exact. (The m term
+ * takes the rounded activations too: with the exact sum of x it would add m * sum_j (x_j - dx q_j),
+ * and a Q4_1 block's codes 0..15 are not centred: measured on SmolLM2, twice the logits' error.)
+ * Each output is computed by the same operations in the same order whatever the rows and threads.
  *
  * The codes are laid out in the order the weight codes are (one byte each): 4-bit layout, per pair p
  * of blocks, 32 bytes "low" (byte 4i + c: weight 16c + i of the pair) then 32 "high" (16c + 8 + i);
@@ -711,7 +713,7 @@ static inline float i8_block(const float *x, int8_t *q) {
 }
 
 /* x (M rows of K) -> xq (M rows of `nbp` * 32 codes in the 4-bit layout's order), xd (M rows of nbp * 8
- * lanes), xsum (M rows of nbp exact block sums); nbp = blocks rounded up to pairs (a zero block pads) */
+ * lanes), xsum (M rows of nbp block sums dx * sum q); nbp = blocks rounded up to pairs (a zero block pads) */
 static void i8_prepare4(const float *x, int8_t *xq, float *xd, float *xsum, int64_t M, int64_t K, int64_t nbp) {
     const int64_t nb = K / QK;
     for (int64_t r = 0; r < M; r++) {
@@ -720,12 +722,12 @@ static void i8_prepare4(const float *x, int8_t *xq, float *xd, float *xsum, int6
             float dx[2] = {0.0f, 0.0f};
             for (int h = 0; h < 2; h++) {
                 const int64_t b = 2 * p + h;
-                float s = 0.0f;
+                int32_t s = 0;
                 if (b < nb) {
                     dx[h] = i8_block(x + r * K + b * QK, q + 32 * h);
-                    for (int j = 0; j < QK; j++) s += x[r * K + b * QK + j];
+                    for (int j = 0; j < QK; j++) s += q[32 * h + j];
                 }
-                xsum[r * nbp + b] = s;
+                xsum[r * nbp + b] = dx[h] * (float)s; /* the sum of the rounded activations, dx * sum q */
                 for (int l = 0; l < 8; l++) xd[(r * nbp + b) * 8 + l] = dx[h];
             }
             int8_t *to = xq + (r * nbp + 2 * p) * QK;
