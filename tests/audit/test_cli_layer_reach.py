@@ -25,6 +25,8 @@ def test_checks_picks_the_checks_run(capsys):
         (["--tiny", "decoder", "--checks", "causality,reach"], "--checks 'causality,reach': expected comma-separated"),
         (["--tiny", "decoder", "--checks", ","], "--checks ',': expected comma-separated"),
         (["--tiny", "decoder", "--checks", "causality", "--reach-png", "r.png"], "add 'layer reach' to --checks"),
+        (["--tiny", "decoder", "--reach-png", "a\0b"], "--reach-png 'a\\x00b': the name contains a NUL byte"),
+        (["--tiny", "decoder", "--png", "ok.png", "--reach-png", "a" * 300], "the file name is 304 bytes; expected"),
     ],
 )
 def test_mistakes_exit_2_before_the_audit_runs(capsys, argv, message):
@@ -57,3 +59,11 @@ def test_a_gemma3_config_is_measured_layer_by_layer(capsys, tmp_path):
         ["2", "4", "3", "back", "3", "back"],
     ]
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_two_pictures_are_reported_in_one_line(capsys, tmp_path):
+    argv = ["audit", "--tiny", "decoder", "--length", "6", "--checks", "causality,layer reach"]
+    assert main([*argv, "--png", str(tmp_path / "m.png"), "--reach-png", str(tmp_path / "r")]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    err = [line for line in lines if line.strip() and not line.startswith("building attnmask kernels")]
+    assert err == [f"wrote {tmp_path / 'm.png'} and {tmp_path / 'r.png'}"]

@@ -210,15 +210,12 @@ def run(args) -> int:
         pad_amounts=_pad_amounts(args.pad),
         checks=checks,
     )
-    if args.png:
-        path = report.save_png(args.png)
-        if not args.json:
-            print(f"wrote {path}", file=sys.stderr)
+    if args.reach_png and report.layer_reach is None:
+        raise UserError("--reach-png: the layer reach check did not run or was skipped; nothing to draw")
+    wrote = [report.save_png(args.png)] if args.png else []
     if args.reach_png:
-        if report.layer_reach is None:
-            raise UserError("--reach-png: the layer reach check did not run or was skipped; nothing to draw")
-        path = report.save_reach_png(args.reach_png)
-        if not args.json:
-            print(f"wrote {path}", file=sys.stderr)
+        wrote.append(report.save_reach_png(args.reach_png))
+    if wrote and not args.json:  # one line, beside the report on stdout
+        print(f"wrote {' and '.join(str(path) for path in wrote)}", file=sys.stderr)
     print(report.to_json() if args.json else report.to_text())
     return report.exit_code

@@ -10,6 +10,7 @@ treats as a user mistake.
 from __future__ import annotations
 
 import errno
+import os
 import re
 from pathlib import Path
 
@@ -95,9 +96,23 @@ def check_run_dir(path: str | Path) -> Path:
 def check_picture_path(flag: str, path: str) -> None:
     """``--png FILE``: a name whose suffix matplotlib can write (``.png``, ``.svg``, ``.pdf``, ...) or none.
 
+    Checked before any work, so that a name the system cannot take is refused before a picture or a
+    report is made: a NUL byte, or a file name longer than the folder's limit (255 bytes on most).
+
     Raises:
-        ValueError: a suffix matplotlib has no writer for (``--png out.jpgx``).
+        ValueError: a suffix matplotlib has no writer for (``--png out.jpgx``), a NUL byte, a name too long.
     """
+    shown = path if len(path) <= 80 else path[:77] + "..."
+    if "\0" in path:
+        raise UserError(f"{flag} {shown!r}: the name contains a NUL byte; expected a file path")
+    name = Path(path).name if Path(path).suffix else Path(path).name + ".png"  # what _save writes
+    folder = Path(path).parent
+    try:
+        limit = os.pathconf(folder if folder.is_dir() else ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    if len(os.fsencode(name)) > limit:
+        raise UserError(f"{flag} {shown}: the file name is {len(os.fsencode(name))} bytes; expected at most {limit}")
     suffix = Path(path).suffix.lower().removeprefix(".")
     if not suffix:
         return
