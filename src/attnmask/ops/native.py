@@ -35,6 +35,7 @@ SOURCES = [CSRC / "blocks_kernel.c", CSRC / "blocks.cpp", CSRC / "rows.cpp", CSR
 # Every operator of the library: its name, the module that defines it (schema and PyTorch definition).
 OPERATORS = {
     "block_matmul": blocks,
+    "block_matmul_i8": blocks,
     "block_dequantize": blocks,
     "rms_norm": decoding,
     "add_rms_norm": decoding,
