@@ -76,6 +76,16 @@ def llama_cpp_logits(ids: list[int], threads: int) -> torch.Tensor | None:
     return torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float64)
 
 
+def against(got: torch.Tensor, want: torch.Tensor, ids: torch.Tensor) -> str:
+    """``got``'s logits (T, V) against the float64 model's ``want`` on ``ids``, in words."""
+    rel = (got - want).abs().amax(-1) / want.abs().amax(-1)
+    nll = F.cross_entropy(got[:-1], ids[1:])
+    same = (got.argmax(-1) == want.argmax(-1)).double().mean().item()
+    return (f"logits max rel. error {rel.max().item():.2e} (mean {rel.mean().item():.2e}), perplexity "
+            f"{math.exp(nll.item()):.3f}, next-token argmax equal to float64's at {100 * same:.1f}% of "
+            "positions")  # fmt: skip
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--text", default=str(Path(__file__).resolve().parents[1] / "README.md"))
@@ -95,25 +105,13 @@ def main(argv=None) -> None:
     print(f"# text: {args.text}, {len(ids)} tokens; logits and perplexity against the float64 model")
     with torch.no_grad():
         want = reference(x).logits[0]
-        scale = want.abs().amax(-1, keepdim=True)
         nll = F.cross_entropy(want[:-1], x[0, 1:])
         print(f"float64 model: perplexity {math.exp(nll.item()):.3f}")
         for name, model in models.items():
-            got = model(x).logits[0].double()
-            rel = ((got - want).abs().amax(-1, keepdim=True) / scale).squeeze(-1)
-            nll = F.cross_entropy(got[:-1], x[0, 1:])
-            same = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-            print(f"blocks, {name} activations: logits max rel. error {rel.max().item():.2e} (mean "
-                  f"{rel.mean().item():.2e}), perplexity {math.exp(nll.item()):.3f}, "
-                  f"next-token argmax equal to float64's at {100 * same:.1f}% of positions")  # fmt: skip
+            print(f"blocks, {name} activations: {against(model(x).logits[0].double(), want, x[0])}")
         theirs = llama_cpp_logits(ids, args.threads)
         if theirs is not None:
-            rel = ((theirs - want).abs().amax(-1, keepdim=True) / scale).squeeze(-1)
-            nll = F.cross_entropy(theirs[:-1], x[0, 1:])
-            same = (theirs.argmax(-1) == want.argmax(-1)).float().mean().item()
-            print(f"llama.cpp: logits max rel. error {rel.max().item():.2e} (mean {rel.mean().item():.2e}), "
-                  f"perplexity {math.exp(nll.item()):.3f}, next-token argmax equal to float64's at "
-                  f"{100 * same:.1f}% of positions")  # fmt: skip
+            print(f"llama.cpp: {against(theirs, want, x[0])}")
 
     prompts = [tok.encode(chat([{"role": "user", "content": p}])) for p in PROMPTS[:16]]
     outs = {
