@@ -575,6 +575,20 @@ def test_the_operator_runs_the_native_kernel_where_it_is_built():
     assert torch.equal(blocks.block_dequantize_reference(*args[:3], "Q4_1", 96), layer.dequantize())
 
 
+def test_an_int8_layer_called_first_loads_the_native_kernel():
+    """A fresh process whose first product is an int8-activation layer's: the layer builds and loads the
+    kernels as the float32 layer does (it used to run the operator's PyTorch definition, 100x slower,
+    until something else had loaded them)."""
+    if not ops.available():
+        pytest.skip(f"no native kernels here: {ops.status().why}")
+    code = (
+        "import torch; from attnmask import ops; from attnmask.pretrained import quantized as q; "
+        "layer = q.BlockLinear(torch.zeros(8, 20, dtype=torch.uint8), 'Q4_1', 32); layer.activations = 'int8'; "
+        "layer(torch.ones(1, 32)); print(ops.status().native)"
+    )
+    assert run_python(code) == ["True"]
+
+
 def test_without_a_cxx_compiler_the_layer_decodes_its_weights_once(tmp_path):
     """A fresh process (a loaded operator library cannot be unloaded) whose $CXX does not exist."""
     code = (

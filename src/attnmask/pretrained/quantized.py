@@ -172,6 +172,7 @@ class BlockLinear(nn.Module):
             raise UserError(f"input has {x.shape[-1]} features; this layer expects {self.in_features}")
         rows = x.numel() // self.in_features
         if self.activations == "int8":  # the operator (its PyTorch definition where the kernel is not built)
+            ops.available()  # build and load the kernels on first use, as the float32 path below does
             xs = x.reshape(rows, self.in_features).float().contiguous()
             out = block_matmul_i8(self.codes, self.d, self.m, xs, self.kind, self.in_features)
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
