@@ -106,7 +106,7 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-static float dot(const float *a, const float *b, int64_t n) {
+__attribute__((unused)) static float dot(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
     float total = 0.0f;
 #if BLOCKS_AVX2
@@ -715,8 +715,9 @@ void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out,
  * is read in order as stored and multiplied lane by lane, and the eight rows' partial sums are added
  * across lanes per block: the same S_b, the same float operations. Weight rows past the last whole
  * eight, and the portable build, compute the definition one output at a time (fmaf): the same bits.
- * Measured on Zen 3 against the per-row loops this replaced (one thread, SmolLM2's shapes): 16
- * activation rows 1.4-1.8x, one row streamed from memory 0.86-0.95x.
+ * Measured on Zen 3 against the per-row loops this replaced (SmolLM2's shapes, C harness, the two
+ * alternating): 16 activation rows 1.4-1.8x (one thread, in cache) and 1.5x (two threads, from
+ * memory); one row from memory 0.86x (one thread) and 0.92-0.95x (two).
  *
  * 8-bit layout (Q8_0, Q5_0; Q6_K with a scale per 16): per weight row and up to four activation rows,
  * each lane of a block's integer products scaled and accumulated, summed across lanes at the end (an
@@ -730,10 +731,29 @@ void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out,
  * order, with the scales kept as 8 lanes per pair (dx of the first block in lanes 0, 1, 4, 5 and of the
  * second in 2, 3, 6, 7: the lanes where the integer sums of those blocks end up). */
 static inline float i8_block(const float *x, int8_t *q) {
+#if BLOCKS_AVX2 /* the same values: max|x| is exact in any order (NaN skipped: max_ps keeps its second operand),
+                   vcvtps2dq rounds to nearest, ties to even, as rintf does */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a = _mm256_setzero_ps();
+    for (int j = 0; j < QK; j += 8) a = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), a);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
     float amax = 0.0f;
     for (int j = 0; j < QK; j++) amax = x[j] > amax ? x[j] : -x[j] > amax ? -x[j] : amax;
+#endif
     const float inv = amax >= 0x1p-120f ? 127.0f / amax : 0.0f; /* below, 127 / amax could overflow: q = 0 */
+#if BLOCKS_AVX2
+    const __m256 scale = _mm256_set1_ps(inv);
+    for (int j = 0; j < QK; j += 8) { /* |x * inv| <= 127: the packs do not saturate */
+        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j), scale));
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(q + j), _mm_packs_epi16(w, w));
+    }
+#else
     for (int j = 0; j < QK; j++) q[j] = (int8_t)__builtin_rintf(x[j] * inv);
+#endif
     return amax / 127.0f;
 }
 
@@ -757,11 +777,21 @@ static void i8_prepare4(const float *x, int8_t *xq, float *xd, float *xsum, int6
                 xsum[r * nbp + b] = dx * (float)s; /* the sum of the rounded activations, dx * sum q */
             }
             int8_t *to = xq + (r * nbp + 2 * p) * QK;
+#if BLOCKS_AVX2 /* bytes 4i..4i + 3 <- q[i], q[16 + i], q[32 + i], q[48 + i] (then the same from q[8 + i]) */
+            for (int h = 0; h < 2; h++) {
+                const __m128i a = _mm_loadl_epi64((const __m128i *)(q + 8 * h)), b = _mm_loadl_epi64((const __m128i *)(q + 16 + 8 * h));
+                const __m128i c = _mm_loadl_epi64((const __m128i *)(q + 32 + 8 * h)), e = _mm_loadl_epi64((const __m128i *)(q + 48 + 8 * h));
+                const __m128i ab = _mm_unpacklo_epi8(a, b), ce = _mm_unpacklo_epi8(c, e);
+                _mm_storeu_si128((__m128i *)(to + 32 * h), _mm_unpacklo_epi16(ab, ce));
+                _mm_storeu_si128((__m128i *)(to + 32 * h + 16), _mm_unpackhi_epi16(ab, ce));
+            }
+#else
             for (int i = 0; i < 8; i++)
                 for (int c = 0; c < 4; c++) {
                     to[4 * i + c] = q[16 * c + i];
                     to[32 + 4 * i + c] = q[16 * c + 8 + i];
                 }
+#endif
         }
     }
 }
