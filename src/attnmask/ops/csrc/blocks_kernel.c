@@ -68,17 +68,21 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
  * at a time, and a load that straddles two lines costs two. With malloc's 16-byte alignment the speed
  * of a product depended on where the allocator put the copy: measured on Zen 5, one thread, Q4_1 with
  * 4-64 rows, 40 GMAC/s misaligned against 60-62 aligned (same bits). Returns NULL if it cannot grow. */
-static float *scratch(size_t floats) {
-    static __thread float *buffer = NULL;
-    static __thread size_t held = 0;
-    if (floats > held) {
-        const size_t want = (floats + 15) / 16 * 16; /* whole cache lines */
-        float *grown = (float *)aligned_alloc(64, want * sizeof(float));
+static void *grow(void **buffer, size_t *held, size_t bytes) {
+    if (bytes > *held) {
+        const size_t want = (bytes + 63) / 64 * 64; /* whole cache lines */
+        void *grown = aligned_alloc(64, want);
         if (!grown) return NULL;
-        free(buffer);
-        buffer = grown, held = want;
+        free(*buffer);
+        *buffer = grown, *held = want;
     }
-    return buffer;
+    return *buffer;
+}
+
+static float *scratch(size_t floats) {
+    static __thread void *buffer = NULL;
+    static __thread size_t held = 0;
+    return (float *)grow(&buffer, &held, floats * sizeof(float));
 }
 
 /* Software prefetch: the loops take ~10 cycles per 64 bytes of codes, too few for the hardware
@@ -819,18 +823,11 @@ static float i8_one4(const uint8_t *row, const float *d, const float *m, const i
 }
 
 #if BLOCKS_AVX2
-/* Eight weight rows' transposed codes and scales, per thread, kept from call to call (as scratch()) */
+/* Eight weight rows' transposed codes and scales: a second buffer per thread, as scratch() */
 static void *group_scratch(size_t bytes) {
     static __thread void *buffer = NULL;
     static __thread size_t held = 0;
-    if (bytes > held) {
-        const size_t want = (bytes + 63) / 64 * 64;
-        void *grown = aligned_alloc(64, want);
-        if (!grown) return NULL;
-        free(buffer);
-        buffer = grown, held = want;
-    }
-    return buffer;
+    return grow(&buffer, &held, bytes);
 }
 
 /* v[j] lane c <- v[c] lane j (32-bit lanes) */
@@ -970,7 +967,6 @@ static void i8_pass4(const __m256i *w, const float *d8, const float *m8, const i
         default: i8_rows4(w, d8, m8, xq, xd, xsum, y, 4, N, nbp); break;
     }
 }
-
 #endif
 
 /* x (M rows of K) -> xq (M rows of K codes in the 8-bit layout's order), xd (M rows of nb * 8 lanes:
