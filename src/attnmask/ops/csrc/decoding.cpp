@@ -280,21 +280,22 @@ inline void exp_shifted_lanes(const float *x, float shift, float *o) { *o = exp_
 
 // outs[j] = inv[j] * sum_t w[j][t] v_t for `count` (row, query head) pairs j: w rows `wstride` apart over
 // the n keys from `first` (a pair's weight is 0 at the keys outside its row's range: adding 0 w v leaves
-// a sum's bits as they were), v_t in the pool at its block (vbase: the pool at the key/value head).
+// a sum's bits as they were), v_t at vbase + koff[first + t] (vbase: the pool at the key/value head;
+// koff: each key's place in the pools, worked out once a unit).
 // Each output lane is one accumulator, keys in order: the same operations whatever rows are computed
 // beside it, and however the pairs are grouped below.
 #if defined(__AVX512F__)
 // NJ pairs and NV vectors of 16 (a chunk of D from `dc`) at a time, in registers: each value vector
 // loaded once for the NJ pairs
 template <int NJ, int NV>
-void weighted_chunk(const float *w, int64_t wstride, int64_t n, const float *vbase, const int64_t *blocks,
-                    int64_t first, int64_t S, int64_t stride, const float *inv, float *const *outs, int64_t dc) {
+void weighted_chunk(const float *w, int64_t wstride, int64_t n, const float *vbase, const int64_t *koff,
+                    int64_t first, const float *inv, float *const *outs, int64_t dc) {
     __m512 acc[NJ][NV];
     for (int j = 0; j < NJ; j++)
         for (int c = 0; c < NV; c++) acc[j][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
         const int64_t at = first + t;
-        const float *vt = vbase + (blocks[at / S] * S + at % S) * stride + dc;
+        const float *vt = vbase + koff[at] + dc;
         __m512 v[NV];
         for (int c = 0; c < NV; c++) v[c] = _mm512_loadu_ps(vt + 16 * c);
         for (int j = 0; j < NJ; j++) {
@@ -307,8 +308,8 @@ void weighted_chunk(const float *w, int64_t wstride, int64_t n, const float *vba
             _mm512_storeu_ps(outs[j] + dc + 16 * c, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
 }
 
-using WeightedChunk = void (*)(const float *, int64_t, int64_t, const float *, const int64_t *, int64_t, int64_t,
-                               int64_t, const float *, float *const *, int64_t);
+using WeightedChunk = void (*)(const float *, int64_t, int64_t, const float *, const int64_t *, int64_t,
+                               const float *, float *const *, int64_t);
 // up to 4 pairs: D 64 at a time; more (rows of one sequence side by side): up to 8 pairs, D 32 at a time
 constexpr WeightedChunk WEIGHTED4[4][4] = {
     {weighted_chunk<1, 1>, weighted_chunk<1, 2>, weighted_chunk<1, 3>, weighted_chunk<1, 4>},
@@ -324,44 +325,63 @@ constexpr WeightedChunk WEIGHTED8[8] = {
 // The same with 8 lanes: NJ pairs (up to 4) and 2 vectors of 8 (16 floats of D from `dc`), 8 accumulators,
 // the two value vectors and a weight in 11 of the 16 registers, over keys [ta, tb) of the n: the sums
 // start at zero (ta = 0) or where the previous keys left them in `outs`, and are scaled by inv after the
-// last key (tb = n). The caller takes D's chunks over a few keys at a time, so that those keys' values
-// stay in cache across the chunks (Gemma's D = 256 at 8k keys is 8 MB a pass). Each lane's operations
+// last key (tb = n). The caller takes every pair and D's chunks over a few keys at a time, so that
+// those keys' values are read from memory once and stay in L1 across the chunks (Gemma's D = 256 at 8k
+// keys is 8 MB of values). Each lane's operations
 // are those of the AVX-512 chunks: one multiply-add a key, keys in order, times inv at the end (a sum
 // stored and loaded back keeps its bits).
 template <int NJ>
 void weighted_chunk(const float *w, int64_t wstride, int64_t ta, int64_t tb, int64_t n, const float *vbase,
-                    const int64_t *blocks, int64_t first, int64_t S, int64_t stride, const float *inv,
-                    float *const *outs, int64_t dc) {
-    __m256 acc[NJ][2];
-    for (int j = 0; j < NJ; j++) {
-        acc[j][0] = ta ? _mm256_loadu_ps(outs[j] + dc) : _mm256_setzero_ps();
-        acc[j][1] = ta ? _mm256_loadu_ps(outs[j] + dc + 8) : _mm256_setzero_ps();
-    }
+                    const int64_t *koff, int64_t first, const float *inv, float *const *outs, int64_t dc) {
+    // the accumulators by name, not in an array: gcc kept an array's elements on the stack, stored back
+    // after every multiply-add (measured: a third of the prefill's attention time on Zen 3)
+    __m256 a0, a1, b0, b1, c0, c1, e0, e1;
+    auto start = [&](int j, __m256 &x0, __m256 &x1) {
+        x0 = ta ? _mm256_loadu_ps(outs[j] + dc) : _mm256_setzero_ps();
+        x1 = ta ? _mm256_loadu_ps(outs[j] + dc + 8) : _mm256_setzero_ps();
+    };
+    start(0, a0, a1);
+    if constexpr (NJ > 1) start(1, b0, b1);
+    if constexpr (NJ > 2) start(2, c0, c1);
+    if constexpr (NJ > 3) start(3, e0, e1);
+    const float *w0 = w, *w1 = w + wstride, *w2 = w + 2 * wstride, *w3 = w + 3 * wstride;
     for (int64_t t = ta; t < tb; t++) {
-        const int64_t at = first + t;
-        const float *vt = vbase + (blocks[at / S] * S + at % S) * stride + dc;
+        const float *vt = vbase + koff[first + t] + dc;
         const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8);
-        for (int j = 0; j < NJ; j++) {
-            const __m256 wj = _mm256_broadcast_ss(w + j * wstride + t);
-            acc[j][0] = _mm256_fmadd_ps(wj, v0, acc[j][0]);
-            acc[j][1] = _mm256_fmadd_ps(wj, v1, acc[j][1]);
+        __m256 x = _mm256_broadcast_ss(w0 + t);
+        a0 = _mm256_fmadd_ps(x, v0, a0), a1 = _mm256_fmadd_ps(x, v1, a1);
+        if constexpr (NJ > 1) {
+            x = _mm256_broadcast_ss(w1 + t);
+            b0 = _mm256_fmadd_ps(x, v0, b0), b1 = _mm256_fmadd_ps(x, v1, b1);
+        }
+        if constexpr (NJ > 2) {
+            x = _mm256_broadcast_ss(w2 + t);
+            c0 = _mm256_fmadd_ps(x, v0, c0), c1 = _mm256_fmadd_ps(x, v1, c1);
+        }
+        if constexpr (NJ > 3) {
+            x = _mm256_broadcast_ss(w3 + t);
+            e0 = _mm256_fmadd_ps(x, v0, e0), e1 = _mm256_fmadd_ps(x, v1, e1);
         }
     }
-    for (int j = 0; j < NJ; j++) {
+    auto finish = [&](int j, __m256 x0, __m256 x1) {
         const __m256 s = _mm256_set1_ps(tb == n ? inv[j] : 1.0f);  // x * 1 is x: the partial sums unchanged
-        _mm256_storeu_ps(outs[j] + dc, _mm256_mul_ps(acc[j][0], s));
-        _mm256_storeu_ps(outs[j] + dc + 8, _mm256_mul_ps(acc[j][1], s));
-    }
+        _mm256_storeu_ps(outs[j] + dc, _mm256_mul_ps(x0, s));
+        _mm256_storeu_ps(outs[j] + dc + 8, _mm256_mul_ps(x1, s));
+    };
+    finish(0, a0, a1);
+    if constexpr (NJ > 1) finish(1, b0, b1);
+    if constexpr (NJ > 2) finish(2, c0, c1);
+    if constexpr (NJ > 3) finish(3, e0, e1);
 }
 
 using WeightedChunk = void (*)(const float *, int64_t, int64_t, int64_t, int64_t, const float *, const int64_t *,
-                               int64_t, int64_t, int64_t, const float *, float *const *, int64_t);
+                               int64_t, const float *, float *const *, int64_t);
 constexpr WeightedChunk WEIGHTED4[4] = {weighted_chunk<1>, weighted_chunk<2>, weighted_chunk<3>, weighted_chunk<4>};
 constexpr int64_t VALUE_KEYS = 32;  // keys a pass over D's chunks: 32 KB of values at D = 256
 #endif
 
-void weighted_values(const float *w, int64_t wstride, int64_t n, const float *vbase, const int64_t *blocks,
-                     int64_t first, int64_t S, int64_t stride, const float *inv, float *const *outs, int64_t D,
+void weighted_values(const float *w, int64_t wstride, int64_t n, const float *vbase, const int64_t *koff,
+                     int64_t first, const float *inv, float *const *outs, int64_t D,
                      int64_t count) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
@@ -371,10 +391,10 @@ void weighted_values(const float *w, int64_t wstride, int64_t n, const float *vb
             if (group == 4) {
                 for (int64_t dc = 0; dc < D; dc += 64)
                     WEIGHTED4[nj - 1][std::min<int64_t>(4, (D - dc) / 16) - 1](
-                        w + j0 * wstride, wstride, n, vbase, blocks, first, S, stride, inv + j0, outs + j0, dc);
+                        w + j0 * wstride, wstride, n, vbase, koff, first, inv + j0, outs + j0, dc);
             } else {
                 for (int64_t dc = 0; dc < D; dc += 32)
-                    WEIGHTED8[nj - 1](w + j0 * wstride, wstride, n, vbase, blocks, first, S, stride, inv + j0,
+                    WEIGHTED8[nj - 1](w + j0 * wstride, wstride, n, vbase, koff, first, inv + j0,
                                       outs + j0, dc);
             }
         }
@@ -382,13 +402,15 @@ void weighted_values(const float *w, int64_t wstride, int64_t n, const float *vb
     }
 #elif defined(__AVX2__) && defined(__FMA__)
     if (D % 16 == 0 && n > 0) {
-        for (int64_t j0 = 0; j0 < count; j0 += 4) {
-            const int64_t nj = std::min<int64_t>(4, count - j0);
-            for (int64_t ta = 0; ta < n; ta += VALUE_KEYS)
+        // a few keys at a time for every pair: those keys' values are read from memory once, not once per
+        // four pairs (a prefill unit's 32 pairs at 8k keys of D = 256: 8 MB a read)
+        for (int64_t ta = 0; ta < n; ta += VALUE_KEYS)
+            for (int64_t j0 = 0; j0 < count; j0 += 4) {
+                const int64_t nj = std::min<int64_t>(4, count - j0);
                 for (int64_t dc = 0; dc < D; dc += 16)
-                    WEIGHTED4[nj - 1](w + j0 * wstride, wstride, ta, std::min(n, ta + VALUE_KEYS), n, vbase, blocks,
-                                      first, S, stride, inv + j0, outs + j0, dc);
-        }
+                    WEIGHTED4[nj - 1](w + j0 * wstride, wstride, ta, std::min(n, ta + VALUE_KEYS), n, vbase, koff,
+                                      first, inv + j0, outs + j0, dc);
+            }
         return;
     }
 #endif
@@ -396,7 +418,7 @@ void weighted_values(const float *w, int64_t wstride, int64_t n, const float *vb
         for (int64_t d = 0; d < D; d++) outs[j][d] = 0.0f;
     for (int64_t t = 0; t < n; t++) {
         const int64_t at = first + t;
-        const float *__restrict vt = vbase + (blocks[at / S] * S + at % S) * stride;
+        const float *__restrict vt = vbase + koff[at];
         for (int64_t j = 0; j < count; j++) {
             const float weight = w[j * wstride + t];
             float *__restrict oh = outs[j];
@@ -407,18 +429,18 @@ void weighted_values(const float *w, int64_t wstride, int64_t n, const float *vb
         for (int64_t d = 0; d < D; d++) outs[j][d] *= inv[j];
 }
 
-// Keys ta..tb of a sequence against one query: p[t] = (q . k_t) scale, vdot's operations in vdot's
-// order (with AVX-512 and D a multiple of 64 up to 256, the query is held in registers across the
+// Keys ta..tb of a sequence against one query: p[t] = (q . k_t) scale, k_t at kbase + koff[t], vdot's
+// operations in vdot's order (with AVX-512 and D a multiple of 64 up to 256, the query is held in registers across the
 // keys: the same products and sums, so the same bits); returns the running maximum from `top`.
 constexpr int64_t KEY_BLOCK = 32;
 #if defined(__AVX512F__)
 template <int NK>  // D = 64 NK
-float scores_held(const float *q, const float *kbase, const int64_t *blocks, int64_t ta, int64_t tb, int64_t S,
-                  int64_t stride, float scale, float *p, float top) {
+float scores_held(const float *q, const float *kbase, const int64_t *koff, int64_t ta, int64_t tb,
+                  float scale, float *p, float top) {
     __m512 qr[NK * 4];
     for (int i = 0; i < NK * 4; i++) qr[i] = _mm512_loadu_ps(q + 16 * i);
     for (int64_t t = ta; t <= tb; t++) {
-        const float *kt = kbase + (blocks[t / S] * S + t % S) * stride;
+        const float *kt = kbase + koff[t];
         __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int k = 0; k < NK; k++)
             for (int j = 0; j < 4; j++) a[j] = _mm512_fmadd_ps(qr[4 * k + j], _mm512_loadu_ps(kt + 64 * k + 16 * j), a[j]);
@@ -439,16 +461,38 @@ inline float vdot_total(const __m256 *a) {
     for (float lane : lanes) s += lane;
     return s;
 }
+
+// The eight vectors' lane sums, each 0 + lane 0 + lane 1 + ... + lane 7 in that order (vdot_total's
+// last loop), in one vector: the eight transposed, then added one after another.
+inline __m256 lane_totals(const __m256 *v) {
+    const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    // lane l of vector i below: lane i of v[l] (i < 4 from the low halves, 4..7 from the high ones)
+    const __m256 lanes[8] = {
+        _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+        _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+        _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+        _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31),
+    };
+    __m256 s = _mm256_setzero_ps();
+    for (const __m256 &lane : lanes) s = _mm256_add_ps(s, lane);
+    return s;
+}
 #endif
 
-float scores(const float *q, const float *kbase, const int64_t *blocks, int64_t ta, int64_t tb, int64_t S,
-             int64_t stride, int64_t D, float scale, float *p, float top) {
+float scores(const float *q, const float *kbase, const int64_t *koff, int64_t ta, int64_t tb, int64_t D, float scale, float *p, float top) {
 #if defined(__AVX512F__)
     switch (D) {
-        case 64: return scores_held<1>(q, kbase, blocks, ta, tb, S, stride, scale, p, top);
-        case 128: return scores_held<2>(q, kbase, blocks, ta, tb, S, stride, scale, p, top);
-        case 192: return scores_held<3>(q, kbase, blocks, ta, tb, S, stride, scale, p, top);
-        case 256: return scores_held<4>(q, kbase, blocks, ta, tb, S, stride, scale, p, top);
+        case 64: return scores_held<1>(q, kbase, koff, ta, tb, scale, p, top);
+        case 128: return scores_held<2>(q, kbase, koff, ta, tb, scale, p, top);
+        case 192: return scores_held<3>(q, kbase, koff, ta, tb, scale, p, top);
+        case 256: return scores_held<4>(q, kbase, koff, ta, tb, scale, p, top);
         default: break;
     }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -456,9 +500,40 @@ float scores(const float *q, const float *kbase, const int64_t *blocks, int64_t 
     // each load of it instead. Each key's accumulators, products and sums are vdot's, in its order.
     if (D % 32 == 0) {
         int64_t t = ta;
+        // eight keys at a time: their last steps (the lanes added one by one) for the eight at once
+        __m256 tops = _mm256_set1_ps(top);
+        for (; t + 7 <= tb; t += 8) {
+            __m256 sums[8];
+            for (int u = 0; u < 8; u += 2) {
+                const float *k0 = kbase + koff[t + u], *k1 = kbase + koff[t + u + 1];
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+                for (int64_t k = 0; k < D; k += 32) {
+                    __m256 qv = _mm256_loadu_ps(q + k);
+                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k), a0);
+                    b0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k), b0);
+                    qv = _mm256_loadu_ps(q + k + 8);
+                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k + 8), a1);
+                    b1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k + 8), b1);
+                    qv = _mm256_loadu_ps(q + k + 16);
+                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k + 16), a2);
+                    b2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k + 16), b2);
+                    qv = _mm256_loadu_ps(q + k + 24);
+                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k + 24), a3);
+                    b3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k + 24), b3);
+                }
+                sums[u] = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+                sums[u + 1] = _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
+            }
+            const __m256 r = _mm256_mul_ps(lane_totals(sums), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(p + t, r);
+            tops = _mm256_max_ps(r, tops);  // a NaN score leaves the maximum as it was, as std::max does
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, tops);
+        for (float lane : lanes) top = std::max(top, lane);
         for (; t + 1 <= tb; t += 2) {
-            const float *k0 = kbase + (blocks[t / S] * S + t % S) * stride;
-            const float *k1 = kbase + (blocks[(t + 1) / S] * S + (t + 1) % S) * stride;
+            const float *k0 = kbase + koff[t];
+            const float *k1 = kbase + koff[t + 1];
             __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             __m256 b[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t k = 0; k < D; k += 32)
@@ -473,14 +548,14 @@ float scores(const float *q, const float *kbase, const int64_t *blocks, int64_t 
             top = std::max(top, p[t + 1]);
         }
         if (t == tb) {
-            p[t] = vdot<false>(q, kbase + (blocks[t / S] * S + t % S) * stride, D) * scale;
+            p[t] = vdot<false>(q, kbase + koff[t], D) * scale;
             top = std::max(top, p[t]);
         }
         return top;
     }
 #endif
     for (int64_t t = ta; t <= tb; t++) {
-        p[t] = vdot<false>(q, kbase + (blocks[t / S] * S + t % S) * stride, D) * scale;
+        p[t] = vdot<false>(q, kbase + koff[t], D) * scale;
         top = std::max(top, p[t]);
     }
     return top;
@@ -560,6 +635,7 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
         std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, longest * D * per * ROW_BLOCK));
     at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
         std::vector<float> p(ROW_BLOCK * per * longest);
+        std::vector<int64_t> koff(longest);  // where key t of the unit's sequence is in the pools, in floats
         float top[ROW_BLOCK * 64], inv[ROW_BLOCK * 64];  // per <= G <= 64 (checked above)
         float *outs[ROW_BLOCK * 64];
         for (int64_t u = begin; u < end; u++) {
@@ -573,6 +649,8 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
             }
             const int64_t first = *std::min_element(lo, lo + rows), last = *std::max_element(hi, hi + rows);
             const int64_t n = last - first + 1;  // the union of the rows' keys; pair c's weights: p[c * n ...]
+            // the keys' places, once a unit (a division by S a key cost more than its multiply-adds)
+            for (int64_t t = first; t <= last; t++) koff[t] = (blocks[t / S] * S + t % S) * Hkv * D;
             for (int64_t c = 0; c < count; c++) top[c] = -std::numeric_limits<float>::infinity();
             // the scores, KEY_BLOCK keys at a time for every (row, head) of the unit, so that the keys stay
             // in L1 while each pair's query goes over them
@@ -581,7 +659,7 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
                     const int64_t ta = std::max(t0, lo[i]), tb = std::min({t0 + KEY_BLOCK - 1, hi[i], last});
                     for (int64_t j = 0; ta <= tb && j < per; j++) {
                         const int64_t c = i * per + j;
-                        top[c] = scores(qp + ((r0 + i) * H + h0 + j) * D, kp + g * D, blocks, ta, tb, S, Hkv * D, D,
+                        top[c] = scores(qp + ((r0 + i) * H + h0 + j) * D, kp + g * D, koff.data(), ta, tb, D,
                                         static_cast<float>(scale), p.data() + c * n - first, top[c]);
                     }
                 }
@@ -600,7 +678,7 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
                     inv[c] = 1.0f / sum;
                     outs[c] = o + ((r0 + i) * H + h0 + j) * D;
                 }
-            weighted_values(p.data(), n, n, vp + g * D, blocks, first, S, Hkv * D, inv, outs, D, count);
+            weighted_values(p.data(), n, n, vp + g * D, koff.data(), first, inv, outs, D, count);
         }
     });
     return out;
