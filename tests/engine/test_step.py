@@ -198,6 +198,28 @@ def test_long_rows_split_over_threads_keep_their_bits():
 
 
 @pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("D", [256, 40])
+def test_one_unit_shared_by_the_threads_keeps_its_bits(D):
+    """Gemma 3's shape at batch 1 (4 query heads over 1 key/value head): fewer units than threads, so the
+    threads share one unit's key blocks, heads and lanes; each row's bits are those of a packed call."""
+    rows = [(0, 699), (0, 640), (0, 33), (0, 0)]
+    p = dict(lengths=[700], S=16, Hkv=1, G=4, D=D, rows=rows, window=0, seed=5)
+    q, k_pool, v_pool, tables, row_seq, row_pos, keys = build(p)
+    for window in (0, 512):
+        with _threads(1):
+            packed = decoding.paged_attend(q, k_pool, v_pool, tables, row_seq, row_pos, window, 4, D**-0.5)
+        for threads in (1, 2, 3):
+            with _threads(threads):
+                for r in range(len(rows)):
+                    one = slice(r, r + 1)
+                    alone = decoding.paged_attend(
+                        q[one], k_pool, v_pool, tables, row_seq[one], row_pos[one], window, 4, D**-0.5
+                    )
+                    assert torch.equal(alone[0], packed[r]), f"{threads} threads, window {window}: row {r} differs"
+        _close(packed, by_mask_algebra(q, keys, row_seq, row_pos, 4, D, window, D**-0.5), f"window {window}")
+
+
+@pytest.mark.usefixtures("built")
 def test_paged_attend_refuses_rows_and_blocks_out_of_range():
     q, k_pool, v_pool, tables, row_seq, row_pos, _ = build(
         dict(lengths=[5, 3], S=2, Hkv=2, G=2, D=8, rows=[(0, 4), (1, 2)], window=0, seed=0)

@@ -610,13 +610,10 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
     const float *qp = q.const_data_ptr<float>(), *kp = k_pool.const_data_ptr<float>();
     const float *vp = v_pool.const_data_ptr<float>();
     float *o = out.mutable_data_ptr<float>();
-    // A unit of work: up to ROW_BLOCK consecutive rows of one sequence (a prefill chunk's rows; a decoding
-    // step's rows are one a sequence) and `per` of the G query heads that share one key/value head, so
-    // that each key and value is read once for all of them (a grouped-query model's cache is read G / per
-    // times, not G; a chunk's keys once per block of rows, not once per row). `per` is G unless fewer
-    // units than threads would be left (batch 1 of a model with one key/value head). Neither changes
-    // how a (row, head) is computed: its scores, weights and sums run over its own keys in the same
-    // order, so the bits do not depend on which rows or heads share its unit.
+    // The work comes in units of up to ROW_BLOCK consecutive rows of one sequence and a key/value head
+    // (below). Nothing changes how a (row, head) is computed: its scores, weights and sums run over its
+    // own keys in the same order, so the bits do not depend on which rows share its unit, nor on how
+    // the threads share the work.
     constexpr int64_t ROW_BLOCK = 8;
     std::vector<int64_t> starts;  // the units' first rows; a block ends where the sequence changes
     for (int64_t r = 0; r < N; r++)
@@ -624,61 +621,104 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
     const int64_t nblocks = static_cast<int64_t>(starts.size());
     starts.push_back(N);
     const int64_t threads = at::get_num_threads();
-    int64_t per = G;
-    while (per > 1 && nblocks * Hkv * (G / per) < threads) {  // the next smaller divisor of G
-        int64_t next = per - 1;
-        while (G % next != 0) next--;
-        per = next;
-    }
-    const int64_t groups = H / per, units = nblocks * groups;
-    const int64_t grain =
-        std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, longest * D * per * ROW_BLOCK));
-    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> p(ROW_BLOCK * per * longest);
-        std::vector<int64_t> koff(longest);  // where key t of the unit's sequence is in the pools, in floats
-        float top[ROW_BLOCK * 64], inv[ROW_BLOCK * 64];  // per <= G <= 64 (checked above)
+    // One unit's state and its three phases, each over a part of the unit's work: the scores of some of
+    // its key blocks, the weights of some of its (row, head) pairs, the weighted values over a part of D.
+    // However a unit's work is split, each score, weight and output lane is computed by the same
+    // operations in the same order.
+    struct Unit {
+        int64_t r0, rows, h0, g, count, first, last, n, lo[ROW_BLOCK], hi[ROW_BLOCK];
+        std::vector<float> p;     // pair c's scores, then weights: p[c * n ...], keys first..last
+        std::vector<int64_t> koff;  // where key t of the unit's sequence is in the pools, in floats
+        float top[ROW_BLOCK * 64], inv[ROW_BLOCK * 64];  // G <= 64 (checked above)
         float *outs[ROW_BLOCK * 64];
-        for (int64_t u = begin; u < end; u++) {
-            const int64_t r0 = starts[u / groups], rows = starts[u / groups + 1] - r0, h0 = (u % groups) * per;
-            const int64_t g = h0 / G, count = rows * per;
-            const int64_t *blocks = tab + seq[r0] * W;
-            int64_t lo[ROW_BLOCK], hi[ROW_BLOCK];  // each row's keys [lo, hi]
-            for (int64_t i = 0; i < rows; i++) {
-                hi[i] = pos[r0 + i];
-                lo[i] = window > 0 ? std::max<int64_t>(0, hi[i] - window + 1) : 0;
+    };
+    auto prepare = [&](Unit &a, int64_t block, int64_t h0) {
+        a.r0 = starts[block], a.rows = starts[block + 1] - a.r0, a.h0 = h0, a.g = h0 / G, a.count = a.rows * G;
+        for (int64_t i = 0; i < a.rows; i++) {
+            a.hi[i] = pos[a.r0 + i];
+            a.lo[i] = window > 0 ? std::max<int64_t>(0, a.hi[i] - window + 1) : 0;
+        }
+        a.first = *std::min_element(a.lo, a.lo + a.rows), a.last = *std::max_element(a.hi, a.hi + a.rows);
+        a.n = a.last - a.first + 1;  // the union of the rows' keys
+        a.p.resize(a.count * a.n), a.koff.resize(a.last + 1);
+        // the keys' places, once a unit (a division by S a key cost more than its multiply-adds)
+        const int64_t *blocks = tab + seq[a.r0] * W;
+        for (int64_t t = a.first; t <= a.last; t++) a.koff[t] = (blocks[t / S] * S + t % S) * Hkv * D;
+    };
+    // the scores of key blocks [b0, b1), KEY_BLOCK keys at a time for every (row, head) of the unit, so
+    // that the keys stay in L1 while each pair's query goes over them; their maxima into tops
+    auto score_blocks = [&](Unit &a, int64_t b0, int64_t b1, float *tops) {
+        for (int64_t c = 0; c < a.count; c++) tops[c] = -std::numeric_limits<float>::infinity();
+        for (int64_t t0 = a.first + b0 * KEY_BLOCK; t0 <= a.last && t0 < a.first + b1 * KEY_BLOCK; t0 += KEY_BLOCK)
+            for (int64_t i = 0; i < a.rows; i++) {
+                const int64_t ta = std::max(t0, a.lo[i]), tb = std::min({t0 + KEY_BLOCK - 1, a.hi[i], a.last});
+                for (int64_t j = 0; ta <= tb && j < G; j++) {
+                    const int64_t c = i * G + j;
+                    tops[c] = scores(qp + ((a.r0 + i) * H + a.h0 + j) * D, kp + a.g * D, a.koff.data(), ta, tb, D,
+                                     static_cast<float>(scale), a.p.data() + c * a.n - a.first, tops[c]);
+                }
             }
-            const int64_t first = *std::min_element(lo, lo + rows), last = *std::max_element(hi, hi + rows);
-            const int64_t n = last - first + 1;  // the union of the rows' keys; pair c's weights: p[c * n ...]
-            // the keys' places, once a unit (a division by S a key cost more than its multiply-adds)
-            for (int64_t t = first; t <= last; t++) koff[t] = (blocks[t / S] * S + t % S) * Hkv * D;
-            for (int64_t c = 0; c < count; c++) top[c] = -std::numeric_limits<float>::infinity();
-            // the scores, KEY_BLOCK keys at a time for every (row, head) of the unit, so that the keys stay
-            // in L1 while each pair's query goes over them
-            for (int64_t t0 = first; t0 <= last; t0 += KEY_BLOCK)
-                for (int64_t i = 0; i < rows; i++) {
-                    const int64_t ta = std::max(t0, lo[i]), tb = std::min({t0 + KEY_BLOCK - 1, hi[i], last});
-                    for (int64_t j = 0; ta <= tb && j < per; j++) {
-                        const int64_t c = i * per + j;
-                        top[c] = scores(qp + ((r0 + i) * H + h0 + j) * D, kp + g * D, koff.data(), ta, tb, D,
-                                        static_cast<float>(scale), p.data() + c * n - first, top[c]);
-                    }
-                }
-            // the weights e^(score - top) over each row's own keys, and 1 / their sum, in key order
-            for (int64_t i = 0; i < rows; i++)
-                for (int64_t j = 0; j < per; j++) {
-                    const int64_t c = i * per + j;
-                    float *w = p.data() + c * n + lo[i] - first;  // scores here; zero outside the row's keys
-                    std::fill(p.data() + c * n, w, 0.0f);
-                    std::fill(w + hi[i] - lo[i] + 1, p.data() + (c + 1) * n, 0.0f);
-                    by_lanes(w, w, w, hi[i] - lo[i] + 1, [&](const float *x, const float *, float *e) {
-                        exp_shifted_lanes(x, top[c], e);
-                    });
-                    float sum = 0.0f;
-                    for (int64_t t = 0; t <= hi[i] - lo[i]; t++) sum += w[t];
-                    inv[c] = 1.0f / sum;
-                    outs[c] = o + ((r0 + i) * H + h0 + j) * D;
-                }
-            weighted_values(p.data(), n, n, vp + g * D, koff.data(), first, inv, outs, D, count);
+    };
+    // the weights e^(score - top) over each row's own keys, and 1 / their sum, in key order: pairs [c0, c1)
+    auto weigh = [&](Unit &a, int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; c++) {
+            const int64_t i = c / G, j = c % G, n = a.n;
+            float *w = a.p.data() + c * n + a.lo[i] - a.first;  // scores here; zero outside the row's keys
+            std::fill(a.p.data() + c * n, w, 0.0f);
+            std::fill(w + a.hi[i] - a.lo[i] + 1, a.p.data() + (c + 1) * n, 0.0f);
+            by_lanes(w, w, w, a.hi[i] - a.lo[i] + 1, [&](const float *x, const float *, float *e) {
+                exp_shifted_lanes(x, a.top[c], e);
+            });
+            float sum = 0.0f;
+            for (int64_t t = 0; t <= a.hi[i] - a.lo[i]; t++) sum += w[t];
+            a.inv[c] = 1.0f / sum;
+            a.outs[c] = o + ((a.r0 + i) * H + a.h0 + j) * D;
+        }
+    };
+    // the outputs' lanes [d0, d1) (multiples of 16, or all of D)
+    auto values = [&](Unit &a, int64_t d0, int64_t d1) {
+        float *outs[ROW_BLOCK * 64];
+        for (int64_t c = 0; c < a.count; c++) outs[c] = a.outs[c] + d0;
+        weighted_values(a.p.data(), a.n, a.n, vp + a.g * D + d0, a.koff.data(), a.first, a.inv, outs, d1 - d0,
+                        a.count);
+    };
+    if (nblocks * Hkv < threads && threads > 1) {
+        // Fewer units than threads (batch 1 of a model with one key/value head): the threads share each
+        // unit by its key blocks, then its pairs, then D's lanes, so that each key and value is still read
+        // from memory once (Gemma 3 at 8k keys: 16 MB a global layer), not once per thread.
+        Unit a;
+        std::vector<float> tops(threads * ROW_BLOCK * 64);
+        for (int64_t u = 0; u < nblocks * Hkv; u++) {
+            prepare(a, u / Hkv, (u % Hkv) * G);
+            const int64_t kblocks = (a.n + KEY_BLOCK - 1) / KEY_BLOCK, parts = std::min(threads, kblocks);
+            at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+                for (int64_t t = begin; t < end; t++)
+                    score_blocks(a, t * kblocks / parts, (t + 1) * kblocks / parts, tops.data() + t * ROW_BLOCK * 64);
+            });
+            for (int64_t c = 0; c < a.count; c++) {  // a maximum (NaNs passed over, as std::max does), in any order
+                a.top[c] = -std::numeric_limits<float>::infinity();
+                for (int64_t t = 0; t < parts; t++) a.top[c] = std::max(a.top[c], tops[t * ROW_BLOCK * 64 + c]);
+            }
+            at::parallel_for(0, a.count, 1, [&](int64_t begin, int64_t end) { weigh(a, begin, end); });
+            const int64_t lanes = D % 16 ? 1 : D / 16;
+            at::parallel_for(0, lanes, 1, [&](int64_t begin, int64_t end) {
+                values(a, lanes == 1 ? 0 : begin * 16, lanes == 1 ? D : end * 16);
+            });
+        }
+        return out;
+    }
+    // Otherwise a unit of work is up to ROW_BLOCK consecutive rows of one sequence (a prefill chunk's
+    // rows; a decoding step's rows are one a sequence) and the G query heads that share one key/value
+    // head, so that each key and value is read once for all of them (a grouped-query model's cache is
+    // read once, not G times; a chunk's keys once per block of rows, not once per row).
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, longest * D * G * ROW_BLOCK));
+    at::parallel_for(0, nblocks * Hkv, grain, [&](int64_t begin, int64_t end) {
+        Unit a;
+        for (int64_t u = begin; u < end; u++) {
+            prepare(a, u / Hkv, (u % Hkv) * G);
+            score_blocks(a, 0, (a.n + KEY_BLOCK - 1) / KEY_BLOCK, a.top);
+            weigh(a, 0, a.count);
+            values(a, 0, D);
         }
     });
     return out;
