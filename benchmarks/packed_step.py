@@ -6,7 +6,10 @@
   step (every request in it), the best of ``--repeats`` runs after one warm-up run.
 - ``attend``: ``torch.ops.attnmask.paged_attend`` alone on random pools: a decoding step (``N``
   sequences of one row at context ``ctx``) or a prefill chunk (``N`` consecutive rows of one sequence
-  ending at ``ctx``), for SmolLM2's heads (9 over 3, D = 64) and Gemma 3 270M's (4 over 1, D = 256);
+  ending at ``ctx``), for SmolLM2's heads (9 over 3, D = 64) and Gemma 3 270M's (4 over 1, D = 256; a
+  global layer, and a local one with its window of 512); the pools may stay in the last-level cache
+  between calls here (Gemma's 16 MB at 8k in a 32 MB L3), unlike in a model's step, where the weights
+  stream through it in between;
   the best of 5 timings of ~0.2 s.
 
 For a before/after, run the same command in a checkout of each revision, each with its own
@@ -26,12 +29,13 @@ import torch
 from attnmask.ops import native
 from matmul import cpu_name  # benchmarks/, run as a script
 
-# (name, N rows, context, heads, kv heads, head dim, prefill?)
+# (name, N rows, context, heads, kv heads, head dim, prefill?, window)
 ATTEND = [
-    ("SmolLM2 decode, 16 sequences at 64", 16, 64, 9, 3, 64, False),
-    ("SmolLM2 prefill, 512 rows ending at 1024", 512, 1024, 9, 3, 64, True),
-    ("Gemma 3 decode, 1 sequence at 8192", 1, 8192, 4, 1, 256, False),
-    ("Gemma 3 prefill, 512 rows ending at 8192", 512, 8192, 4, 1, 256, True),
+    ("SmolLM2 decode, 16 sequences at 64", 16, 64, 9, 3, 64, False, 0),
+    ("SmolLM2 prefill, 512 rows ending at 1024", 512, 1024, 9, 3, 64, True, 0),
+    ("Gemma 3 decode, 1 sequence at 8192", 1, 8192, 4, 1, 256, False, 0),
+    ("Gemma 3 prefill, 512 rows ending at 8192", 512, 8192, 4, 1, 256, True, 0),
+    ("Gemma 3 local layer, the same, window 512", 512, 8192, 4, 1, 256, True, 512),
 ]
 
 
@@ -75,7 +79,7 @@ def seconds_a_step(model, prompts: list[list[int]], new_tokens: int) -> float:
 
 def attend_times() -> None:
     g = torch.Generator().manual_seed(0)
-    for name, n, ctx, heads, kv_heads, dim, prefill in ATTEND:
+    for name, n, ctx, heads, kv_heads, dim, prefill, window in ATTEND:
         block = 16
         width = (ctx + block - 1) // block
         sequences = 1 if prefill else n
@@ -86,7 +90,7 @@ def attend_times() -> None:
         else:
             row_seq, row_pos = torch.arange(n), torch.full((n,), ctx - 1)
         q = torch.randn(n, heads * dim, generator=g)
-        args = (q, k, v, tables, row_seq, row_pos, 0, heads, dim**-0.5)
+        args = (q, k, v, tables, row_seq, row_pos, window, heads, dim**-0.5)
         seconds = best_of(functools.partial(torch.ops.attnmask.paged_attend, *args))
         print(f"attend {name:42s} {seconds * 1e3:9.3f} ms", flush=True)
 
