@@ -327,9 +327,8 @@ constexpr WeightedChunk WEIGHTED8[8] = {
 // start at zero (ta = 0) or where the previous keys left them in `outs`, and are scaled by inv after the
 // last key (tb = n). The caller takes every pair and D's chunks over a few keys at a time, so that
 // those keys' values are read from memory once and stay in L1 across the chunks (Gemma's D = 256 at 8k
-// keys is 8 MB of values). Each lane's operations
-// are those of the AVX-512 chunks: one multiply-add a key, keys in order, times inv at the end (a sum
-// stored and loaded back keeps its bits).
+// keys is 8 MB of values). Each lane's operations are those of the AVX-512 chunks: one multiply-add a
+// key, keys in order, times inv at the end (a sum stored and loaded back keeps its bits).
 template <int NJ>
 void weighted_chunk(const float *w, int64_t wstride, int64_t ta, int64_t tb, int64_t n, const float *vbase,
                     const int64_t *koff, int64_t first, const float *inv, float *const *outs, int64_t dc) {
@@ -344,22 +343,21 @@ void weighted_chunk(const float *w, int64_t wstride, int64_t ta, int64_t tb, int
     if constexpr (NJ > 1) start(1, b0, b1);
     if constexpr (NJ > 2) start(2, c0, c1);
     if constexpr (NJ > 3) start(3, e0, e1);
-    const float *w0 = w, *w1 = w + wstride, *w2 = w + 2 * wstride, *w3 = w + 3 * wstride;
     for (int64_t t = ta; t < tb; t++) {
         const float *vt = vbase + koff[first + t] + dc;
         const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8);
-        __m256 x = _mm256_broadcast_ss(w0 + t);
+        __m256 x = _mm256_broadcast_ss(w + t);
         a0 = _mm256_fmadd_ps(x, v0, a0), a1 = _mm256_fmadd_ps(x, v1, a1);
         if constexpr (NJ > 1) {
-            x = _mm256_broadcast_ss(w1 + t);
+            x = _mm256_broadcast_ss(w + wstride + t);
             b0 = _mm256_fmadd_ps(x, v0, b0), b1 = _mm256_fmadd_ps(x, v1, b1);
         }
         if constexpr (NJ > 2) {
-            x = _mm256_broadcast_ss(w2 + t);
+            x = _mm256_broadcast_ss(w + 2 * wstride + t);
             c0 = _mm256_fmadd_ps(x, v0, c0), c1 = _mm256_fmadd_ps(x, v1, c1);
         }
         if constexpr (NJ > 3) {
-            x = _mm256_broadcast_ss(w3 + t);
+            x = _mm256_broadcast_ss(w + 3 * wstride + t);
             e0 = _mm256_fmadd_ps(x, v0, e0), e1 = _mm256_fmadd_ps(x, v1, e1);
         }
     }
@@ -454,17 +452,40 @@ float scores_held(const float *q, const float *kbase, const int64_t *koff, int64
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// vdot's last steps for D a multiple of 32: its four accumulators added in pairs, then its lanes one by one
-inline float vdot_total(const __m256 *a) {
+// vdot's steps for one query against two keys, D a multiple of 32 (AVX2 has too few registers to hold
+// a query of 256, so the two keys share each load of it): each key's four accumulators, then those
+// added in pairs, into s0 and s1
+inline void two_dots(const float *q, const float *k0, const float *k1, int64_t D, __m256 &s0, __m256 &s1) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t k = 0; k < D; k += 32) {
+        __m256 qv = _mm256_loadu_ps(q + k);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k), a0);
+        b0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k), b0);
+        qv = _mm256_loadu_ps(q + k + 8);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k + 8), a1);
+        b1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k + 8), b1);
+        qv = _mm256_loadu_ps(q + k + 16);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k + 16), a2);
+        b2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k + 16), b2);
+        qv = _mm256_loadu_ps(q + k + 24);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k + 24), a3);
+        b3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k + 24), b3);
+    }
+    s0 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    s1 = _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
+}
+
+// vdot's last step: a vector's lanes added one by one
+inline float lane_total(__m256 v) {
     float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    _mm256_storeu_ps(lanes, v);
     float s = 0.0f;
     for (float lane : lanes) s += lane;
     return s;
 }
 
-// The eight vectors' lane sums, each 0 + lane 0 + lane 1 + ... + lane 7 in that order (vdot_total's
-// last loop), in one vector: the eight transposed, then added one after another.
+// The eight vectors' lane sums, each 0 + lane 0 + lane 1 + ... + lane 7 in that order (lane_total's),
+// in one vector: the eight transposed, then added one after another.
 inline __m256 lane_totals(const __m256 *v) {
     const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
     const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
@@ -506,26 +527,8 @@ float scores(const float *q, const float *kbase, const int64_t *koff, int64_t ta
         __m256 tops = _mm256_set1_ps(top);
         for (; t + 7 <= tb; t += 8) {
             __m256 sums[8];
-            for (int u = 0; u < 8; u += 2) {
-                const float *k0 = kbase + koff[t + u], *k1 = kbase + koff[t + u + 1];
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-                for (int64_t k = 0; k < D; k += 32) {
-                    __m256 qv = _mm256_loadu_ps(q + k);
-                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k), a0);
-                    b0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k), b0);
-                    qv = _mm256_loadu_ps(q + k + 8);
-                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k + 8), a1);
-                    b1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k + 8), b1);
-                    qv = _mm256_loadu_ps(q + k + 16);
-                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k + 16), a2);
-                    b2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k + 16), b2);
-                    qv = _mm256_loadu_ps(q + k + 24);
-                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k + 24), a3);
-                    b3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k + 24), b3);
-                }
-                sums[u] = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-                sums[u + 1] = _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
-            }
+            for (int u = 0; u < 8; u += 2)
+                two_dots(q, kbase + koff[t + u], kbase + koff[t + u + 1], D, sums[u], sums[u + 1]);
             const __m256 r = _mm256_mul_ps(lane_totals(sums), _mm256_set1_ps(scale));
             _mm256_storeu_ps(p + t, r);
             tops = _mm256_max_ps(r, tops);  // a NaN score leaves the maximum as it was, as std::max does
@@ -534,19 +537,11 @@ float scores(const float *q, const float *kbase, const int64_t *koff, int64_t ta
         _mm256_storeu_ps(lanes, tops);
         for (float lane : lanes) top = std::max(top, lane);
         for (; t + 1 <= tb; t += 2) {
-            const float *k0 = kbase + koff[t];
-            const float *k1 = kbase + koff[t + 1];
-            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            __m256 b[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int64_t k = 0; k < D; k += 32)
-                for (int j = 0; j < 4; j++) {
-                    const __m256 qv = _mm256_loadu_ps(q + k + 8 * j);
-                    a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k + 8 * j), a[j]);
-                    b[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + k + 8 * j), b[j]);
-                }
-            p[t] = vdot_total(a) * scale;
+            __m256 s0, s1;
+            two_dots(q, kbase + koff[t], kbase + koff[t + 1], D, s0, s1);
+            p[t] = lane_total(s0) * scale;
             top = std::max(top, p[t]);
-            p[t + 1] = vdot_total(b) * scale;
+            p[t + 1] = lane_total(s1) * scale;
             top = std::max(top, p[t + 1]);
         }
         if (t == tb) {
@@ -634,8 +629,8 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
         float top[ROW_BLOCK * 64], inv[ROW_BLOCK * 64];  // G <= 64 (checked above)
         float *outs[ROW_BLOCK * 64];
     };
-    auto prepare = [&](Unit &a, int64_t block, int64_t h0) {
-        a.r0 = starts[block], a.rows = starts[block + 1] - a.r0, a.h0 = h0, a.g = h0 / G, a.count = a.rows * G;
+    auto prepare = [&](Unit &a, int64_t block, int64_t g) {  // rows starts[block].., key/value head g
+        a.r0 = starts[block], a.rows = starts[block + 1] - a.r0, a.g = g, a.h0 = g * G, a.count = a.rows * G;
         for (int64_t i = 0; i < a.rows; i++) {
             a.hi[i] = pos[a.r0 + i];
             a.lo[i] = window > 0 ? std::max<int64_t>(0, a.hi[i] - window + 1) : 0;
@@ -691,7 +686,7 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
         Unit a;
         std::vector<float> tops(threads * ROW_BLOCK * 64);
         for (int64_t u = 0; u < nblocks * Hkv; u++) {
-            prepare(a, u / Hkv, (u % Hkv) * G);
+            prepare(a, u / Hkv, u % Hkv);
             const int64_t kblocks = (a.n + KEY_BLOCK - 1) / KEY_BLOCK, parts = std::min(threads, kblocks);
             at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
                 for (int64_t t = begin; t < end; t++)
@@ -717,7 +712,7 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
     at::parallel_for(0, nblocks * Hkv, grain, [&](int64_t begin, int64_t end) {
         Unit a;
         for (int64_t u = begin; u < end; u++) {
-            prepare(a, u / Hkv, (u % Hkv) * G);
+            prepare(a, u / Hkv, u % Hkv);
             score_blocks(a, 0, (a.n + KEY_BLOCK - 1) / KEY_BLOCK, a.top);
             weigh(a, 0, a.count);
             values(a, 0, D);
