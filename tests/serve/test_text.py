@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import random
+import unicodedata
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -91,3 +96,78 @@ def test_stop_strings_taken_from_the_text(data):
     stops = [text[i : i + n] for i, n in data.draw(st.lists(spans, min_size=1, max_size=3))]
     pieces, s = stream_all(text, stops)
     assert ("".join(pieces), s.stopped) == first_stop(text, stops)
+
+
+# ---------------------------------------------------------------------------------------------
+# The window: text is decode(ids) after every token, with the real tokenizers
+# ---------------------------------------------------------------------------------------------
+VARIED = [
+    "Grüße aus Köln — naïve café, 12,345.67 € and 3.14159",
+    "def f(x):\n    return x ** 2  # squares\n\n\tindented\ttabs",
+    "emoji 🙂👍🏽 and 日本語のテキスト, 한국어, العربية",
+    "runs of   spaces    and\n\n\nnewlines ... end.",
+    " leading space, trailing space ",
+]
+
+
+def sentencepiece_like(pieces: list[str]):
+    """A decoder with the two habits a window must survive: SentencePiece's (the text's first space
+    dropped, "▁" read as a space) and one whose text depends on the tokens around a token (NFC: "e"
+    then a combining accent is one character)."""
+
+    def decode(ids: list[int]) -> str:
+        text = "".join(pieces[i] for i in ids).replace("▁", " ")
+        return unicodedata.normalize("NFC", text[1:] if text.startswith(" ") else text)
+
+    return decode
+
+
+PIECES = ["▁", "a", "▁the", "e", "\u0301", "▁b", ".", "▁▁", "x", "\u0327", "c"]
+
+
+@given(st.lists(st.integers(0, len(PIECES) - 1), max_size=25))
+def test_the_window_gives_the_whole_decoding(ids):
+    decode = sentencepiece_like(PIECES)
+    s = TextStream(decode)
+    pieces = []
+    for k, token in enumerate(ids, 1):
+        pieces.append(s.push(token))
+        assert s.text == decode(ids[:k])
+    pieces.append(s.finish())
+    texts = [decode(ids[:k]) for k in range(len(ids) + 1)]
+    if all(b.startswith(a.rstrip("\ufffd")) for a, b in zip(texts, texts[1:])):  # text that only grows
+        assert "".join(pieces) == decode(ids)  # (an accent joining a sent "e" cannot be streamed)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2's byte-level BPE tokenizer, built from its GGUF file's metadata as ``load`` builds it."""
+    import gguf
+
+    from attnmask.pretrained import MODELS
+    from attnmask.pretrained.chat import PretrainedTokenizer
+    from attnmask.pretrained.gguf_file import _fields, build_tokenizer
+    from attnmask.pretrained.registry import locate
+
+    if importlib.util.find_spec(MODELS["smollm2"].package) is None:
+        pytest.skip(f"SmolLM2 is not installed ({MODELS['smollm2'].install})")
+    meta = _fields(gguf.GGUFReader(locate("smollm2")))
+    special = {"eos_id": meta.get("tokenizer.ggml.eos_token_id"), "bos_id": meta.get("tokenizer.ggml.bos_token_id")}
+    return PretrainedTokenizer.from_special_ids(build_tokenizer(meta), special)
+
+
+def test_the_window_gives_the_whole_decoding_with_a_real_tokenizer(smollm2_tokenizer):
+    tok, rng = smollm2_tokenizer, random.Random(0)
+    for text in VARIED:
+        ids = tok.encode(text)
+        for trial in range(3):  # as encoded, then with random ids spliced in (a model may emit any
+            seq = list(ids)  # token: lone bytes, pieces that begin with a space, special tokens)
+            for _ in range(trial * len(seq) // 3):
+                seq.insert(rng.randrange(len(seq) + 1), rng.randrange(tok.vocab_size))
+            s = TextStream(tok.decode)
+            pieces = []
+            for k, token in enumerate(seq, 1):
+                pieces.append(s.push(token))
+                assert s.text == tok.decode(seq[:k]), (text, trial, k)
+            pieces.append(s.finish())
+            assert "".join(pieces) == tok.decode(seq), (text, trial)
