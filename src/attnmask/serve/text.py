@@ -11,11 +11,14 @@ at the tokens committed one step before the last commit, as context: a tokenizer
 leading space of the text it decodes (SentencePiece) drops it from the context, not from the new
 text, which is what the window adds beyond its context's decoding. Tokens are committed once they
 end on a whole character. Where the window's text does not begin with its context's (a decoder
-whose output for a token depends on the tokens around it), the whole id list is decoded instead, so
-``text`` is always ``decode(ids)``. Stop strings end the text before
-they begin (the stop string itself is not part of the answer, as in OpenAI's API); while the text
-ends with what could be the start of a stop string, that tail is held back too, so a streamed
-answer is exactly the non-streamed one cut into pieces.
+whose text for a token depends on the token before it), the whole id list is decoded instead. So
+``text`` is ``decode(ids)`` for any decoder that looks back no further than the context, as every
+tokenizer's decoder does (byte-level, byte fallback, SentencePiece's first space, WordPiece's
+"##"); a Unicode normalisation over the whole text would not be (none decodes with one).
+
+Stop strings end the text before they begin (the stop string itself is not part of the answer, as in
+OpenAI's API); while the text ends with what could be the start of a stop string, that tail is held
+back too, so a streamed answer is exactly the non-streamed one cut into pieces.
 """
 
 from __future__ import annotations
