@@ -111,20 +111,21 @@ VARIED = [
 
 
 def sentencepiece_like(pieces: list[str]):
-    """A decoder with the two habits a window must survive: SentencePiece's (the text's first space
-    dropped, "▁" read as a space) and one whose text for a token depends on the token before it (NFC
-    composes "e" and a combining acute into "é", so the text before a new token can change). Like
+    """A decoder with the habits a window must survive. SentencePiece's: the text's first space is
+    dropped and "▁" read as a space, with special tokens ("<s>") skipped before, so that a space after
+    them at the start is dropped too. And a text for a token that depends on the token before it: NFC
+    composes "e" and a combining acute into "é", so the text before a new token can change. Like
     every tokenizer's decoder, it looks no further back than that: NFC also reorders runs of combining
     marks of different classes, which a window cannot follow, so there is one mark here."""
 
     def decode(ids: list[int]) -> str:
-        text = "".join(pieces[i] for i in ids).replace("▁", " ")
+        text = "".join(pieces[i] for i in ids if pieces[i] != "<s>").replace("▁", " ")
         return unicodedata.normalize("NFC", text[1:] if text.startswith(" ") else text)
 
     return decode
 
 
-PIECES = ["▁", "a", "▁the", "e", "\u0301", "▁b", ".", "▁▁", "x", "\u0301\u0301", "c"]
+PIECES = ["▁", "a", "▁the", "e", "\u0301", "▁b", ".", "▁▁", "x", "\u0301\u0301", "c", "<s>"]
 
 
 @given(st.lists(st.integers(0, len(PIECES) - 1), max_size=25))

@@ -7,7 +7,7 @@ completes the character.
 
 Each step decodes a window, not the whole answer (whose cost grows with its length: 1.1 ms a token
 at 2,048 tokens with SmolLM2's tokenizer, on the thread that serves every stream). The window starts
-at the tokens committed one step before the last commit, as context: a tokenizer that drops the
+at the tokens of the last commit that added text, as context: a tokenizer that drops the
 leading space of the text it decodes (SentencePiece) drops it from the context, not from the new
 text, which is what the window adds beyond its context's decoding. Tokens are committed once they
 end on a whole character. Where the window's text does not begin with its context's (a decoder
@@ -50,7 +50,7 @@ class TextStream:
         self.sent = 0  # characters of ``text`` already released
         self.stopped = False
         # ids[:_read] decode to _committed, which ends on a whole character; ids[_context:_read] is
-        # the window's context
+        # the window's context, the tokens of the last commit that added text (and any after it)
         self._context = self._read = 0
         self._committed = ""
 
@@ -76,7 +76,9 @@ class TextStream:
         # (where the context decodes differently before the new tokens, there is no shortcut)
         text = self._committed + window[len(context) :] if window.startswith(context) else self.decode(ids)
         if not text.endswith(REPLACEMENT):
-            self._context, self._read, self._committed = self._read, len(ids), text
+            if len(text) > len(self._committed):  # new text: its tokens are the next window's context
+                self._context = self._read  # (tokens without text, e.g. skipped special tokens, join the
+            self._read, self._committed = len(ids), text  # context: alone they would leave it empty)
         return text
 
     def finish(self) -> str:
