@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import unicodedata
 
@@ -144,19 +143,15 @@ def test_the_window_gives_the_whole_decoding(ids):
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    """SmolLM2's byte-level BPE tokenizer, built from its GGUF file's metadata as ``load`` builds it."""
-    import gguf
+    """SmolLM2's byte-level BPE tokenizer, the one ``attnmask serve --model smollm2`` decodes with."""
+    from attnmask.errors import UserError
+    from attnmask.pretrained import MODELS, load, locate
 
-    from attnmask.pretrained import MODELS
-    from attnmask.pretrained.chat import PretrainedTokenizer
-    from attnmask.pretrained.gguf_file import _fields, build_tokenizer
-    from attnmask.pretrained.registry import locate
-
-    if importlib.util.find_spec(MODELS["smollm2"].package) is None:
-        pytest.skip(f"SmolLM2 is not installed ({MODELS['smollm2'].install})")
-    meta = _fields(gguf.GGUFReader(locate("smollm2")))
-    special = {"eos_id": meta.get("tokenizer.ggml.eos_token_id"), "bos_id": meta.get("tokenizer.ggml.bos_token_id")}
-    return PretrainedTokenizer.from_special_ids(build_tokenizer(meta), special)
+    try:
+        locate("smollm2")
+    except UserError:
+        pytest.skip(f"SmolLM2 weights not installed ({MODELS['smollm2'].install})")
+    return load("smollm2", quantized=True)[1]  # the session's cache: converted once for all tests
 
 
 def test_the_window_gives_the_whole_decoding_with_a_real_tokenizer(smollm2_tokenizer):
