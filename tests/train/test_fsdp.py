@@ -214,10 +214,10 @@ def test_lora_trains_and_saves_the_adapters_alone(tmp_path, one_rank):
     rows = [{"prompt": f"{a} plus {b}?", "completion": f"{a + b}"} for a in range(6) for b in range(4)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
-    def cfg(out, **more):
+    def cfg(out, **more):  # fp32: auto would take bf16 on a CPU that has it
         return TrainConfig.of(init=str(init), data=str(data), out=str(out), lora_rank=4, lr=1e-2, max_len=120,
                               batch_tokens=256, eval_every=0, log_every=1, progress=False,
-                              precision="fp32", **more)  # fmt: skip  (auto would take bf16 on a CPU that has it)
+                              precision="fp32", **more)  # fmt: skip
 
     plain = train(cfg(tmp_path / "plain", max_steps=3), log=lambda msg: None)
     out = tmp_path / "fsdp"
