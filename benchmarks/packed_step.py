@@ -51,15 +51,16 @@ def best_of(fn, repeats: int = 5, span: float = 0.2) -> float:
     return best
 
 
-def step_times(rows_list: list[int], new_tokens: int, repeats: int) -> None:
+def step_times(rows_list: list[int], new_tokens: int, repeats: int, activations: str = "float32") -> None:
     from attnmask import pretrained
 
-    model = pretrained.load("smollm2", quantized=True)[0]
+    model = pretrained.load("smollm2", quantized=True, activations=activations)[0]
+    name = "blocks" if activations == "float32" else f"blocks, {activations} activations"
     for rows in rows_list:
         prompts = [[1, 504, 3575, 282, 4649, 314, 100 + i, 100 + i, 100 + i] for i in range(rows)]
         seconds_a_step(model, prompts, new_tokens)
         ms = min(seconds_a_step(model, prompts, new_tokens) for _ in range(repeats)) * 1e3
-        print(f"step   SmolLM2 blocks, {rows:3d} rows: {ms:7.2f} ms a step, {rows / ms * 1e3:7.1f} tok/s", flush=True)
+        print(f"step   SmolLM2 {name}, {rows:3d} rows: {ms:7.2f} ms a step, {rows / ms * 1e3:7.1f} tok/s", flush=True)
 
 
 def seconds_a_step(model, prompts: list[list[int]], new_tokens: int) -> float:
@@ -102,13 +103,14 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--parts", nargs="+", choices=("step", "attend"), default=["step", "attend"])
+    p.add_argument("--activations", choices=("float32", "int8"), default="float32", help="step: the activations")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not native.available():  # timing the PyTorch definitions instead would say nothing about the kernels
         raise SystemExit(f"the native kernels are not available: {native.status()}")
     print(f"# {cpu_name()}, {args.threads} threads, torch {torch.__version__}")
     if "step" in args.parts:
-        step_times(args.rows, args.new_tokens, args.repeats)
+        step_times(args.rows, args.new_tokens, args.repeats, args.activations)
     if "attend" in args.parts:
         attend_times()
 

@@ -76,12 +76,29 @@ def simd_flags() -> list[str]:
     lowers them, as it lowers PyTorch's own kernels)."""
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
-    return flags + (["-mavx512f", "-mavx512vl"] if capability == "AVX512" else [])
+    flags += ["-mavx512f", "-mavx512vl"] if capability == "AVX512" else []
+    return flags + _vnni_flags(capability)
+
+
+def _vnni_flags(capability: str) -> list[str]:
+    """The byte dot products (``vpdpbusd``) of the int8 kernels, where the CPU's flags have them:
+    AVX512-VNNI beside AVX-512, else AVX-VNNI (VEX, 256 bits) beside AVX2."""
+    from attnmask.linear import cpu_info
+
+    cpu = cpu_info()
+    flags = cpu.flags if cpu is not None else frozenset()
+    if capability == "AVX512" and "avx512_vnni" in flags:
+        return ["-mavx512vnni"]
+    if capability in ("AVX2", "AVX512") and "avx_vnni" in flags:
+        return ["-mavxvnni"]
+    return []
 
 
 def simd_level() -> str:
     """The vector instructions :func:`simd_flags` builds for, in words."""
-    return {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "portable C")
+    level = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "portable C")
+    vnni = _vnni_flags(torch.backends.cpu.get_cpu_capability())
+    return level + {"-mavx512vnni": " + AVX512-VNNI", "-mavxvnni": " + AVX-VNNI"}.get(vnni[0], "") if vnni else level
 
 
 def compiler(variable: str = "CC", default: str = "cc") -> tuple[str, str]:

@@ -49,6 +49,18 @@
 #else
 #define BLOCKS_AVX512 0
 #endif
+/* vpdpbusd (AVX512-VNNI with VL, or AVX-VNNI): acc + the sums of four unsigned x signed byte products a
+ * 32-bit lane, in one instruction. The int8 kernels' integer sums are exact either way (maddubs never
+ * saturates on their operands), so the VNNI loops give the same bits as the AVX2 ones. */
+#if BLOCKS_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define BLOCKS_VNNI 1
+static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif BLOCKS_AVX2 && defined(__AVXVNNI__)
+#define BLOCKS_VNNI 1
+static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define BLOCKS_VNNI 0
+#endif
 
 #define QK 32
 #define ROWS_PER_TASK 16
@@ -878,11 +890,35 @@ static void i8_group4(const uint8_t *codes, int64_t nbp, __m256i *w) {
         for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(codes + c * nbp * 16 + p * 32));
         transpose8(v);
         for (int i = 0; i < 8; i++) {
-            w[16 * p + i] = _mm256_and_si256(v[i], low);
-            w[16 * p + 8 + i] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low);
+            const __m256i lo = _mm256_and_si256(v[i], low), hi = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low);
+#if BLOCKS_VNNI /* one block a lane: bytes c = 0, 1 (block 2p) of lo then of hi; then c = 2, 3 (block 2p + 1) */
+            w[16 * p + i] = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
+            w[16 * p + 8 + i] = _mm256_blend_epi16(_mm256_srli_epi32(lo, 16), hi, 0xAA);
+#else
+            w[16 * p + i] = lo;
+            w[16 * p + 8 + i] = hi;
+#endif
         }
     }
 }
+
+#if BLOCKS_VNNI
+/* The activation codes in i8_group4's VNNI order: per pair, lane i of the first 32 bytes holds bytes
+ * 4i, 4i + 1 of the low 32 then of the high 32 (block 2p's), the next 32 bytes bytes 4i + 2, 4i + 3
+ * (block 2p + 1's) */
+static void i8_vnni4(const int8_t *xq, int8_t *xe, int64_t pairs) {
+    for (int64_t p = 0; p < pairs; p++) {
+        const int8_t *lo = xq + 64 * p, *hi = lo + 32;
+        int8_t *to = xe + 64 * p;
+        for (int i = 0; i < 8; i++) {
+            memcpy(to + 4 * i, lo + 4 * i, 2);
+            memcpy(to + 4 * i + 2, hi + 4 * i, 2);
+            memcpy(to + 32 + 4 * i, lo + 4 * i + 2, 2);
+            memcpy(to + 32 + 4 * i + 2, hi + 4 * i + 2, 2);
+        }
+    }
+}
+#endif
 
 /* R activation rows against the eight weight rows of w (scales d8, m8: 8 lanes a block) */
 static inline __attribute__((always_inline)) void i8_rows4(const __m256i *w, const float *d8, const float *m8,
@@ -896,6 +932,17 @@ static inline __attribute__((always_inline)) void i8_rows4(const __m256i *w, con
         ROWS_UNROLLED
         for (int r = 0; r < R; r++) {
             const int8_t *xp = xq + (r * nbp + 2 * p) * QK;
+#if BLOCKS_VNNI /* xq in i8_vnni4's order, w in i8_group4's: a lane's four products are one block's */
+            __m256i e0 = dot4(_mm256_setzero_si256(), wp[0], bcast4(xp)), e1 = dot4(_mm256_setzero_si256(), wp[4], bcast4(xp + 16));
+            __m256i o0 = dot4(_mm256_setzero_si256(), wp[8], bcast4(xp + 32)), o1 = dot4(_mm256_setzero_si256(), wp[12], bcast4(xp + 48));
+            for (int i = 1; i < 4; i++) {
+                e0 = dot4(e0, wp[i], bcast4(xp + 4 * i));
+                e1 = dot4(e1, wp[4 + i], bcast4(xp + 16 + 4 * i));
+                o0 = dot4(o0, wp[8 + i], bcast4(xp + 32 + 4 * i));
+                o1 = dot4(o1, wp[12 + i], bcast4(xp + 48 + 4 * i));
+            }
+            const __m256i s0 = _mm256_add_epi32(e0, e1), s1 = _mm256_add_epi32(o0, o1);
+#else
             __m256i lo = _mm256_maddubs_epi16(wp[0], bcast4(xp)), hi = _mm256_maddubs_epi16(wp[8], bcast4(xp + 32));
             for (int i = 1; i < 8; i++) { /* |sum| <= 8 * 2 * 15 * 127 < 2^15 in each 16-bit lane */
                 lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(wp[i], bcast4(xp + 4 * i)));
@@ -905,6 +952,7 @@ static inline __attribute__((always_inline)) void i8_rows4(const __m256i *w, con
             const __m256i s0 = _mm256_add_epi32(_mm256_srai_epi32(_mm256_slli_epi32(lo, 16), 16),
                                                 _mm256_srai_epi32(_mm256_slli_epi32(hi, 16), 16));
             const __m256i s1 = _mm256_add_epi32(_mm256_srai_epi32(lo, 16), _mm256_srai_epi32(hi, 16));
+#endif
             const float *dx = xd + r * nbp + 2 * p, *xs = xsum + r * nbp + 2 * p;
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(_mm256_loadu_ps(d8 + 16 * p), _mm256_set1_ps(dx[0])), acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(_mm256_loadu_ps(d8 + 16 * p + 8), _mm256_set1_ps(dx[1])), acc[r]);
@@ -998,11 +1046,21 @@ int attnmask_q4_1_matmul_i8(const uint32_t *codes, const float *d, const float *
     const int64_t nbp = ((K / QK) + 1) / 2 * 2;
     /* xd and xsum (nbp floats a row each), then the codes (nbp * 32 bytes a row) on a cache line */
     const int64_t scales = (2 * M * nbp + 15) / 16 * 16;
-    float *xd = scratch((size_t)(scales + M * nbp * 8));
+    const int vnni = BLOCKS_VNNI && M > 1; /* the rows' passes read a second copy of the codes, in VNNI order */
+    float *xd = scratch((size_t)(scales + M * nbp * 8 * (vnni ? 2 : 1)));
     if (!xd) return -1;
     float *xsum = xd + M * nbp;
     int8_t *xq = (int8_t *)(xd + scales);
     i8_prepare4(x, xq, xd, xsum, M, K, nbp);
+    const int8_t *xr = xq; /* the codes i8_pass4 reads */
+    (void)xr;
+#if BLOCKS_VNNI
+    if (vnni) {
+        int8_t *xe = xq + M * nbp * QK;
+        i8_vnni4(xq, xe, M * nbp / 2);
+        xr = xe;
+    }
+#endif
     const uint8_t *bytes = (const uint8_t *)codes;
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     int failed = 0;
@@ -1032,7 +1090,7 @@ int attnmask_q4_1_matmul_i8(const uint32_t *codes, const float *d, const float *
                 }
                 i8_group4(bytes + n * nbp * 16, nbp, w);
                 for (int64_t r0 = 0; r0 < M; r0 += MAX_R)
-                    i8_pass4(w, d8, m8, xq + r0 * nbp * QK, xd + r0 * nbp, xsum + r0 * nbp, y + r0 * N + n,
+                    i8_pass4(w, d8, m8, xr + r0 * nbp * QK, xd + r0 * nbp, xsum + r0 * nbp, y + r0 * N + n,
                              min64(MAX_R, M - r0), N, nbp);
             }
         }
@@ -1072,17 +1130,28 @@ static inline __attribute__((always_inline)) void i8_pair8(const uint32_t *codes
     ROWS_UNROLLED
     for (int r = 0; r < R; r++) {
         const int8_t *xp = xq + r * K + g * 64;
-        const __m256i p01 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(a01, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xp), w01)), ones);
-        const __m256i p23 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(a23, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xp + 32)), w23)), ones);
+        const __m256i x01 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xp), w01);
+        const __m256i x23 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xp + 32)), w23);
         const __m256 dx = _mm256_loadu_ps(xd + r * xlanes + g * 8);
+#if BLOCKS_VNNI
+        (void)ones;
+        if (sub16) {
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(_mm256_setzero_si256(), a01, x01)), _mm256_mul_ps(s0, dx), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(_mm256_setzero_si256(), a23, x23)), _mm256_mul_ps(s1, dx), acc1[r]);
+        } else {
+            const __m256i p = dot4(dot4(_mm256_setzero_si256(), a01, x01), a23, x23);
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s0, dx), acc0[r]);
+        }
+#else
+        const __m256i p01 = _mm256_madd_epi16(_mm256_maddubs_epi16(a01, x01), ones);
+        const __m256i p23 = _mm256_madd_epi16(_mm256_maddubs_epi16(a23, x23), ones);
         if (sub16) {
             acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p01), _mm256_mul_ps(s0, dx), acc0[r]);
             acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p23), _mm256_mul_ps(s1, dx), acc1[r]);
         } else {
             acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p01, p23)), _mm256_mul_ps(s0, dx), acc0[r]);
         }
+#endif
     }
 }
 
@@ -1097,7 +1166,12 @@ static inline __attribute__((always_inline)) void i8_last8(const uint32_t *codes
     ROWS_UNROLLED
     for (int r = 0; r < R; r++) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
+#if BLOCKS_VNNI
+        (void)ones;
+        const __m256i p = dot4(_mm256_setzero_si256(), a, _mm256_sign_epi8(x, w));
+#else
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(x, w)), ones);
+#endif
         acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s, _mm256_loadu_ps(xd + r * xlanes + (b / 2) * 8)), acc0[r]);
     }
 }
