@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from attnmask import ops
+from attnmask.linear import cpu_info
 from attnmask.ops import blocks
 from attnmask.ops.blocks import BLOCK_BYTES, BLOCK_WEIGHTS, dequantize_blocks, repack
 from attnmask.pretrained.quantized import BlockLinear
@@ -308,18 +309,22 @@ def test_k_quant_shapes_and_buffers_are_checked():
 # The builds a CPU with AVX-512 would otherwise never run
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow  # builds attnmask's kernels twice, tens of seconds each on 2 cores
-@pytest.mark.parametrize("flavour", ["avx2", "portable"])
+@pytest.mark.parametrize("flavour", ["avx2", "avx2-vnni", "portable"])
 def test_the_avx2_and_portable_builds_pass_these_tests(tmp_path, flavour):
     """A fresh build in a fresh process, its vector instructions turned off by a compiler wrapper, runs
-    this file's kernel tests (exact weights, accuracy, batch invariance) again."""
+    this file's kernel tests (exact weights, accuracy, batch invariance) again. ``avx2-vnni``: the AVX2
+    loops with AVX-VNNI's byte dot products, on a CPU with AVX-512 that has them too."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None or shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C/C++ compiler: the kernels cannot be built here")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the native build is the portable one on this machine")
-    if flavour == "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if flavour != "portable" and torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("the native build is the AVX2 (or portable) one on this CPU")
-    off = {"avx2": "-mno-avx512f", "portable": "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"}[flavour]
+    if flavour == "avx2-vnni" and "avx_vnni" not in getattr(cpu_info(), "flags", ()):
+        pytest.skip("this CPU has no AVX-VNNI (avx_vnni)")
+    off = {"avx2": "-mno-avx512f", "avx2-vnni": "-mno-avx512f -mavxvnni"}.get(flavour, "")
+    off = off or "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c -mno-avxvnni"
     wrapper = tmp_path / f"cc-{flavour}"
     wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {off}\n')
     wrapper.chmod(0o755)
@@ -330,7 +335,7 @@ def test_the_avx2_and_portable_builds_pass_these_tests(tmp_path, flavour):
         f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', 'not builds and not gemma']))\n"
     )
     lines = run_python(code, timeout=900, ATTNMASK_CACHE=str(tmp_path), CC=str(wrapper))
-    assert lines[0] == {"avx2": "AVX2", "portable": "portable C"}[flavour], lines[0]
+    assert lines[0] == {"avx2": "AVX2", "avx2-vnni": "AVX2", "portable": "portable C"}[flavour], lines[0]
     assert " passed" in lines[-1] and "skipped" not in lines[-1] and "failed" not in lines[-1], lines[-1]
 
 

@@ -110,3 +110,23 @@ def test_the_first_error_line_is_picked_from_compiler_output():
         "/usr/bin/ld: cannot find -lfoo"
     )
     assert build._first_error("") == "no output"
+
+
+@pytest.mark.parametrize(
+    "capability, flags, want",
+    [
+        ("AVX512", {"avx512f", "avx512_vnni", "avx_vnni"}, ["-mavx512vnni"]),  # Sapphire Rapids, Zen 5
+        ("AVX512", {"avx512f", "avx512_vnni"}, ["-mavx512vnni"]),  # Zen 4, Ice Lake
+        ("AVX2", {"avx2", "avx_vnni"}, ["-mavxvnni"]),  # Alder Lake, or ATEN_CPU_CAPABILITY=avx2 on the above
+        ("AVX2", {"avx2", "avx512_vnni"}, []),  # AVX-512 lowered away: its VNNI with it
+        ("AVX2", {"avx2", "fma"}, []),  # Zen 3
+        ("DEFAULT", {"avx_vnni"}, []),  # the portable build
+    ],
+)
+def test_the_int8_dot_products_are_built_where_the_cpu_has_them(monkeypatch, capability, flags, want):
+    import attnmask.linear as linear
+
+    monkeypatch.setattr(build.torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(linear, "cpu_info", lambda: linear.CpuInfo("GenuineIntel", 6, frozenset(flags)))
+    assert build.simd_flags()[-len(want) :] == want if want else not any("vnni" in f for f in build.simd_flags())
+    assert ("VNNI" in build.simd_level()) == bool(want)

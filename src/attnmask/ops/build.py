@@ -96,9 +96,10 @@ def _vnni_flags(capability: str) -> list[str]:
 
 def simd_level() -> str:
     """The vector instructions :func:`simd_flags` builds for, in words."""
-    level = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "portable C")
-    vnni = _vnni_flags(torch.backends.cpu.get_cpu_capability())
-    return level + {"-mavx512vnni": " + AVX512-VNNI", "-mavxvnni": " + AVX-VNNI"}.get(vnni[0], "") if vnni else level
+    capability = torch.backends.cpu.get_cpu_capability()
+    level = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(capability, "portable C")
+    vnni = {"-mavx512vnni": " + AVX512-VNNI", "-mavxvnni": " + AVX-VNNI"}
+    return level + "".join(vnni[flag] for flag in _vnni_flags(capability))
 
 
 def compiler(variable: str = "CC", default: str = "cc") -> tuple[str, str]:
