@@ -146,8 +146,8 @@ def test_product_equals_the_float32_product_up_to_summation_order(kind, make):
 @pytest.mark.parametrize("kind", [*NEW, "Q8_0", "Q4_1"])
 def test_a_row_is_the_same_bits_alone_in_any_batch_and_thread_count(kind, activations, threads):
     """One row alone (the one-row path: weight rows two at a time) = that row inside 1..37 rows (rows
-    four at a time), on one thread and on two (threads split W's rows, never a sum); with float32
-    activations and with int8 ones."""
+    four or eight at a time), on one thread and on two (threads split W's rows, never a sum); with
+    float32 activations and with int8 ones."""
     native_or_skip()
     n, k = (203, 1536) if BLOCK_WEIGHTS[kind] == 256 else (203, 608)  # 203: a 16-row task ends on an odd row
     layer = layer_of(kind, n, k, seed=7)  # 608: 19 blocks, an odd last one
@@ -163,6 +163,24 @@ def test_a_row_is_the_same_bits_alone_in_any_batch_and_thread_count(kind, activa
         for count in (1, 2, 5, 17, 37):
             assert torch.equal(layer(x[37 - count :]), alone[37 - count :]), f"{kind}: {count} rows, two threads"
         assert torch.equal(torch.cat([layer(row[None]) for row in x]), alone)
+
+
+@pytest.mark.parametrize("kind", [*NEW, "Q8_0", "Q4_1"])
+def test_a_long_prompts_rows_are_the_same_bits_as_alone(kind, threads):
+    """A prompt chunk of 300 rows, more than one block of the kernel's rows (with AVX-512, as many as
+    512 KiB of activations hold: 208 rows of 608, 80 of 1536; every block's rows pass over all of W
+    before the next block's) = each row alone, on one thread and on two."""
+    native_or_skip()
+    n, k = (203, 1536) if BLOCK_WEIGHTS[kind] == 256 else (203, 608)
+    layer = layer_of(kind, n, k, seed=11)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(11))
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        alone = torch.cat([layer(row[None]) for row in x])
+        assert torch.equal(layer(x), alone), f"{kind}: 300 rows, one thread"
+        assert torch.equal(layer(x[1:]), alone[1:]), f"{kind}: 299 rows, one thread"
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), alone), f"{kind}: 300 rows, two threads"
 
 
 # ---------------------------------------------------------------------------------------------
