@@ -188,8 +188,8 @@ static void q4_1_prepare(const float *x, float *xq, float *xsum, int64_t M, int6
     }
 }
 
-/* up to MAX_R activation rows against weight row n. R is a constant at each call site of the
- * vector versions (see q4_1_row), so the accumulators stay in registers. */
+/* up to MAX_R activation rows (AVX-512: ROWS_512) against weight row n. R is a constant at each call
+ * site of the vector versions (see q4_1_row), so the accumulators stay in registers. */
 #if BLOCKS_AVX2
 #if BLOCKS_AVX512
 /* 16 lanes: quad q holds pairs 2q and 2q + 1 (codes + 16 q, activations xq + 128 q); `lanes` and
