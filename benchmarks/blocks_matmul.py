@@ -1,12 +1,13 @@
 """The block kernel's products (``attnmask::block_matmul``, ``csrc/blocks_kernel.c``) by layout, shape and rows.
 
 For each GGUF format, weight shape ``(N, K)`` and row count ``M``: the best of ``--repeats`` timings
-(each the mean of enough calls to take ~50 ms) of the kernel on random blocks (valid float16 scales,
-every code), in GMAC/s (``M * N * K`` multiply-adds a call); beside it PyTorch's ``F.linear`` on the
-same weight dequantized to float32 (its BLAS: the product a float32 model of these weights would run,
-without the batch invariance the kernel keeps). The weights are small enough to stay in the caches
-(L2 for most shapes): the figures are the loops' arithmetic, not memory's; a decoding step, whose
-weights stream from memory, is timed by ``benchmarks/packed_step.py``.
+(each the mean of about twice the calls that take 20 ms: ``rows_stream.best_seconds``) of the kernel
+on random blocks (valid float16 scales, every code), in GMAC/s (``M * N * K`` multiply-adds a call);
+beside it PyTorch's ``F.linear`` on the same weight dequantized to float32 (its BLAS: the product a
+float32 model of these weights would run, without the batch invariance the kernel keeps). The weights
+are small enough to stay in the caches (L2 for most shapes): the figures are the loops' arithmetic,
+not memory's; a decoding step, whose weights stream from memory, is timed by
+``benchmarks/packed_step.py``.
 
 The shapes are SmolLM2-135M's (576 wide, FFN 1536) and Gemma 3 270M's (640 wide, FFN 2048); the rows
 1 (a decoding step), 16 (16 streams decoding) and 512 (a prompt's chunk).
@@ -19,13 +20,13 @@ Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from attnmask.ops import blocks, native
 from matmul import cpu_name  # benchmarks/, run as a script
+from rows_stream import best_seconds
 
 SHAPES = [
     # (kind, N, K, what)
@@ -56,22 +57,6 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> dict[str, torch.T
     return blocks.repack(raw.reshape(n, -1), kind, k)
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()
-    start = time.perf_counter()
-    calls = 0
-    while time.perf_counter() - start < 0.05:
-        fn()
-        calls += 1
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=1)
@@ -95,8 +80,8 @@ def main() -> None:
         weight = blocks.unpack(packed, kind, k)
         for rows in args.rows:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-            ours = best_time(lambda x=x, kind=kind, k=k: product(codes, d, m, x, kind, k), args.repeats)  # noqa: B023
-            theirs = best_time(lambda x=x: F.linear(x, weight), args.repeats)  # noqa: B023
+            ours = best_seconds(lambda x=x, kind=kind, k=k: product(codes, d, m, x, kind, k), args.repeats)  # noqa: B023
+            theirs = best_seconds(lambda x=x: F.linear(x, weight), args.repeats)  # noqa: B023
             macs = rows * n * k / 1e9
             print(f"| {kind} | {n} x {k} | {what} | {rows} | {macs / ours:.1f} | {macs / theirs:.1f} |")
 
