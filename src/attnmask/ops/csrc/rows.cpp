@@ -12,9 +12,11 @@
 // one); x is taken in chunks of rows that stay in L2 while W's tiles pass (batched translation, long
 // prefill chunks). With one row (batch-1 decoding) the product only streams W from memory, once: there
 // W is read front to back, one row after another (each thread one contiguous part of it), the chains of
-// neighbouring rows overlapping in the out-of-order core, and asked for a fixed distance ahead with a
-// non-temporal hint. One stream per thread moves more bytes a second than several rows read side by side
-// (SmolLM2-135M's batch-1 decoding on Zen 5 at 2 threads: 1.1-1.2x the tokens/s of 1 x 8 tiles).
+// neighbouring rows overlapping in the out-of-order core, and asked for a fixed distance ahead into L2.
+// Not with a non-temporal hint: on an Intel Xeon `prefetchnta` fills L1 only, and the stream crawled at
+// 5 GB/s a thread against 25 with `prefetcht1`. One stream per thread moves more bytes a second than
+// several rows read side by side (SmolLM2-135M's batch-1 decoding on Zen 5 at 2 threads: 1.1-1.2x the
+// tokens/s of 1 x 8 tiles).
 #include "rows.h"
 
 #include <ATen/Parallel.h>
@@ -127,7 +129,7 @@ void tile(const float *x, const float *w, int64_t K, const float *bias, float *o
 
 // out[j] = x . w_j (+ bias[j]) for one row of x and C rows of W (K long, rows contiguous), one W row after
 // another: each output the same one accumulator in the same order as tile()'s, W read as one stream and
-// asked for AHEAD floats ahead, a line per load, not to be kept in the caches (it passes once a step).
+// asked for AHEAD floats ahead into L2, a line per load.
 constexpr int64_t AHEAD = 2048;  // 8 KiB
 
 void row_stream(const float *x, const float *w, int64_t K, int64_t C, const float *bias, float *out) {
@@ -136,7 +138,7 @@ void row_stream(const float *x, const float *w, int64_t K, int64_t C, const floa
         Vec acc = zero();
         int64_t k = 0;
         for (; k + V <= K; k += V) {
-            if ((k % LINE) < V) __builtin_prefetch(wj + k + AHEAD, 0, 0);
+            if ((k % LINE) < V) __builtin_prefetch(wj + k + AHEAD, 0, 2);
             acc = fma(load(wj + k), load(x + k), acc);
         }
         if (k < K) {  // the last, partial step, as in tile()
