@@ -81,7 +81,7 @@ def llama_cpp_runner(threads: int, ids: list[int], n: int):
 def head_share(model, ids: list[int], steps: int = 30) -> tuple[float, float]:
     """(ms of one decoded token's step, ms of its head product alone): batch 1, medians of ``steps``.
     The head (262,144 x 640, tied to the embedding) is timed as the step multiplies by it: the block
-    product for block weights, ``linear_rows`` for float32."""
+    product for block weights, ``linear_panels`` on the weight's panels for float32."""
     with torch.inference_mode():
         state, first, _ = decode.start(model, prompts=[ids], max_new_tokens=steps + 2)
         token, step_s = first.argmax(-1), []
@@ -96,7 +96,7 @@ def head_share(model, ids: list[int], steps: int = 30) -> tuple[float, float]:
             if hasattr(head, "matmul_rows"):
                 head.matmul_rows(x)
             else:
-                decoding.linear_rows(x, head.weight, head.bias)
+                decoding.linear_panels(x, decoding.panels(head.weight), head.bias, head.weight.shape[0])
             head_s.append(time.perf_counter() - start)
     return 1e3 * statistics.median(step_s), 1e3 * statistics.median(head_s)
 

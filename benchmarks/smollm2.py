@@ -1,17 +1,17 @@
 """Greedy decoding speed on SmolLM2-135M-Instruct: attnmask against Hugging Face ``generate``.
 
-Both models hold the *same* weights: the GGUF file dequantized by :func:`attnmask.pretrained.load`,
-copied into a ``transformers`` ``LlamaForCausalLM`` of the same configuration (their logits are
-compared first). attnmask's model is what ``load(...)`` returns: q/k/v and gate/up projections
-fused (:func:`attnmask.model.fuse_projections_`), float32 linear weights row-major for the decoding
-step's own product (:func:`attnmask.ops.decoding.linear_rows`). Variants (``--variants``): ``float32`` and ``bfloat16``
-(Hugging Face's model cast with ``.to(dtype)``), and ``blocks``: ``load(quantized=True)``, the file's
-Q4_1/Q8_0 blocks multiplied directly with float32 activations (:mod:`attnmask.pretrained.quantized`), against
-Hugging Face in float32 on the dequantized file, which is the same function. For each variant and
-batch size (1, 16), both decode the same prompt (repeated ``B`` times, so nothing is padded) for
-the same number of new tokens, never stopping early; the generated tokens are compared.
-tokens/s = B * new tokens / wall time, prefill of the short prompt included; the median of
-``--repeats`` runs, attnmask and Hugging Face taking turns, after one warm-up run each.
+Both models hold the *same* weights: the GGUF file dequantized by :func:`attnmask.pretrained.load`, copied
+into a ``transformers`` ``LlamaForCausalLM`` of the same configuration (their logits are compared first).
+attnmask's model is what ``load(...)`` returns: q/k/v and gate/up projections fused
+(:func:`attnmask.model.fuse_projections_`), float32 linear weights row-major, packed once into panels for the
+decoding step's own product (:func:`attnmask.ops.decoding.linear_panels`). Variants (``--variants``):
+``float32`` and ``bfloat16`` (Hugging Face's model cast with ``.to(dtype)``), and ``blocks``:
+``load(quantized=True)``, the file's Q4_1/Q8_0 blocks multiplied directly with float32 activations
+(:mod:`attnmask.pretrained.quantized`), against Hugging Face in float32 on the dequantized file, which is the
+same function. For each variant and batch size (1, 16), both decode the same prompt (repeated ``B`` times, so
+nothing is padded) for the same number of new tokens, never stopping early; the generated tokens are compared.
+tokens/s = B * new tokens / wall time, prefill of the short prompt included; the median of ``--repeats`` runs,
+attnmask and Hugging Face taking turns, after one warm-up run each.
 
 Memory-bandwidth bound: a greedy step reads every weight matrix once for the whole batch (the tied
 embedding as ``W_pred``; the KV cache reads are < 1% here and not counted; blocks count their codes,

@@ -203,7 +203,8 @@ def test_encoder_keys_values_are_computed_once_per_source(monkeypatch):
         original = layer.cross_attn.project_kv
         monkeypatch.setattr(layer.cross_attn, "project_kv", lambda m, f=original: calls.append(m.shape) or f(m))
     packed_logits(model, fed_tokens(3, 5), src=src)
-    assert calls == [(3, 7, model.config.dim)] * model.config.n_layers  # once per layer for all 3 sources
+    # once per layer for all 3 sources, their real tokens packed in one row (no padding)
+    assert calls == [(1, int((src != 0).sum()), model.config.dim)] * model.config.n_layers
     packed_logits(model, fed_tokens(3, 2), src=src)
     assert len(calls) == 2 * model.config.n_layers  # a new decoding run projects its sources again
 

@@ -60,6 +60,55 @@ def test_linear_rows_matches_its_definition(rows, k):
     assert (with_bias - without - b).abs().max() <= 1e-5 * with_bias.abs().max()  # the bias is added once
 
 
+@pytest.mark.parametrize("n", [1, 47, 48, 49, 130])
+def test_panels_are_the_weight_and_their_product_is_linear_rows(n):
+    """pack_panels holds W whatever N is against the build's panel width (zeros past N), and linear_panels
+    on the panels gives linear_rows' bits on the row-major W: one arithmetic, packed once or at each call."""
+    k = 37
+    x, w, b = _randn(5, k, seed=1), _randn(n, k, seed=2), _randn(n, seed=3)
+    panels = decoding.pack_panels(w)
+    width = panels.shape[2]
+    assert panels.shape == ((n + width - 1) // width, k, width)
+    assert torch.equal(decoding.unpack_panels(panels, n), w)
+    assert not panels.transpose(1, 2).reshape(-1, k)[n:].any()
+    assert torch.equal(decoding.linear_panels(x, panels, b, n), decoding.linear_rows(x, w, b))
+    assert torch.equal(decoding.linear_panels(x, panels, None, n), decoding.linear_rows(x, w, None))
+    _close(decoding.linear_panels(x, panels, b, n), decoding.linear_rows_reference(x.double(), w.double(), b.double()),
+           "panels")  # fmt: skip
+    with pytest.raises(ValueError, match="from pack_panels"):
+        decoding.linear_panels(x, panels, b, n + width)
+
+
+def test_panels_are_packed_again_when_the_weight_changes():
+    """decoding.panels keeps one packed copy per weight, and packs again after an in-place change (an
+    optimizer step) or a new tensor under the same module."""
+    layer = torch.nn.Linear(20, 30)
+    first = decoding.panels(layer.weight)
+    assert decoding.panels(layer.weight) is first
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    again = decoding.panels(layer.weight)
+    assert again is not first and torch.equal(decoding.unpack_panels(again, 30), layer.weight.detach())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_product_is_the_same_bits_in_any_batch(threads):
+    """Each row of linear_panels is the same alone, in any batch size and place, at every thread count:
+    row counts across the tile heights, a K long enough for several blocks."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in (5, 600, 2100):
+            x, w, b = _randn(37, k, seed=4), _randn(100, k, seed=5), _randn(100, seed=6)
+            panels = decoding.pack_panels(w)
+            alone = torch.cat([decoding.linear_panels(x[i : i + 1], panels, b, 100) for i in range(37)])
+            for rows in (2, 7, 8, 9, 17, 37):
+                assert torch.equal(decoding.linear_panels(x[:rows], panels, b, 100), alone[:rows]), (k, rows)
+            assert torch.equal(decoding.linear_panels(x[3:20], panels, b, 100), alone[3:20])
+    finally:
+        torch.set_num_threads(before)
+
+
 def _fused_model():
     return fuse_projections_(
         tiny_model(
@@ -115,12 +164,12 @@ def test_a_watched_module_takes_the_same_calls_from_python(monkeypatch):
     whole = _decoded(model)
     seen = []
     model.layers[1].mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
-    calls = _counted(monkeypatch, "packed_step", "paged_attend", "linear_rows")
+    calls = _counted(monkeypatch, "packed_step", "paged_attend", "linear_panels")
     by_calls = _decoded(model)
     # per forward (the prefill and five steps): every layer's attention, and 4 L + 1 products of which
     # the watched one is the module's call
     L = len(model.layers)
-    assert calls == {"packed_step": 0, "paged_attend": 6 * L, "linear_rows": 6 * 4 * L}
+    assert calls == {"packed_step": 0, "paged_attend": 6 * L, "linear_panels": 6 * 4 * L}
     assert len(seen) == 1 + 5  # the prefill and the five steps
     torch.testing.assert_close(by_calls, whole, atol=1e-5 * whole.abs().max(), rtol=0)  # one product on the BLAS
 
@@ -158,18 +207,36 @@ def test_other_models_keep_the_per_operation_step():
 @pytest.mark.parametrize("capability", ["avx2", "default"])
 def test_the_other_builds_match_their_definitions_too(capability):
     """The AVX2 and portable builds (what other CPUs get: the flags follow PyTorch's CPU capability,
-    which ATEN_CPU_CAPABILITY lowers), in a fresh process: the definition tests above, again."""
+    which ATEN_CPU_CAPABILITY lowers), in a fresh process: the definition, panel and batch tests above,
+    again; and the float32 rows product gives the bits of this process's build (one chain of
+    multiply-adds an output in every build)."""
     if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU does not run AVX2")
+    tests = "matches_its_definition or panels or same_bits_in_any_batch"
     code = (
-        "import sys, pytest\n"
+        "import sys, pytest, torch\n"
         "from attnmask import ops\n"
+        "from tests.ops.test_decoding import _rows_product_bits\n"
         "print(ops.load().why)\n"
-        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', 'matches_its_definition']))\n"
+        "print(_rows_product_bits())\n"
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', {tests!r}]))\n"
     )
     lines = run_python(code, timeout=600, ATEN_CPU_CAPABILITY=capability)
     assert lines[0].startswith(f"C/C++, {'AVX2' if capability == 'avx2' else 'portable C'}, "), lines[0]
+    assert lines[1] == _rows_product_bits(), "the rows product's bits differ between builds"
     assert " passed" in lines[-1] and "skipped" not in lines[-1], lines[-1]
+
+
+def _rows_product_bits() -> str:
+    """A digest of linear_rows' bits on fixed inputs (several row tiles, a K past a block, a partial panel),
+    made of integers (torch.randn's own bits follow the CPU capability)."""
+    import hashlib
+
+    def values(n: int, seed: int) -> torch.Tensor:
+        return ((torch.arange(n, dtype=torch.int64) * 7919 + seed) % 1009 - 504).float() / 256
+
+    x, w, b = values(19 * 1100, 1).view(19, 1100), values(101 * 1100, 2).view(101, 1100), values(101, 3)
+    return hashlib.sha256(decoding.linear_rows(x, w, b).numpy().tobytes()).hexdigest()
 
 
 def test_without_a_cxx_compiler_decoding_says_so_once_and_gives_the_same_logits(tmp_path):

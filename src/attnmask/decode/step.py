@@ -19,15 +19,15 @@ and values are projected once, when it starts, into one block per source, and ea
 own sequence's source only, all of it (``document`` between rows and source positions, no causality):
 ``paged_attend`` again, each source a one-block table read up to its last real position.
 
-**Batch invariance.** A row's result must not depend on which rows it is packed with, where it sits
-in the pack, or how its sequence's prompt was chunked, bit for bit. Every operation here is either
-elementwise, a reduction within one row (norms: the native ``rms_norm``), a product whose every
-output is computed by the same operations whatever the number of rows (the native ``linear_rows``
-for float32 weights, ``block_matmul`` for GGUF blocks: threads split the weight's rows, never a
-sum), or the paged attention (each row and head alone, keys in order). Where the native kernels are
-not built, products run one row at a time (the BLAS's result for a row depends on the shape of the
-whole product otherwise): the same guarantee, slower. A module a hook watches is called as it is,
-on all the rows (the hook sees the call; the BLAS then decides the bits).
+**Batch invariance.** A row's result must not depend on which rows it is packed with, where it sits in the
+pack, or how its sequence's prompt was chunked, bit for bit. Every operation here is either elementwise, a
+reduction within one row (norms: the native ``rms_norm``), a product whose every output is computed by the
+same operations whatever the number of rows (the native ``linear_panels`` for float32 weights, packed once
+into panels; ``block_matmul`` for GGUF blocks: threads split the weight's rows, never a sum), or the paged
+attention (each row and head alone, keys in order). Where the native kernels are not built, products run one
+row at a time (the BLAS's result for a row depends on the shape of the whole product otherwise): the same
+guarantee, slower. A module a hook watches is called as it is, on all the rows (the hook sees the call; the
+BLAS then decides the bits).
 
 For a pre-norm RMSNorm decoder with a gated MLP in float32 or GGUF blocks (Llama, SmolLM2, Gemma 3
 with its q/k norms, post-sublayer norms, per-layer rotary and windows and its layer groups) the whole
@@ -137,9 +137,35 @@ class SourceMemory:
     @torch.no_grad()
     def encode(cls, model, src_ids: Tensor, keep: Tensor | None) -> SourceMemory:
         """Run the encoder once over ``src_ids (B, S)`` (``keep (B, S)``: real positions, None: all) and
-        project every layer's keys and values, each source's real positions first."""
+        project every layer's keys and values, each source's real positions first.
+
+        Right-padded sources (each row's real positions a prefix) are encoded packed: their real tokens
+        in one row, attention within each source (``document``), positions restarting at each, so no
+        work goes to padding (a batch of 64 sentences sorted by length pads the longest's batch by up to
+        half). Each source's memory is what it is encoded alone, up to float32 rounding."""
+        B, S = src_ids.shape
+        if keep is not None:
+            lengths = keep.sum(1)
+            prefix = torch.arange(S, device=keep.device) < lengths[:, None]
+            if B > 1 and bool(torch.equal(keep, prefix)) and int(lengths.min()) > 0:
+                return cls._encode_packed(model, src_ids, keep, lengths)
         memory = model.encode(src_ids, None if keep is None else masks.padding(keep=keep))  # (B, S, C)
         return cls.project(model, memory, keep)
+
+    @classmethod
+    def _encode_packed(cls, model, src_ids: Tensor, keep: Tensor, lengths: Tensor) -> SourceMemory:
+        from attnmask.model.transformer import segment_positions
+
+        segments = torch.repeat_interleave(torch.arange(len(lengths), device=src_ids.device), lengths)[None]  # (1, T)
+        memory = model.encode(src_ids[keep][None], masks.document(segments), positions=segment_positions(segments))
+        ks, vs = [], []
+        for layer in model.layers:
+            k, v = layer.cross_attn.project_kv(memory)  # (1, Hkv, T, D)
+            for packed, out in ((k, ks), (v, vs)):
+                full = packed.new_zeros(*keep.shape, *packed.shape[1:2], packed.shape[3])  # (B, S, Hkv, D)
+                full[keep] = packed[0].transpose(0, 1)
+                out.append(full)
+        return cls(ks, vs, lengths.cpu().to(src_ids.device))
 
     @classmethod
     @torch.no_grad()
@@ -198,7 +224,7 @@ def _product(proj: nn.Module, x: Tensor) -> Tensor:
     elif type(proj) in (nn.Linear, Linear) and _native(x):
         w, b = proj.weight, proj.bias
         if w.dtype == torch.float32 and w.is_contiguous():
-            return decoding.linear_rows(x, w, b)
+            return decoding.linear_panels(x, decoding.panels(w), b, w.shape[0])
     if not x.is_cpu:
         return proj(x)  # on a GPU the kernels are not row-invariant here (documented)
     return torch.cat([proj(x[i : i + 1]) for i in range(x.shape[0])]) if x.shape[0] > 1 else proj(x)
@@ -344,7 +370,7 @@ def _layer_window(cfg, i: int) -> int:
 
 
 def _operands(proj: nn.Module | None) -> tuple[int, list[Tensor]] | None:
-    """A product as ``packed_step`` takes it: GGUF blocks, or a row-major float32 weight and its bias."""
+    """A product as ``packed_step`` takes it: GGUF blocks, or a float32 weight in panels and its bias."""
     if proj is None or _watched(proj):
         return None  # a watched module must be called
     blocks = getattr(proj, "decoder_operands", None)
@@ -353,7 +379,7 @@ def _operands(proj: nn.Module | None) -> tuple[int, list[Tensor]] | None:
     if type(proj) in (nn.Linear, Linear):
         w, b = proj.weight, proj.bias
         if w.dtype == torch.float32 and w.is_cpu and w.is_contiguous():
-            return decoding.DENSE, [w, w.new_empty(0) if b is None else b]
+            return decoding.DENSE, [decoding.panels(w), decoding.bias_operand(w, b)]
     return None
 
 

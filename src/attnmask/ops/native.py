@@ -43,6 +43,8 @@ OPERATORS = {
     "paged_attend": decoding,
     "packed_step": decoding,
     "linear_rows": decoding,
+    "pack_panels": decoding,
+    "linear_panels": decoding,
 }
 
 

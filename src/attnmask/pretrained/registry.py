@@ -141,7 +141,7 @@ def load(
         column_major: store float32 linear weights column-major (:func:`column_major_`): faster
             one-token steps where they run on PyTorch's BLAS, i.e. where the native kernels are
             not built. The default keeps the checkpoint's row-major layout, which the decoding
-            step's own product (:func:`attnmask.ops.decoding.linear_rows`) reads: the layout is
+            step's own product packs into panels (:func:`attnmask.ops.decoding.panels`): the layout is
             the caller's choice, never decided by whether a compiler is present.
         quantized: keep the file's Q4_1/Q8_0 blocks for the linear layers and ``W_pred``
             (:class:`attnmask.pretrained.quantized.BlockLinear`): the same function as the float32 model

@@ -5,7 +5,9 @@
 //   rms_norm(x, w, eps)               w * x / sqrt(mean(x^2) + eps), row by row
 //   add_rms_norm(x, delta, w, eps)    (x + delta, rms_norm(x + delta, w, eps)): a residual and the next norm
 //   silu_mul(gate_up)                 silu(gate) * up, gate and up the two halves of each row
-//   linear_rows(x, weight, bias)      x W^T (+ b) for a few rows x and a row-major float32 W
+//   pack_panels(weight)               a float32 W (N, K) in the panel layout of rows.h
+//   linear_panels(x, panels, bias, n) x W^T (+ b) for rows x and W in panels
+//   linear_rows(x, weight, bias)      the same for a row-major W, packed for the call
 //   paged_attend(q, pools, tables, ...) packed rows of several sequences against a paged cache
 //   packed_step(x, ...)               all of the above for every layer of a packed step, and its head:
 //                                     one call a step instead of ~210 from Python (SmolLM2) or ~360
@@ -721,8 +723,46 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
     return out;
 }
 
-// x (M, K) W^T + bias for W (N, K) row-major (rows.cpp: each output computed by the same operations
+// W (N, K) float32 in the panel layout of rows.h: (P, K, width), P = ceil(N / width).
+at::Tensor pack_panels(const at::Tensor &weight) {
+    const char *op = "pack_panels";
+    check_rows(weight, op, "weight");
+    TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight has shape ", weight.sizes(), "; expected (N, K)");
+    const int64_t N = weight.size(0), K = weight.size(1), width = attnmask::panel_width();
+    at::Tensor panels = at::empty({(N + width - 1) / width, K, width}, weight.options());
+    attnmask::pack_panels(weight.const_data_ptr<float>(), N, K, panels.mutable_data_ptr<float>());
+    return panels;
+}
+
+const float *checked_bias(const std::optional<at::Tensor> &bias, int64_t N, const char *op) {
+    if (!bias.has_value()) return nullptr;
+    check_rows(*bias, op, "bias");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, op, ": bias has shape ", bias->sizes(),
+                      "; expected (", N, ",)");
+    return bias->const_data_ptr<float>();
+}
+
+// x (M, K) W^T + bias for W (N, K) in panels (rows.cpp: each output computed by the same operations
 // whatever M and the thread count, so a row's result does not depend on its batch).
+at::Tensor linear_panels(const at::Tensor &x, const at::Tensor &panels, const std::optional<at::Tensor> &bias,
+                         int64_t N) {
+    const char *op = "linear_panels";
+    check_rows(x, op, "x");
+    check_rows(panels, op, "panels");
+    const int64_t width = attnmask::panel_width();
+    TORCH_CHECK_VALUE(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == width &&
+                          panels.size(1) == x.size(1) && panels.size(0) == (N + width - 1) / width,
+                      op, ": x has shape ", x.sizes(), " and panels ", panels.sizes(), " for ", N,
+                      " outputs; expected (M, K) and (ceil(N / ", width, "), K, ", width,
+                      ") from pack_panels of this build");
+    const float *b = checked_bias(bias, N, op);
+    at::Tensor out = at::empty({x.size(0), N}, x.options());
+    attnmask::panels_matmul(x.const_data_ptr<float>(), x.size(0), panels.const_data_ptr<float>(), N, x.size(1), b,
+                            out.mutable_data_ptr<float>());
+    return out;
+}
+
+// The same product for W (N, K) row-major, packed for the call: the bits of linear_panels.
 at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
     const char *op = "linear_rows";
     check_rows(x, op, "x");
@@ -730,21 +770,15 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
     TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op, ": x has shape ",
                       x.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
     const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
-    const float *b = nullptr;
-    if (bias.has_value()) {
-        check_rows(*bias, op, "bias");
-        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, op, ": bias has shape ", bias->sizes(),
-                          "; expected (", N, ",)");
-        b = bias->const_data_ptr<float>();
-    }
+    const float *b = checked_bias(bias, N, op);
     at::Tensor out = at::empty({M, N}, x.options());
     attnmask::rows_matmul(x.const_data_ptr<float>(), M, weight.const_data_ptr<float>(), N, K, b,
                           out.mutable_data_ptr<float>());
     return out;
 }
 
-// One product of packed_step, by kind: DENSE is a float32 weight and its bias (an empty tensor for none),
-// through linear_rows; the others are a block layer's buffers in one of the kernel's layouts, through
+// One product of packed_step, by kind: DENSE is a float32 weight in panels and its bias (N,) or, for none,
+// an empty (N, 0) tensor that gives N, through linear_panels; the others are a block layer's buffers in one of the kernel's layouts, through
 // attnmask::block_matmul (blocks.h: the function the operator runs, declared, not looked up): Q4_1 the
 // 4-bit layout (codes, d, m: Q4_1, and Q4_K repacked into it), Q8_0 the 8-bit one (codes, d: Q8_0, Q5_0),
 // Q6_K the 8-bit one with a scale per 16 weights (codes, d); INT8 + each of those: the same buffers with
@@ -752,7 +786,8 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
 constexpr int64_t NONE = -1, DENSE = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3, INT8 = 3;
 
 at::Tensor product(int64_t kind, const at::Tensor *t, const at::Tensor &x) {
-    if (kind == DENSE) return linear_rows(x, t[0], t[1].numel() ? std::optional<at::Tensor>(t[1]) : std::nullopt);
+    if (kind == DENSE)
+        return linear_panels(x, t[0], t[1].dim() == 1 ? std::optional<at::Tensor>(t[1]) : std::nullopt, t[1].size(0));
     const bool int8 = kind > Q6_K;
     const int64_t layout = int8 ? kind - INT8 : kind;
     const char *name = layout == Q4_1 ? "Q4_1" : layout == Q8_0 ? "Q8_0" : "Q6_K";
@@ -1040,6 +1075,8 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("rms_norm", &rms_norm);
     lib.impl("add_rms_norm", &add_rms_norm);
     lib.impl("silu_mul", &silu_mul);
+    lib.impl("pack_panels", &pack_panels);
+    lib.impl("linear_panels", &linear_panels);
     lib.impl("linear_rows", &linear_rows);
     lib.impl("paged_attend", &paged_attend);
     lib.impl("packed_step", &packed_step);

@@ -1,22 +1,25 @@
-// The float32 product of a few rows by a row-major weight (rows.h), for decoding.cpp's linear_rows and
-// packed_step: out (M, N) = x (M, K) W^T (+ bias).
+// The float32 product of rows by a weight in panels (rows.h), for decoding.cpp's linear_panels, linear_rows
+// and packed_step: out (M, N) = x (M, K) W^T (+ bias).
 //
-// Batch invariance fixes the arithmetic: every output x_m . w_n is one vector accumulator, lane l
-// summing x[k] w[k] for k = l, l + V, l + 2V, ... in order by fused multiply-adds (the last step masked
-// to K), then the lanes summed by one fixed sequence of shuffles and adds, then the bias added. That
-// sequence is the same in every tile shape below, so a row's result does not depend on how many rows
-// it is multiplied with, where it sits among them, or how the threads split the work.
+// Batch invariance fixes the arithmetic: every output x_m . w_n is one chain of fused multiply-adds over
+// k = 0, 1, ..., K - 1 in order, starting from 0, then the bias added. Nothing else touches it: not the
+// number of rows, a row's place among them, the tile shape, how the threads split the work, or K's blocks
+// (a chain stopped at a block's end is stored and taken up again, exactly). The portable loop computes
+// the same chain with std::fma, so every build (AVX-512, AVX2, portable) gives the same bits too.
 //
-// Speed comes from tiles: MR rows of x against NR rows of W at once, MR * NR accumulators in registers,
-// so that each loaded vector feeds several multiply-adds (a dot product at a time loads two vectors for
-// one); x is taken in chunks of rows that stay in L2 while W's tiles pass (batched translation, long
-// prefill chunks). With one row (batch-1 decoding) the product only streams W from memory, once: there
-// W is read front to back, one row after another (each thread one contiguous part of it), the chains of
-// neighbouring rows overlapping in the out-of-order core, and asked for a fixed distance ahead into L2.
-// Not with a non-temporal hint: on an Intel Xeon `prefetchnta` fills L1 only, and the stream crawled at
-// 5 GB/s a thread against 25 with `prefetcht1`. One stream per thread moves more bytes a second than
-// several rows read side by side (SmolLM2-135M's batch-1 decoding on Zen 5 at 2 threads: 1.1-1.2x the
-// tokens/s of 1 x 8 tiles).
+// The layout makes that chain fast. W's rows are taken NR at a time, a panel, and a panel stores for each
+// k the NR weights w[n0 .. n0 + NR, k] side by side (panels[(p K + k) NR + j] = W[p NR + j, k], zeros past
+// N). One vector load then holds V outputs' weights at one k, and each x[m, k], broadcast, feeds NR / V
+// multiply-adds: a tile of MR rows of x against a panel keeps MR x NR / V accumulators in registers, with
+// no sum across lanes at the end. This is the register blocking of a BLAS's sgemm with the weight packed
+// once (pack_panels) instead of at every call. x is taken in chunks of rows, and K in blocks, so that a
+// chunk's block of x stays in L2 and a panel's block in L1 while the tiles pass. With one row (batch-1
+// decoding) the product streams the panels from memory, G at a time for enough independent chains,
+// asked for a fixed distance ahead into L2. Not with a non-temporal hint: on an Intel Xeon `prefetchnta`
+// fills L1 only, and a stream crawled at 5 GB/s a thread against 25 with `prefetcht1`.
+//
+// An earlier layout kept W row-major and summed each output across a vector's lanes at the end; on an Intel
+// Xeon (1 thread) it ran 42-68 GMAC/s at 16-256 rows where this one runs 80-100 (MKL's sgemm: 70-93).
 #include "rows.h"
 
 #include <ATen/Parallel.h>
@@ -28,43 +31,43 @@
 #include <array>
 #include <cmath>
 #include <utility>
+#include <vector>
 
 namespace {
 
 #if defined(__AVX512F__)
 constexpr int V = 16;  // lanes
-constexpr int MR = 4, NR = 6;  // a tile's rows of x and W
+constexpr int NV = 3, MR = 8;  // a panel is NV vectors; a tile MR rows of x: 24 accumulators of the 32 registers
+constexpr int G = 2;  // panels a row streams at once: 6 chains
 using Vec = __m512;
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float *p) { return _mm512_loadu_ps(p); }
-inline Vec load_first(const float *p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
+inline Vec broadcast(const float *p) { return _mm512_set1_ps(*p); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float lanes_sum(Vec a) {
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
-}
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline void store(float *p, Vec a) { _mm512_storeu_ps(p, a); }
+inline Vec load_first(const float *p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
+inline void store_first(float *p, Vec a, int n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), a); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int V = 8;
-constexpr int MR = 3, NR = 4;  // 3 x 4 accumulators + 3 rows of x + 1 of W: the 16 registers
+constexpr int NV = 2, MR = 6;  // 12 accumulators, 2 weight vectors and a broadcast: 15 of the 16 registers
+constexpr int G = 4;  // 8 chains
 using Vec = __m256;
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec load(const float *p) { return _mm256_loadu_ps(p); }
-inline Vec load_first(const float *p, int n) {
-    alignas(32) static const int ramp[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_load_si256(reinterpret_cast<const __m256i *>(ramp)));
-    return _mm256_maskload_ps(p, mask);
-}
+inline Vec broadcast(const float *p) { return _mm256_broadcast_ss(p); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float lanes_sum(Vec a) {
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline void store(float *p, Vec a) { _mm256_storeu_ps(p, a); }
+inline __m256i first_lanes(int n) {
+    alignas(32) static const int ramp[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_load_si256(reinterpret_cast<const __m256i *>(ramp)));
 }
+inline Vec load_first(const float *p, int n) { return _mm256_maskload_ps(p, first_lanes(n)); }
+inline void store_first(float *p, Vec a, int n) { _mm256_maskstore_ps(p, first_lanes(n), a); }
 #else
 constexpr int V = 8;
-constexpr int MR = 2, NR = 4;
+constexpr int NV = 2, MR = 4, G = 1;
 struct Vec {
     float v[V];
 };
@@ -74,129 +77,191 @@ inline Vec load(const float *p) {
     for (int l = 0; l < V; l++) a.v[l] = p[l];
     return a;
 }
-inline Vec load_first(const float *p, int n) {
-    Vec a{};
-    for (int l = 0; l < n; l++) a.v[l] = p[l];
+inline Vec broadcast(const float *p) {
+    Vec a;
+    for (int l = 0; l < V; l++) a.v[l] = *p;
     return a;
 }
 inline Vec fma(Vec a, Vec b, Vec c) {
     for (int l = 0; l < V; l++) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
     return c;
 }
-inline float lanes_sum(Vec a) {
-    float h[V / 2];
-    for (int l = 0; l < V / 2; l++) h[l] = a.v[l] + a.v[l + V / 2];
-    const float q0 = h[0] + h[2], q1 = h[1] + h[3];
-    return q0 + q1;
+inline Vec add(Vec a, Vec b) {
+    for (int l = 0; l < V; l++) a.v[l] += b.v[l];
+    return a;
+}
+inline void store(float *p, Vec a) {
+    for (int l = 0; l < V; l++) p[l] = a.v[l];
+}
+inline Vec load_first(const float *p, int n) {
+    Vec a{};
+    for (int l = 0; l < n; l++) a.v[l] = p[l];
+    return a;
+}
+inline void store_first(float *p, Vec a, int n) {
+    for (int l = 0; l < n; l++) p[l] = a.v[l];
 }
 #endif
 
+constexpr int NR = NV * V;  // a panel's width
 constexpr int LINE = 16;  // floats in a 64-byte line
+constexpr int64_t KC = 1024;  // K's block in the many-row product: a panel's block is <= 192 KiB (AVX-512)
+constexpr int64_t AHEAD = 2048;  // the one-row stream's prefetch distance: 8 KiB
 
-// out[i * ldo + j] = x_i . w_j (+ bias[j]) for the tile's R rows of x and C rows of W (K long, rows
-// contiguous). next: the next tile's W rows, asked for into L2 a line per load (null: not asked).
-template <int R, int C>
-void tile(const float *x, const float *w, int64_t K, const float *bias, float *out, int64_t ldo, const float *next) {
-    Vec acc[R][C];
+// The first n of a vector's V columns (all of them for n >= V, none for n <= 0): loaded, stored.
+inline Vec load_cols(const float *p, int n) { return n >= V ? load(p) : n <= 0 ? zero() : load_first(p, n); }
+inline void store_cols(float *p, Vec a, int n) {
+    if (n >= V)
+        store(p, a);
+    else if (n > 0)
+        store_first(p, a, n);
+}
+
+// R rows of x (ldx apart) against one panel's block of kc values of k (b: the panel at the block's first
+// k), for the panel's first c columns of out (ldo apart): each chain taken up from out (or from 0 for the
+// first block), kc multiply-adds, stored; the bias (null: none) added after the last block. Meanwhile the
+// tile asks for `lines` 64-byte lines from `ahead` into L2, spread over its steps: its share of the panel
+// block the thread takes next, so that it comes from memory while this one is multiplied.
+template <int R>
+void tile(const float *x, int64_t ldx, const float *b, int64_t kc, bool first, const float *bias, float *out,
+          int64_t ldo, int c, const float *ahead, int64_t lines) {
+    Vec acc[R][NV];
+    const float *ask = ahead;
+    int64_t owed = 0;  // lines * (k + 1) - kc * (lines asked): a line is due each time it reaches kc
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < C; j++) acc[i][j] = zero();
-    int64_t k = 0, line = 0;
-    for (; k + V <= K; k += V) {
-        Vec xv[R];
-        for (int i = 0; i < R; i++) xv[i] = load(x + i * K + k);
-        for (int j = 0; j < C; j++) {
-            if (next != nullptr && (k % LINE) == 0) __builtin_prefetch(next + (line++) * LINE, 0, 2);
-            const Vec wv = load(w + j * K + k);
-            for (int i = 0; i < R; i++) acc[i][j] = fma(wv, xv[i], acc[i][j]);
-        }
-    }
-    if (k < K) {  // the last, partial step: lanes past K add 0 * 0
-        const int n = static_cast<int>(K - k);
-        Vec xv[R];
-        for (int i = 0; i < R; i++) xv[i] = load_first(x + i * K + k, n);
-        for (int j = 0; j < C; j++) {
-            const Vec wv = load_first(w + j * K + k, n);
-            for (int i = 0; i < R; i++) acc[i][j] = fma(wv, xv[i], acc[i][j]);
+        for (int j = 0; j < NV; j++) acc[i][j] = first ? zero() : load_cols(out + i * ldo + j * V, c - j * V);
+    for (int64_t k = 0; k < kc; k++) {
+        for (owed += lines; owed >= kc; owed -= kc, ask += LINE) __builtin_prefetch(ask, 0, 2);
+        Vec w[NV];
+        for (int j = 0; j < NV; j++) w[j] = load(b + k * NR + j * V);
+        for (int i = 0; i < R; i++) {
+            const Vec a = broadcast(x + i * ldx + k);
+            for (int j = 0; j < NV; j++) acc[i][j] = fma(a, w[j], acc[i][j]);
         }
     }
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < C; j++) {
-            float s = lanes_sum(acc[i][j]);
-            if (bias != nullptr) s += bias[j];
-            out[i * ldo + j] = s;
+        for (int j = 0; j < NV; j++) {
+            const Vec s = bias != nullptr ? add(acc[i][j], load_cols(bias + j * V, c - j * V)) : acc[i][j];
+            store_cols(out + i * ldo + j * V, s, c - j * V);
         }
 }
 
-// out[j] = x . w_j (+ bias[j]) for one row of x and C rows of W (K long, rows contiguous), one W row after
-// another: each output the same one accumulator in the same order as tile()'s, W read as one stream and
-// asked for AHEAD floats ahead into L2, a line per load.
-constexpr int64_t AHEAD = 2048;  // 8 KiB
-
-void row_stream(const float *x, const float *w, int64_t K, int64_t C, const float *bias, float *out) {
-    for (int64_t j = 0; j < C; j++) {
-        const float *wj = w + j * K;
-        Vec acc = zero();
-        int64_t k = 0;
-        for (; k + V <= K; k += V) {
-            if ((k % LINE) < V) __builtin_prefetch(wj + k + AHEAD, 0, 2);
-            acc = fma(load(wj + k), load(x + k), acc);
-        }
-        if (k < K) {  // the last, partial step, as in tile()
-            const int n = static_cast<int>(K - k);
-            acc = fma(load_first(wj + k, n), load_first(x + k, n), acc);
-        }
-        float s = lanes_sum(acc);
-        if (bias != nullptr) s += bias[j];
-        out[j] = s;
-    }
-}
-
-using Tile = void (*)(const float *, const float *, int64_t, const float *, float *, int64_t, const float *);
-
-template <int R, int... C>
-constexpr auto row_of_tiles(std::integer_sequence<int, C...>) {
-    return std::array<Tile, sizeof...(C)>{&tile<R, C + 1>...};
-}
+using Tile = void (*)(const float *, int64_t, const float *, int64_t, bool, const float *, float *, int64_t, int,
+                     const float *, int64_t);
 
 template <int... R>
-constexpr auto table_of_tiles(std::integer_sequence<int, R...>) {
-    return std::array<std::array<Tile, NR>, sizeof...(R)>{row_of_tiles<R + 1>(std::make_integer_sequence<int, NR>())...};
+constexpr std::array<Tile, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
+    return {&tile<R + 1>...};
 }
 
-// TILES[r - 1][c - 1]: the tile of r rows of x and c rows of W.
-const auto TILES = table_of_tiles(std::make_integer_sequence<int, MR>());
+const auto TILES = tiles(std::make_integer_sequence<int, MR>());  // TILES[r - 1]: the tile of r rows
+
+// One row of x against g <= G whole panels (b: the first), all of K at once, as one stream from memory:
+// out's g * NR columns, the first c of the last panel's.
+template <int g>
+void stream(const float *x, const float *b, int64_t K, const float *bias, float *out, int c) {
+    Vec acc[g][NV];
+    for (int p = 0; p < g; p++)
+        for (int j = 0; j < NV; j++) acc[p][j] = zero();
+    for (int64_t k = 0; k < K; k++) {
+        const Vec a = broadcast(x + k);
+        for (int p = 0; p < g; p++) {
+            const float *w = b + (p * K + k) * NR;
+            for (int j = 0; j < NV; j++) {
+                if ((j * V) % LINE == 0) __builtin_prefetch(w + j * V + AHEAD, 0, 2);
+                acc[p][j] = fma(a, load(w + j * V), acc[p][j]);
+            }
+        }
+    }
+    for (int p = 0; p < g; p++) {
+        const int cp = p + 1 < g ? NR : c;
+        for (int j = 0; j < NV; j++) {
+            const int n = cp - j * V;
+            const Vec s = bias != nullptr ? add(acc[p][j], load_cols(bias + p * NR + j * V, n)) : acc[p][j];
+            store_cols(out + p * NR + j * V, s, n);
+        }
+    }
+}
+
+template <int... g>
+constexpr auto streams(std::integer_sequence<int, g...>) {
+    using Stream = void (*)(const float *, const float *, int64_t, const float *, float *, int);
+    return std::array<Stream, sizeof...(g)>{&stream<g + 1>...};
+}
+
+const auto STREAMS = streams(std::make_integer_sequence<int, G>());  // STREAMS[g - 1]: g panels at once
 
 }  // namespace
 
 namespace attnmask {
 
-void rows_matmul(const float *x, int64_t M, const float *w, int64_t N, int64_t K, const float *bias, float *out) {
-    if (M <= 0 || N <= 0) return;
-    if (M == 1) {  // each thread one contiguous run of W's rows
-        const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(1, K));
-        at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-            row_stream(x, w + begin * K, K, end - begin, bias ? bias + begin : nullptr, out + begin);
-        });
-        return;
-    }
-    const int64_t nr = NR, tiles = (N + nr - 1) / nr;
-    // x in chunks of rows that stay in L2 (256 KiB) while every W tile of a thread passes them
-    const int64_t chunk = std::max<int64_t>(MR, (int64_t{1} << 16) / std::max<int64_t>(1, K) / MR * MR);
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K * M * nr));
-    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t m1 = std::min(M, m0 + chunk);
-            for (int64_t t = begin; t < end; t++) {
-                const int64_t n0 = t * nr, c = std::min(nr, N - n0);
-                const float *next = t + 1 < end ? w + (n0 + nr) * K : nullptr;
-                for (int64_t m = m0; m < m1; m += MR) {
-                    const int64_t r = std::min<int64_t>(MR, m1 - m);
-                    TILES[r - 1][c - 1](x + m * K, w + n0 * K, K, bias ? bias + n0 : nullptr, out + m * N + n0, N,
-                                        m == m0 ? next : nullptr);
+int64_t panel_width() { return NR; }
+
+int64_t panels_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * K * NR; }
+
+void pack_panels(const float *w, int64_t N, int64_t K, float *panels) {
+    constexpr int64_t KB = 64;  // k a step: the panel's part being written stays in L1
+    at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; p++) {
+            float *panel = panels + p * K * NR;
+            for (int64_t k0 = 0; k0 < K; k0 += KB) {
+                const int64_t k1 = std::min(K, k0 + KB);
+                for (int64_t j = 0; j < NR; j++) {
+                    const int64_t n = p * NR + j;
+                    for (int64_t k = k0; k < k1; k++) panel[k * NR + j] = n < N ? w[n * K + k] : 0.0f;
                 }
             }
         }
     });
+}
+
+void panels_matmul(const float *x, int64_t M, const float *panels, int64_t N, int64_t K, const float *bias,
+                   float *out) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t P = (N + NR - 1) / NR;
+    auto cols = [&](int64_t p) { return static_cast<int>(std::min<int64_t>(NR, N - p * NR)); };
+    if (M == 1) {  // each thread one contiguous run of panels, G at a time
+        const int64_t grain = std::max<int64_t>(G, ((int64_t{1} << 15) / std::max<int64_t>(1, K) + NR - 1) / NR);
+        at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
+            for (int64_t p = begin; p < end; p += G) {
+                const int g = static_cast<int>(std::min<int64_t>(G, end - p));
+                STREAMS[g - 1](x, panels + p * K * NR, K, bias ? bias + p * NR : nullptr, out + p * NR,
+                               cols(p + g - 1));
+            }
+        });
+        return;
+    }
+    // rows of x in chunks whose block of K stays in L2 (384 KiB) while the thread's panels pass
+    const int64_t chunk = std::max<int64_t>(MR, (int64_t{3} << 15) / std::min(K, KC) / MR * MR);
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K * M * NR));
+    at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t m1 = std::min(M, m0 + chunk), tiles = (m1 - m0 + MR - 1) / MR;
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int64_t kc = std::min(KC, K - k0);
+                const bool first = k0 == 0, last = k0 + kc == K;
+                const int64_t lines = kc * NR / LINE, share = (lines + tiles - 1) / tiles;  // of the next block
+                for (int64_t p = begin; p < end; p++) {
+                    const float *b = panels + (p * K + k0) * NR;
+                    const float *next = p + 1 < end ? b + K * NR : nullptr;  // the next panel's block
+                    const float *bp = last && bias ? bias + p * NR : nullptr;
+                    for (int64_t t = 0; t < tiles; t++) {
+                        const int64_t m = m0 + t * MR, r = std::min<int64_t>(MR, m1 - m);
+                        const int64_t asked = next ? std::clamp<int64_t>(lines - t * share, 0, share) : 0;
+                        TILES[r - 1](x + m * K + k0, K, b, kc, first, bp, out + m * N + p * NR, N, cols(p),
+                                     next ? next + t * share * LINE : nullptr, asked);
+                    }
+                }
+            }
+        }
+    });
+}
+
+void rows_matmul(const float *x, int64_t M, const float *w, int64_t N, int64_t K, const float *bias, float *out) {
+    if (M <= 0 || N <= 0) return;
+    std::vector<float> panels(static_cast<size_t>(panels_size(N, K)));
+    pack_panels(w, N, K, panels.data());
+    panels_matmul(x, M, panels.data(), N, K, bias, out);
 }
 
 }  // namespace attnmask
