@@ -435,18 +435,48 @@ void weighted_values(const float *w, int64_t wstride, int64_t n, const float *vb
 // maximum from `top`.
 constexpr int64_t KEY_BLOCK = 32;
 #if defined(__AVX512F__)
+// Eight keys' vectors (v[u]: key u's four accumulators added in pairs, vdot's), each one's lanes added as
+// _mm512_reduce_add_ps adds them (lane l + lane l + 8, then l + 4, l + 2, l + 1, in that order), the
+// eight at once: in the result, 128-bit lane i holds key i's total in float 0 and key 4 + i's in float 1.
+inline __m512 eight_totals(const __m512 *v) {
+    __m512 h[4], q[2];
+    for (int u = 0; u < 4; u++)  // keys 2u, 2u + 1: lane l + lane l + 8 of each, l < 8
+        h[u] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * u], v[2 * u + 1], 0xEE),
+                             _mm512_shuffle_f32x4(v[2 * u], v[2 * u + 1], 0x44));
+    for (int u = 0; u < 2; u++)  // 128-bit lane i: key 4u + i, its sums l + l + 4, l < 4
+        q[u] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * u], h[2 * u + 1], 0xDD),
+                             _mm512_shuffle_f32x4(h[2 * u], h[2 * u + 1], 0x88));
+    // lane i: key i's sums l + l + 2 (l < 2), then key 4 + i's
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(z, z, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 template <int NK>  // D = 64 NK
 float scores_held(const float *q, const float *kbase, const int64_t *koff, int64_t ta, int64_t tb,
                   float scale, float *p, float top) {
     __m512 qr[NK * 4];
     for (int i = 0; i < NK * 4; i++) qr[i] = _mm512_loadu_ps(q + 16 * i);
-    for (int64_t t = ta; t <= tb; t++) {
+    auto key = [&](int64_t t) {  // vdot's accumulators for key t, added in pairs
         const float *kt = kbase + koff[t];
         __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int k = 0; k < NK; k++)
             for (int j = 0; j < 4; j++) a[j] = _mm512_fmadd_ps(qr[4 * k + j], _mm512_loadu_ps(kt + 64 * k + 16 * j), a[j]);
-        const float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-        p[t] = s * scale;
+        return _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+    };
+    int64_t t = ta;
+    // eight keys' lanes added at once, the same sums as one at a time; not with D = 256, whose query
+    // takes 16 of the 32 registers (SmolLM2's D = 64 prefill: 15% less time; Gemma 3's: 5% more)
+    for (; NK <= 2 && t + 7 <= tb; t += 8) {
+        __m512 v[8];
+        for (int u = 0; u < 8; u++) v[u] = key(t + u);
+        alignas(64) float totals[16];
+        _mm512_store_ps(totals, _mm512_mul_ps(eight_totals(v), _mm512_set1_ps(scale)));
+        for (int i = 0; i < 4; i++) p[t + i] = totals[4 * i], p[t + 4 + i] = totals[4 * i + 1];
+        for (int u = 0; u < 8; u++) top = std::max(top, p[t + u]);
+    }
+    for (; t <= tb; t++) {
+        p[t] = _mm512_reduce_add_ps(key(t)) * scale;
         top = std::max(top, p[t]);
     }
     return top;
