@@ -60,6 +60,14 @@ def test_linear_rows_matches_its_definition(rows, k):
     assert (with_bias - without - b).abs().max() <= 1e-5 * with_bias.abs().max()  # the bias is added once
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_empty_sum_is_the_bias(rows):
+    """K = 0: every output is its bias (or zero), as F.linear gives."""
+    x, w, b = torch.empty(rows, 0), torch.empty(5, 0), _randn(5, seed=1)
+    assert torch.equal(decoding.linear_rows(x, w, b), b.expand(rows, 5))
+    assert torch.equal(decoding.linear_panels(x, decoding.pack_panels(w), None, 5), torch.zeros(rows, 5))
+
+
 @pytest.mark.parametrize("n", [1, 47, 48, 49, 130])
 def test_panels_are_the_weight_and_their_product_is_linear_rows(n):
     """pack_panels holds W whatever N is against the build's panel width (zeros past N), and linear_panels

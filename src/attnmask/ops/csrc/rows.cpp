@@ -218,6 +218,11 @@ void pack_panels(const float *w, int64_t N, int64_t K, float *panels) {
 void panels_matmul(const float *x, int64_t M, const float *panels, int64_t N, int64_t K, const float *bias,
                    float *out) {
     if (M <= 0 || N <= 0) return;
+    if (K <= 0) {  // empty sums: the bias, or zeros
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) out[m * N + n] = bias != nullptr ? bias[n] : 0.0f;
+        return;
+    }
     const int64_t P = (N + NR - 1) / NR;
     auto cols = [&](int64_t p) { return static_cast<int>(std::min<int64_t>(NR, N - p * NR)); };
     if (M == 1) {  // each thread one contiguous run of panels, G at a time
