@@ -129,8 +129,8 @@ _PANELS = torch.utils.weak.WeakIdKeyDictionary()  # weight -> ((version, address
 def panels(weight: Tensor) -> Tensor:
     """``weight (N, K)`` in panels for :func:`linear_panels`, packed once and kept while ``weight`` lives: a
     second copy of it, packed again when it changes (an optimizer step, a load), as the step's product
-    reads it. One chain per output makes the panel product fast (80-100 GMAC/s on an Intel Xeon core at
-    16-256 rows) and batch-invariant (``csrc/rows.cpp``)."""
+    reads it. One chain per output makes the panel product fast (72-90 GMAC/s on an Intel Xeon core at
+    64-256 rows) and batch-invariant (``csrc/rows.cpp``)."""
     key = (weight._version, weight.data_ptr(), tuple(weight.shape))
     held = _PANELS.get(weight)
     if held is not None and held[0] == key:

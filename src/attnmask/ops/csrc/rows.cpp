@@ -13,13 +13,14 @@
 // multiply-adds: a tile of MR rows of x against a panel keeps MR x NR / V accumulators in registers, with
 // no sum across lanes at the end. This is the register blocking of a BLAS's sgemm with the weight packed
 // once (pack_panels) instead of at every call. x is taken in chunks of rows, and K in blocks, so that a
-// chunk's block of x stays in L2 and a panel's block in L1 while the tiles pass. With one row (batch-1
+// chunk's block of x and a panel's block stay in L2 while the tiles pass. With one row (batch-1
 // decoding) the product streams the panels from memory, G at a time for enough independent chains,
 // asked for a fixed distance ahead into L2. Not with a non-temporal hint: on an Intel Xeon `prefetchnta`
 // fills L1 only, and a stream crawled at 5 GB/s a thread against 25 with `prefetcht1`.
 //
-// An earlier layout kept W row-major and summed each output across a vector's lanes at the end; on an Intel
-// Xeon (1 thread) it ran 42-68 GMAC/s at 16-256 rows where this one runs 80-100 (MKL's sgemm: 70-93).
+// An earlier layout kept W row-major and summed each output across a vector's lanes at the end. On an Intel
+// Xeon (1 thread, weights from memory) it ran 47-70 GMAC/s at 64-256 rows where this one runs 72-90, at or
+// above MKL's sgemm on the same shapes (docs/benchmarks.md).
 #include "rows.h"
 
 #include <ATen/Parallel.h>
