@@ -18,9 +18,9 @@ be added with :func:`register_backend` without touching them:
   the mask applied by ``masked_fill``; returns weights. For many short problems on the CPU;
 - ``sdpa``: PyTorch's fused kernel, ``is_causal=True`` only when exactly right (pure causal,
   ``Tq == Tk``, query row i at position i), the materialized mask otherwise;
-- ``sdpa_blocks``: a causal / contiguous-padding mask run as unmasked SDPA calls over the real
-  tokens (see :class:`SdpaCall`), no ``Tq x Tk`` mask; other masks as ``sdpa``. A Python loop of
-  kernel calls: for the CPU;
+- ``sdpa_blocks``: a causal / contiguous-padding / packed-documents mask run as unmasked (or causal)
+  SDPA calls over the real tokens, one per segment (see :class:`SdpaCall`), no ``Tq x Tk`` mask; other
+  masks as ``sdpa``. A Python loop of kernel calls: for the CPU;
 - ``tiles``: block-sparse attention over the key blocks a structured mask allows (windows, documents,
   causal, prefix LM, padding and their ``&``/``|``), forward and recomputing backward, never a
   ``Tq x Tk`` tensor (:mod:`.blocked`). CPU; other masks, devices and dropout run as ``sdpa``;
@@ -254,7 +254,8 @@ def _blocks_work(q: Tensor, pm: PreparedMask) -> float:
 
 
 def _sdpa_blocks(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
-    """:func:`_blocks` whenever the mask has a block plan (causal / contiguous padding), else ``sdpa``."""
+    """:func:`_blocks` whenever the mask has a block plan (causal / contiguous padding / packed
+    documents), else ``sdpa``."""
     if return_weights:
         raise UserError("backend 'sdpa_blocks' cannot return attention weights; use backend='reference' (or 'auto')")
     if pm.is_causal or not pm.blocks:
@@ -476,8 +477,8 @@ def _auto(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     - weights: the reference kernel;
     - CPU: ``math`` for many short problems (bfloat16 with short keys, float32 over a batch of
       short rows: see ``_math_suits``); else the cheapest by ``_cpu_choice``: the tiles over the
-      key blocks a structured mask allows, a causal / contiguous padding mask as unmasked SDPA
-      blocks, or SDPA with the mask. Inside ``torch.compile`` neither the block plan nor the tiles
+      key blocks a structured mask allows, a causal / contiguous padding / packed-documents mask as
+      unmasked SDPA blocks, or SDPA with the mask. Inside ``torch.compile`` neither the block plan nor the tiles
       (which read the mask on the host) are used;
     - GPU: never a Python loop of kernel launches: SDPA ``is_causal`` for pure causal, compiled
       FlexAttention for structured masks (SDPA with the mask when attention dropout is on, which

@@ -75,8 +75,8 @@ class PreparedMask:
       On the CPU it is None when no row is empty; elsewhere (GPU, ``torch.compile``) it is always the
       tensor, so that nothing is read back to the host;
     - ``blocks``: the mask as :class:`SdpaCall` calls needing no mask tensor, or None when the mask is
-      not of that form (only causal and contiguous padding are). Planned from values read on the
-      host, so only for CPU tensors outside ``torch.compile`` (None elsewhere);
+      not of that form (only causal, contiguous padding and packed documents are). Planned from values
+      read on the host, so only for CPU tensors outside ``torch.compile`` (None elsewhere);
     - :meth:`sdpa_mask`: the ``attn_mask`` the SDPA backends pass;
     - :meth:`block_mask`: FlexAttention's ``BlockMask`` of the mask on a device;
     - ``choices``: decisions a backend made for this mask (e.g. ``auto``'s block plan or not).
