@@ -323,7 +323,9 @@ def _plan_blocks(parts: list[M.Mask], B: int, Tq: int, Tk: int, q_start: int) ->
             for b, (a, z) in enumerate(zip(*spans)):
                 lo[b], hi[b] = max(lo[b], a), min(hi[b], z)
         elif isinstance(p, M.Document) and docs is None and p.query_segment_ids is None and Tq == Tk and q_start == 0:
-            docs = p.segment_ids  # self-attention over packed rows: query i is in key i's segment
+            docs = p.runs(B)  # self-attention over packed rows: query i is in key i's segment
+            if docs is None:
+                return None
         else:
             return None
     groups: dict[tuple[int, int, int, int, int | None], list[int]] = {}
@@ -331,24 +333,11 @@ def _plan_blocks(parts: list[M.Mask], B: int, Tq: int, Tk: int, q_start: int) ->
         if docs is None:
             spans = [(q_lo[b], q_hi[b], k_lo[b], k_hi[b])]
         else:  # a segment's queries are the rows at its positions
-            runs = _runs(docs[b if docs.shape[0] > 1 else 0])
-            if runs is None:
-                return None
-            spans = [(max(q_lo[b], s), min(q_hi[b], e), max(k_lo[b], s), min(k_hi[b], e)) for s, e in runs]
+            spans = [(max(q_lo[b], s), min(q_hi[b], e), max(k_lo[b], s), min(k_hi[b], e)) for s, e in docs[b]]
         for q0, q1, k0, k1 in spans:
             for key in _row_blocks(q0, q1, k0, k1, q_start if causal else None):
                 groups.setdefault(key, []).append(b)
     return tuple(SdpaCall(tuple(rows), *key) for key, rows in groups.items())
-
-
-def _runs(ids: Tensor) -> list[tuple[int, int]] | None:
-    """The ``[start, end)`` of each segment of one row's ids, or None when a segment is not one run."""
-    ids = ids.cpu()
-    cuts = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist(), len(ids)]
-    names = ids[cuts[:-1]].tolist() if len(ids) else []
-    if len(set(names)) != len(names):
-        return None
-    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def _row_blocks(q0: int, q1: int, k0: int, k1: int, start: int | None) -> list[tuple[int, int, int, int, int | None]]:

@@ -144,12 +144,11 @@ class SourceMemory:
         work goes to padding (a batch of 64 sentences sorted by length pads the longest's batch by up to
         half). Each source's memory is what it is encoded alone, up to float32 rounding."""
         B, S = src_ids.shape
-        if keep is not None:
-            lengths = keep.sum(1)
-            prefix = torch.arange(S, device=keep.device) < lengths[:, None]
-            if B > 1 and bool(torch.equal(keep, prefix)) and int(lengths.min()) > 0:
-                return cls._encode_packed(model, src_ids, keep, lengths)
-        memory = model.encode(src_ids, None if keep is None else masks.padding(keep=keep))  # (B, S, C)
+        padding = None if keep is None else masks.padding(keep=keep)
+        spans = None if padding is None or B == 1 or not keep.is_cpu else padding.spans(B, S)
+        if spans is not None and not any(spans[0]) and min(spans[1]) > 0:  # each row real from 0, none empty
+            return cls._encode_packed(model, src_ids, keep, keep.sum(1))
+        memory = model.encode(src_ids, padding)  # (B, S, C)
         return cls.project(model, memory, keep)
 
     @classmethod

@@ -315,6 +315,19 @@ class Document(Mask):
                     "covering every query"
                 )
 
+    def runs(self, batch_size: int) -> list[list[tuple[int, int]]] | None:
+        """Each row's segments as ``[start, end)`` intervals of keys, in order, or None when some segment is
+        not one contiguous run. Like :meth:`KeyPadding.spans`, for the CPU block plan: it reads the ids on
+        the host."""
+        out = []
+        for row in self.segment_ids.expand(batch_size, -1).cpu():
+            cuts = [0, *((row[1:] != row[:-1]).nonzero().flatten() + 1).tolist(), len(row)]
+            names = row[cuts[:-1]].tolist() if len(row) else []
+            if len(set(names)) != len(names):
+                return None
+            out.append(list(zip(cuts[:-1], cuts[1:])))
+        return out
+
     def _batch_free(self):
         rows = [self.segment_ids] + ([] if self.query_segment_ids is None else [self.query_segment_ids])
         return all(t.shape[0] == 1 for t in rows)
