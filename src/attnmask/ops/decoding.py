@@ -51,6 +51,7 @@ from attnmask.ops import blocks  # packed_step multiplies by block weights (csrc
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
+    "bias_operand",
     "gated_reference",
     "linear_panels",
     "linear_panels_reference",
@@ -67,6 +68,7 @@ __all__ = [
     "rms_norm_reference",
     "silu_mul",
     "silu_mul_reference",
+    "unpack_panels",
 ]
 
 # packed_step's product kinds: a float32 weight in panels and its bias (n,), or an empty (n, 0) for none; a
@@ -123,7 +125,7 @@ def linear_panels_reference(x: Tensor, panels: Tensor, bias: Tensor | None, n: i
     return F.linear(x, unpack_panels(panels, n), bias)
 
 
-_PANELS = torch.utils.weak.WeakIdKeyDictionary()  # weight -> ((version, address), its panels)
+_PANELS = torch.utils.weak.WeakIdKeyDictionary()  # weight -> ((version, address, shape), its panels)
 
 
 def panels(weight: Tensor) -> Tensor:
