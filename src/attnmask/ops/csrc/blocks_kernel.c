@@ -169,22 +169,33 @@ static inline int64_t lane_order(int64_t j, int64_t width, int64_t groups, int p
  * (2 pairs), the loops reading 16 lanes at a time. */
 static inline int64_t q4_1_xblocks(int64_t nbp) { return BLOCKS_AVX512 ? (nbp + 3) / 4 * 4 : nbp; }
 
-/* x (R rows of K) -> xq (R rows of xb * 32: x * 16^-k at weight 8k + i of each pair, k < 7;
- * in lane_order; zero padded) and xsum (R rows of xb block sums, zero padded), xb = q4_1_xblocks */
-static void q4_1_prepare(const float *x, float *xq, float *xsum, int64_t M, int64_t K, int64_t nbp) {
+/* x (one row of K) -> xq (xb * 32: x * 16^-k at weight 8k + i of each pair, k < 7; in lane_order;
+ * zero padded) and xsum (xb block sums, zero padded), xb = q4_1_xblocks. Each block's sum is x_0 + x_1 +
+ * ... + x_31 added in that order; eight blocks' sums are carried side by side (the same additions, eight
+ * independent chains rather than one: a chain of 32 dependent adds a block kept 16 rows' copies at
+ * 1 us a product, the other thread waiting). */
+static void q4_1_prepare_row(const float *__restrict x, float *__restrict xq, float *__restrict xsum, int64_t K,
+                             int64_t nbp) {
     static const float scale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
-    const int64_t xb = q4_1_xblocks(nbp);
-    memset(xq, 0, sizeof(float) * (size_t)(M * xb * (QK + 1)));
-    for (int64_t r = 0; r < M; r++) {
-        for (int64_t j = 0; j < K; j += 8) { /* 8 weights in a row keep their order (K is whole blocks) */
-            float *to = xq + r * xb * QK + lane_order(j, 64, nbp / 2, 1);
-            for (int i = 0; i < 8; i++) to[i] = x[r * K + j + i] * scale[(j % 64) / 8];
-        }
-        for (int64_t b = 0; b < K / QK; b++) {
-            float s = 0.0f;
-            for (int64_t j = b * QK; j < (b + 1) * QK; j++) s += x[r * K + j];
-            xsum[r * xb + b] = s;
-        }
+    const int64_t xb = q4_1_xblocks(nbp), nb = K / QK;
+    memset(xq, 0, sizeof(float) * (size_t)(xb * QK));
+    memset(xsum, 0, sizeof(float) * (size_t)xb);
+    for (int64_t j = 0; j < K; j += 8) { /* 8 weights in a row keep their order (K is whole blocks) */
+        float *__restrict to = xq + lane_order(j, 64, nbp / 2, 1);
+        const float by = scale[(j % 64) / 8];
+        for (int i = 0; i < 8; i++) to[i] = x[j + i] * by;
+    }
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t j = 0; j < QK; j++)
+            for (int u = 0; u < 8; u++) s[u] += x[(b + u) * QK + j];
+        for (int u = 0; u < 8; u++) xsum[b + u] = s[u];
+    }
+    for (; b < nb; b++) {
+        float s = 0.0f;
+        for (int64_t j = b * QK; j < (b + 1) * QK; j++) s += x[j];
+        xsum[b] = s;
     }
 }
 
@@ -393,42 +404,50 @@ int attnmask_q4_1_matmul(const uint32_t *codes, const float *d, const float *m, 
     float *xq = scratch((size_t)(M * xb * (QK + 1)));
     if (!xq) return -1;
     float *xsum = xq + M * xb * QK;
-    q4_1_prepare(x, xq, xsum, M, K, nbp);
+    if (M == 1) q4_1_prepare_row(x, xq, xsum, K, nbp);
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK, rows = f32_rows(K), block = row_block(K, rows);
-    /* every thread runs the loop over row blocks and takes the same tasks of each (a static schedule of
-     * as many tasks), so no thread waits for another between blocks */
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-        const int64_t m1 = min64(m0 + block, M);
-#pragma omp for schedule(static) nowait
-        for (int64_t task = 0; task < tasks; task++)
-            for (int64_t r0 = m0; r0 < m1; r0 += rows) {
-                int64_t n = task * ROWS_PER_TASK;
-                const int64_t end = min64((task + 1) * ROWS_PER_TASK, N);
+    {
+        if (M > 1) { /* the rows' copies shared out, then all of them before any product */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++) q4_1_prepare_row(x + r * K, xq + r * xb * QK, xsum + r * xb, K, nbp);
+        }
+        /* every thread runs the loop over row blocks, the tasks of each handed out as the threads come
+         * for them (guided: a thread slowed by other work takes fewer, where a static split kept the
+         * other waiting for it); which thread computes a task never changes its outputs */
+        for (int64_t m0 = 0; m0 < M; m0 += block) {
+            const int64_t m1 = min64(m0 + block, M);
+#pragma omp for schedule(guided) nowait
+            for (int64_t task = 0; task < tasks; task++)
+                for (int64_t r0 = m0; r0 < m1; r0 += rows) {
+                    int64_t n = task * ROWS_PER_TASK;
+                    const int64_t end = min64((task + 1) * ROWS_PER_TASK, N);
 #if BLOCKS_AVX512
-                /* one activation row: weight rows two at a time, each row's 16 lanes added up after the
-                 * task's rows rather than at the end of each (no reduction's latency between two rows).
-                 * Measured on Zen 5, one thread, streamed from memory: 3072 x 576 31 -> 36 Gweights/s,
-                 * 576 x 1536 29 -> 42 (with the scales' prefetch above) */
-                if (M - r0 == 1) {
-                    float lanes[ROWS_PER_TASK * 16];
-                    const int64_t first = n;
-                    for (; n + 2 <= end; n += 2)
-                        q4_1_row_pair(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK, xsum + r0 * xb,
-                                      lanes + 16 * (n - first), nbp);
-                    for (int64_t i = first; i < n; i++) y[r0 * N + i] = _mm512_reduce_add_ps(_mm512_loadu_ps(lanes + 16 * (i - first)));
-                }
+                    /* one activation row: weight rows two at a time, each row's 16 lanes added up after the
+                     * task's rows rather than at the end of each (no reduction's latency between two rows).
+                     * Measured on Zen 5, one thread, streamed from memory: 3072 x 576 31 -> 36 Gweights/s,
+                     * 576 x 1536 29 -> 42 (with the scales' prefetch above) */
+                    if (M - r0 == 1) {
+                        float lanes[ROWS_PER_TASK * 16];
+                        const int64_t first = n;
+                        for (; n + 2 <= end; n += 2)
+                            q4_1_row_pair(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK,
+                                          xsum + r0 * xb, lanes + 16 * (n - first), nbp);
+                        for (int64_t i = first; i < n; i++)
+                            y[r0 * N + i] = _mm512_reduce_add_ps(_mm512_loadu_ps(lanes + 16 * (i - first)));
+                    }
 #elif BLOCKS_AVX2
-                /* one activation row: weight rows two at a time (see q4_1_row_pair) */
-                if (M - r0 == 1)
-                    for (; n + 2 <= end; n += 2)
-                        q4_1_row_pair(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK, xsum + r0 * xb,
-                                      y + r0 * N + n, nbp);
+                    /* one activation row: weight rows two at a time (see q4_1_row_pair) */
+                    if (M - r0 == 1)
+                        for (; n + 2 <= end; n += 2)
+                            q4_1_row_pair(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK,
+                                          xsum + r0 * xb, y + r0 * N + n, nbp);
 #endif
-                for (; n < end; n++)
-                    q4_1_row(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK, xsum + r0 * xb,
-                             y + r0 * N + n, min64(rows, m1 - r0), N, nbp);
-            }
+                    for (; n < end; n++)
+                        q4_1_row(codes + n * nbp * 4, d + n * nbp, m + n * nbp, xq + r0 * xb * QK, xsum + r0 * xb,
+                                 y + r0 * N + n, min64(rows, m1 - r0), N, nbp);
+                }
+        }
     }
     return 0;
 }
@@ -674,6 +693,11 @@ static void q8_row(const uint32_t *codes, const float *d, const float *x, float 
 }
 #endif
 
+/* x (one row of K) -> xo in lane_order (8 weights in a row keep their order) */
+static void q8_order_row(const float *x, float *xo, int64_t K) {
+    for (int64_t j = 0; j < K; j += 8) memcpy(xo + lane_order(j, QK, K / QK, 0), x + j, 8 * sizeof(float));
+}
+
 /* y (M, N) = x (M, K) @ W^T. codes: N rows of K uint8 (read as K / 4 uint32); d: N rows of K / 32 float32
  * (sub16: K / 16). Returns 0, or -1 if the scratch buffer (AVX-512: x in lane_order) cannot be allocated. */
 static int q8_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N, int64_t K,
@@ -683,50 +707,54 @@ static int q8_matmul(const uint32_t *codes, const float *d, const float *x, floa
     if (BLOCKS_AVX512) {
         xo = scratch((size_t)(M * K));
         if (!xo) return -1;
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t j = 0; j < K; j++) xo[r * K + lane_order(j, QK, K / QK, 0)] = x[r * K + j];
-        x = xo;
+        if (M == 1) q8_order_row(x, xo, K);
     }
+    const float *xs = BLOCKS_AVX512 ? xo : x; /* what the loops read */
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK, rows = f32_rows(K), block = row_block(K, rows);
-    /* every thread runs the loop over row blocks and takes the same tasks of each (a static schedule of
-     * as many tasks), so no thread waits for another between blocks */
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-        const int64_t m1 = min64(m0 + block, M);
-#pragma omp for schedule(static) nowait
-        for (int64_t task = 0; task < tasks; task++)
-            for (int64_t r0 = m0; r0 < m1; r0 += rows) {
-                int64_t n = task * ROWS_PER_TASK;
-                const int64_t end = min64((task + 1) * ROWS_PER_TASK, N);
+    {
+        if (BLOCKS_AVX512 && M > 1) { /* the rows' copies shared out, then all of them before any product */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++) q8_order_row(x + r * K, xo + r * K, K);
+        }
+        /* the tasks handed out as the threads come for them, as in attnmask_q4_1_matmul */
+        for (int64_t m0 = 0; m0 < M; m0 += block) {
+            const int64_t m1 = min64(m0 + block, M);
+#pragma omp for schedule(guided) nowait
+            for (int64_t task = 0; task < tasks; task++)
+                for (int64_t r0 = m0; r0 < m1; r0 += rows) {
+                    int64_t n = task * ROWS_PER_TASK;
+                    const int64_t end = min64((task + 1) * ROWS_PER_TASK, N);
 #if BLOCKS_AVX512
-                /* one activation row (a decoding step; the output head of a large vocabulary): weight rows
-                 * two at a time, each row's lanes added up after the task's rows (see q8_row_pair) */
-                if (M - r0 == 1) {
-                    float lanes[ROWS_PER_TASK * 16], tails[ROWS_PER_TASK];
-                    const int64_t first = n;
-                    for (; n + 2 <= end; n += 2) {
-                        const int64_t i = n - first;
-                        if (sub16)
-                            q8_row_pair(codes + n * (K / 4), d + n * row_d, x + r0 * K, lanes + 16 * i, tails + i, K, 1);
-                        else
-                            q8_row_pair(codes + n * (K / 4), d + n * row_d, x + r0 * K, lanes + 16 * i, tails + i, K, 0);
+                    /* one activation row (a decoding step; the output head of a large vocabulary): weight rows
+                     * two at a time, each row's lanes added up after the task's rows (see q8_row_pair) */
+                    if (M - r0 == 1) {
+                        float lanes[ROWS_PER_TASK * 16], tails[ROWS_PER_TASK];
+                        const int64_t first = n;
+                        for (; n + 2 <= end; n += 2) {
+                            const int64_t i = n - first;
+                            if (sub16)
+                                q8_row_pair(codes + n * (K / 4), d + n * row_d, xs + r0 * K, lanes + 16 * i, tails + i, K, 1);
+                            else
+                                q8_row_pair(codes + n * (K / 4), d + n * row_d, xs + r0 * K, lanes + 16 * i, tails + i, K, 0);
+                        }
+                        for (int64_t i = first; i < n; i++)
+                            y[r0 * N + i] = _mm512_reduce_add_ps(_mm512_loadu_ps(lanes + 16 * (i - first))) + tails[i - first];
                     }
-                    for (int64_t i = first; i < n; i++)
-                        y[r0 * N + i] = _mm512_reduce_add_ps(_mm512_loadu_ps(lanes + 16 * (i - first))) + tails[i - first];
-                }
 #elif BLOCKS_AVX2
-                /* one activation row: weight rows two at a time (see q8_row_pair) */
-                if (M - r0 == 1)
-                    for (; n + 2 <= end; n += 2) {
-                        if (sub16)
-                            q8_row_pair(codes + n * (K / 4), d + n * row_d, x + r0 * K, y + r0 * N + n, K, 1);
-                        else
-                            q8_row_pair(codes + n * (K / 4), d + n * row_d, x + r0 * K, y + r0 * N + n, K, 0);
-                    }
+                    /* one activation row: weight rows two at a time (see q8_row_pair) */
+                    if (M - r0 == 1)
+                        for (; n + 2 <= end; n += 2) {
+                            if (sub16)
+                                q8_row_pair(codes + n * (K / 4), d + n * row_d, xs + r0 * K, y + r0 * N + n, K, 1);
+                            else
+                                q8_row_pair(codes + n * (K / 4), d + n * row_d, xs + r0 * K, y + r0 * N + n, K, 0);
+                        }
 #endif
-                for (; n < end; n++)
-                    q8_row(codes + n * (K / 4), d + n * row_d, x + r0 * K, y + r0 * N + n, min64(rows, m1 - r0), N, K, sub16);
-            }
+                    for (; n < end; n++)
+                        q8_row(codes + n * (K / 4), d + n * row_d, xs + r0 * K, y + r0 * N + n, min64(rows, m1 - r0), N, K, sub16);
+                }
+        }
     }
     return 0;
 }
