@@ -172,8 +172,8 @@ static inline int64_t q4_1_xblocks(int64_t nbp) { return BLOCKS_AVX512 ? (nbp + 
 /* x (one row of K) -> xq (xb * 32: x * 16^-k at weight 8k + i of each pair, k < 7; in lane_order;
  * zero padded) and xsum (xb block sums, zero padded), xb = q4_1_xblocks. Each block's sum is x_0 + x_1 +
  * ... + x_31 added in that order; eight blocks' sums are carried side by side (the same additions, eight
- * independent chains rather than one: a chain of 32 dependent adds a block kept 16 rows' copies at
- * 1 us a product, the other thread waiting). */
+ * independent chains rather than one: with one chain of 32 dependent adds a block, copying 16 rows took
+ * about 10 us a product on one thread, the other waiting). */
 static void q4_1_prepare_row(const float *__restrict x, float *__restrict xq, float *__restrict xsum, int64_t K,
                              int64_t nbp) {
     static const float scale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
