@@ -24,8 +24,9 @@ Three measurements (``--part cache``, ``--part translate``, ``--part framework``
    512-token vocabulary, random weights: the matrix products are negligible, so what a token costs is
    the framework (norms, rotary, cache writes, attention, sampling, the loop, Python). Rows: the
    packed step (:func:`attnmask.decode.step.packed_forward`) as one native call (``packed_step``,
-   what Llama-style float32 and GGUF-block models run), the same step operation by operation (what
-   every other model runs: encoder-decoders, post-norm, LayerNorm, per-layer windows), and one
+   what Llama-style float32 and GGUF-block models run; encoder-decoders have ``seq2seq_step``), the
+   same step operation by operation (what every other model runs: decoder-only models with post-norm,
+   LayerNorm, or GELU without a gate), and one
    request through the serving :class:`attnmask.engine.Engine` (its scheduler and block tables around
    the one-call step). Reported as CPU time of the process per token (``time.process_time``; less
    sensitive to other jobs on a shared machine than wall time, which is given too), best of 3, 128

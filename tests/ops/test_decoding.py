@@ -13,6 +13,7 @@ import torch
 
 from attnmask import decode, masks, ops
 from attnmask.decode import steps
+from attnmask.decode.step import Seq2SeqPlan
 from attnmask.model import fuse_projections_
 from attnmask.ops import decoding
 from tests.conftest import run_python, tiny_model
@@ -194,9 +195,73 @@ def test_one_call_is_its_definition_call_by_call(monkeypatch):
     assert calls == {"paged_attend": 6 * len(model.layers)}
 
 
+SOURCES = [[5, 6, 7, 8, 9, 2], [10, 11, 2], [4, 2]]
+
+
+def _seq2seq_models():
+    """Encoder-decoders of each kind seq2seq_step makes: post-norm LayerNorm (the original Transformer,
+    Marian) with a plain SiLU MLP; pre-norm LayerNorm without biases, GELU, learned positions; pre-norm
+    RMSNorm with a fused gate/up (SwiGLU) and fused q/k/v and 2 key/value heads; post-norm tanh-GELU-gated
+    with separate gate and up, and a source that is padding alone."""
+    common = {"vocab": 24, "std": 0.5, "lm_head_bias": True, "tie_embeddings": False}
+    return {
+        "post-layernorm-silu": tiny_model("encoder_decoder", norm_position="post", activation="silu", **common),
+        "pre-layernorm-gelu": tiny_model(
+            "encoder_decoder", norm_position="pre", activation="gelu", positions="learned", bias=False, **common
+        ),
+        "pre-rmsnorm-swiglu-fused": fuse_projections_(
+            tiny_model("encoder_decoder", norm="rmsnorm", activation="swiglu", n_kv_heads=2, **common)
+        ),
+        "post-geglu-tanh": tiny_model("encoder_decoder", norm_position="post", activation="geglu_tanh", **common),
+    }
+
+
+def _translated(model, sources=SOURCES) -> torch.Tensor:
+    """The logits of the first step and of five tokens fed after it, (B, 6, V)."""
+    with torch.inference_mode():
+        state, first, _ = decode.start(model, src=sources, max_new_tokens=7)
+        return torch.stack([first] + [decode.decode_step(model, state, STEPS[:, t]) for t in range(5)], 1)
+
+
+@pytest.mark.parametrize("kind", list(_seq2seq_models()))
+def test_an_encoder_decoder_step_is_one_call_with_the_bits_of_its_operations(monkeypatch, kind):
+    """An encoder-decoder's decoder runs each step in one seq2seq_step call (norms before or after the
+    sublayers, LayerNorm or RMSNorm, source attention, a plain or gated MLP), making from C++ the operators
+    the per-operation step makes from Python, in the same order: the same bits as that step and as the
+    operator's definition, and the logits of the general forward pass."""
+    model = _seq2seq_models()[kind]
+    assert isinstance(steps.fused_plan(model), Seq2SeqPlan)
+    calls = _counted(monkeypatch, "seq2seq_step", "paged_attend")
+    whole = _translated(model)
+    assert calls == {"seq2seq_step": 6, "paged_attend": len(model.encoder_layers)}  # the decoder's: none
+    monkeypatch.setattr(decoding, "seq2seq_step", decoding.seq2seq_step_reference)
+    by_definition = _translated(model)
+    monkeypatch.setattr(steps, "fused_plan", lambda model: None)
+    by_operations = _translated(model)
+    for other, what in [(by_definition, "the definition"), (by_operations, "the per-operation step")]:
+        assert torch.equal(other, whole), f"{what} differs by up to {(other - whole).abs().max():.3g}"
+    for b, source in enumerate(SOURCES):
+        with torch.no_grad():
+            memory = model.encode(torch.tensor([source]))
+            want = model.decode(torch.tensor([[1, *STEPS[b].tolist()]]), memory, mask=masks.causal())[0]  # (6, V)
+        torch.testing.assert_close(whole[b], want, atol=1e-5 * want.abs().max(), rtol=0)
+
+
+def test_an_encoder_decoder_row_is_the_same_bits_alone_and_in_a_batch():
+    """The encoder's packed rows and seq2seq_step compute each row alone: a sentence's logits are the bits
+    it has when translated alone."""
+    model = _seq2seq_models()["post-layernorm-silu"]
+    together = _translated(model)
+    for b, source in enumerate(SOURCES):
+        with torch.inference_mode():
+            state, first, _ = decode.start(model, src=[source], max_new_tokens=7)
+            alone = [first[0]] + [decode.decode_step(model, state, STEPS[b : b + 1, t])[0] for t in range(5)]
+        assert torch.equal(torch.stack(alone), together[b]), f"sentence {b}"
+
+
 def test_other_models_keep_the_per_operation_step():
-    """LayerNorm, an MLP without a gate, an encoder-decoder, bfloat16 weights, a watched norm: not one call
-    (unfused projections are: each product in a slot of its own)."""
+    """LayerNorm, an MLP without a gate, an encoder-decoder with rotary, bfloat16 weights, a watched norm:
+    not one call (unfused projections are: each product in a slot of its own)."""
     watched = _fused_model()
     watched.layers[0].self_norm.register_forward_hook(lambda *args: None)
     cases = [

@@ -31,9 +31,12 @@ BLAS then decides the bits).
 
 For a pre-norm RMSNorm decoder with a gated MLP in float32 or GGUF blocks (Llama, SmolLM2, Gemma 3
 with its q/k norms, post-sublayer norms, per-layer rotary and windows and its layer groups) the whole
-step is one native call (``packed_step``, :func:`fused_plan`); every other model (post-norm,
-LayerNorm, an MLP without a gate, cross-attention, a module watched by a hook) takes the
-per-operation path, batch-invariant too.
+step is one native call (``packed_step``, :func:`fused_plan`); so is an encoder-decoder's decoder
+without rotary (``seq2seq_step``: LayerNorm or RMSNorm, pre- or post-norm as in the original
+Transformer and Marian, source attention, a plain or gated MLP), which makes the operators of the
+per-operation path in the same order from C++, so the same bits. Every other model (rotary in an
+encoder-decoder, a module watched by a hook, weights in another dtype) takes the per-operation path,
+batch-invariant too.
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ from attnmask.model.layers import MLP, RMSNorm, Rotary
 from attnmask.ops import decoding
 
 __all__ = [
-    "FusedPlan", "SourceMemory", "check_servable", "fused_plan", "logical_blocks", "packed_forward", "packed_mask",
-    "paged_mask", "slots_of",
+    "FusedPlan", "Seq2SeqPlan", "SourceMemory", "check_servable", "fused_plan", "logical_blocks", "packed_forward",
+    "packed_mask", "paged_mask", "slots_of",
 ]  # fmt: skip
 
 
@@ -140,31 +143,74 @@ class SourceMemory:
         project every layer's keys and values, each source's real positions first.
 
         Right-padded sources (each row's real positions a prefix) are encoded packed: their real tokens
-        in one row, attention within each source (``document``), positions restarting at each, so no
-        work goes to padding (a batch of 64 sentences sorted by length pads the longest's batch by up to
-        half). Each source's memory is what it is encoded alone, up to float32 rounding."""
+        in one row, positions restarting at each source, so no work goes to padding (a batch of 64
+        sentences sorted by length pads the longest's batch by up to half). On the CPU in float32 with
+        the native kernels, each source's memory is then the bits it has encoded alone, whatever the
+        batch (:meth:`_encode_rows`); elsewhere it is the general forward with a ``document`` mask,
+        each source's memory what it is alone up to float32 rounding."""
         B, S = src_ids.shape
         padding = None if keep is None else masks.padding(keep=keep)
-        spans = None if padding is None or B == 1 or not keep.is_cpu else padding.spans(B, S)
-        if spans is not None and not any(spans[0]) and min(spans[1]) > 0:  # each row real from 0, none empty
+        if keep is None:
+            if src_ids.is_cpu and _rows_encoder(model):
+                return cls._encode_rows(model, src_ids.reshape(-1), torch.full((B,), S, dtype=torch.long), None)
+            return cls.project(model, model.encode(src_ids, None), None)
+        spans = None if not keep.is_cpu else padding.spans(B, S)
+        prefixes = spans is not None and not any(spans[0]) and min(spans[1]) > 0  # each row real from 0, none empty
+        if prefixes and _rows_encoder(model):
+            return cls._encode_rows(model, src_ids[keep], keep.sum(1), keep)
+        if prefixes and B > 1:
             return cls._encode_packed(model, src_ids, keep, keep.sum(1))
         memory = model.encode(src_ids, padding)  # (B, S, C)
         return cls.project(model, memory, keep)
 
     @classmethod
-    def _encode_packed(cls, model, src_ids: Tensor, keep: Tensor, lengths: Tensor) -> SourceMemory:
-        from attnmask.model.transformer import segment_positions
+    def _encode_rows(cls, model, ids: Tensor, lengths: Tensor, keep: Tensor | None) -> SourceMemory:
+        """The encoder over the sources' real tokens ``ids (T,)`` packed in one row (``lengths (Q,)`` of
+        them each), as the decoder's packed step computes: every product one whose rows are computed
+        alone (``linear_panels``), each source's keys and values one block that its rows attend to whole
+        (``paged_attend``), norms and activations row by row. A source's memory is the same bits alone
+        or in any batch, and so are its translations (the decoder's step is batch-invariant too)."""
+        Q, S = lengths.shape[0], int(lengths.max())
+        segments = torch.repeat_interleave(torch.arange(Q), lengths)  # (T,)
+        starts = torch.cumsum(lengths, 0) - lengths  # (Q,)
+        positions = torch.arange(ids.shape[0]) - starts[segments]  # (T,): restarting at each source
+        last = (lengths - 1)[segments]  # (T,): each row reads its source whole
+        tables = torch.arange(Q)[:, None]  # (Q, 1): one block per source
+        x = model._embed(ids[None], positions[None], source=True)[0]  # (T, C)
+        rope = None
+        if model.config.positions == "rotary":
+            cos, sin = model.rotary.cos_sin(positions[None])  # (1, 1, T, D)
+            rope = (cos[0, 0][:, None], Rotary.signed_sin(sin)[0, 0][:, None])  # (T, 1, D)
+        layers = model.encoder_layers
+        attn = layers[0].self_attn
+        shape = (Q, S, attn.num_kv_heads, attn.head_dim)
+        pools = _Pools([x.new_empty(shape) for _ in layers], [x.new_empty(shape) for _ in layers])
+        slots = segments * S + positions  # (T,)
+        for i, layer in enumerate(layers):
+            mods = layer._modules
 
-        segments = torch.repeat_interleave(torch.arange(len(lengths), device=src_ids.device), lengths)[None]  # (1, T)
-        memory = model.encode(src_ids[keep][None], masks.document(segments), positions=segment_positions(segments))
+            def attend(h, attn=mods["self_attn"], i=i):
+                return _self_attention(attn, h, rope, pools, i, slots, tables, segments, last, 0)
+
+            sublayers = [
+                (mods["self_norm"], attend, getattr(layer, "post_self_norm", None)),
+                (mods["mlp_norm"], lambda h, m=mods["mlp"]: _mlp(m, h), getattr(layer, "post_mlp_norm", None)),
+            ]
+            for norm, fn, post in sublayers:
+                x = x + _norm(post, fn(_norm(norm, x))) if layer.pre else _norm(norm, x + _norm(post, fn(x)))
+        memory = _norm(model.encoder_norm, x)  # (T, C)
         ks, vs = [], []
         for layer in model.layers:
-            k, v = layer.cross_attn.project_kv(memory)  # (1, Hkv, T, D)
-            for packed, out in ((k, ks), (v, vs)):
-                full = packed.new_zeros(*keep.shape, *packed.shape[1:2], packed.shape[3])  # (B, S, Hkv, D)
-                full[keep] = packed[0].transpose(0, 1)
-                out.append(full)
-        return cls(ks, vs, lengths.cpu().to(src_ids.device))
+            cross = layer.cross_attn
+            for proj, out in ((cross.k_proj, ks), (cross.v_proj, vs)):
+                packed = _product(proj, memory).reshape(-1, cross.num_kv_heads, cross.head_dim)  # (T, Hkv, D)
+                if keep is None:
+                    out.append(packed.reshape(Q, S, *packed.shape[1:]))
+                else:
+                    full = packed.new_zeros(*keep.shape, *packed.shape[1:])  # (B, S, Hkv, D)
+                    full[keep] = packed
+                    out.append(full)
+        return cls(ks, vs, lengths.clone())
 
     @classmethod
     @torch.no_grad()
@@ -201,6 +247,22 @@ class SourceMemory:
     def tables(self) -> Tensor:
         """One block per source: ``(Q, 1)``."""
         return torch.arange(self.lengths.shape[0], device=self.lengths.device)[:, None]
+
+
+class _Pools(NamedTuple):
+    """Key and value pools a layer, where a step reads a cache: the encoder's, one block per source."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+
+
+def _rows_encoder(model) -> bool:
+    """Whether :meth:`SourceMemory._encode_rows` runs ``model``'s encoder: float32 on the CPU, with the native
+    kernels (elsewhere each row's products would run one at a time), in eval mode, the cross-attention's
+    keys and values in products of their own."""
+    if model.training or not ops.available() or any(layer.cross_attn.k_proj is None for layer in model.layers):
+        return False
+    return all(p.is_cpu and p.dtype == torch.float32 for p in model.parameters())
 
 
 def _native(t: Tensor) -> bool:
@@ -421,17 +483,38 @@ class FusedPlan(NamedTuple):
     head_dim: int
 
 
-def fused_plan(model) -> FusedPlan | None:
+class Seq2SeqPlan(NamedTuple):
+    """What :func:`attnmask.ops.decoding.seq2seq_step` needs of an encoder-decoder (:func:`fused_plan`)."""
+
+    norms: list[Tensor]  # (weight, bias) pairs: S2S_NORMS a layer (an empty bias: none), then the final norm's
+    eps: list[float]
+    pre: bool  # norms before the sublayers (else after their residuals)
+    rms: bool  # RMSNorm (else LayerNorm)
+    products: list[Tensor]  # S2S_PRODUCTS slots a layer, then the head
+    kinds: list[int]
+    activation: str  # "silu", "relu", "gelu" or "gelu_tanh"
+    windows: list[int]
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def fused_plan(model) -> FusedPlan | Seq2SeqPlan | None:
     """What :func:`attnmask.ops.decoding.packed_step` needs of ``model`` (norm weights and eps, product
     tensors and kinds, each layer's rotary and window), read once; None where the whole step cannot be
     one native call: the model is not a pre-norm RMSNorm decoder with a SiLU- or tanh-GELU-gated MLP
     whose weights are float32 or GGUF blocks on the CPU, a module is watched by a hook, or the native
     kernels are not built. Gemma 3's parts (q/k norms, post-sublayer norms, a rotary and a window per
-    layer) are the step's own. Other models take the per-operation path, which is batch-invariant too."""
+    layer) are the step's own. An encoder-decoder gets :func:`seq2seq_step`'s plan instead, where it
+    allows (:class:`Seq2SeqPlan`). Other models take the per-operation path, which is batch-invariant too."""
     cfg = model.config
-    if model.is_encoder_decoder or model.training or cfg.norm_position != "pre":
+    if model.training:
         return None
     if any(not (p.is_cpu and p.dtype == torch.float32) for p in model.parameters()) or not ops.available():
+        return None
+    if model.is_encoder_decoder:
+        return _seq2seq_plan(model)
+    if cfg.norm_position != "pre":
         return None
     per_layer = getattr(model, "layer_rotary", None)
     rotaries: list[Rotary] = []
@@ -490,6 +573,88 @@ def fused_plan(model) -> FusedPlan | None:
     )  # fmt: skip
 
 
+# an MLP's activation as seq2seq_step names it, as MLP.act computes it (any other name: erf GELU)
+_S2S_ACTIVATIONS = {
+    "swiglu": "silu",
+    "silu": "silu",
+    "geglu_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+    "relu": "relu",
+}
+
+
+def _s2s_norm(norm: nn.Module | None, rms: bool) -> tuple[Tensor, Tensor] | None:
+    """A norm as ``seq2seq_step`` takes it, ``(weight, bias)`` (an empty bias: none); None where the step
+    cannot compute it: not the model's kind of norm over its width, not float32, or watched."""
+    if norm is None or _watched(norm):
+        return None
+    if rms:
+        return (norm.weight, torch.empty(0)) if type(norm) is RMSNorm and norm.weight.is_contiguous() else None
+    if type(norm) is not nn.LayerNorm or norm.weight is None or len(norm.normalized_shape) != 1:
+        return None
+    bias = norm.bias if norm.bias is not None else torch.empty(0)
+    return (norm.weight, bias) if norm.weight.is_contiguous() and bias.is_contiguous() else None
+
+
+def _seq2seq_plan(model) -> Seq2SeqPlan | None:
+    """:func:`fused_plan` of an encoder-decoder: its decoder's lists in ``seq2seq_step``'s slots."""
+    cfg = model.config
+    if cfg.positions == "rotary" or cfg.norm not in ("layernorm", "rmsnorm"):
+        return None
+    rms = cfg.norm == "rmsnorm"
+    pairs: list[tuple[Tensor, Tensor] | None] = []
+    eps: list[float] = []
+    products, kinds, activations = [], [], set()
+    attn = model.layers[0].self_attn
+    H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    for layer in model.layers:
+        attn, cross, mlp = layer.self_attn, layer.cross_attn, layer.mlp
+        if cross is None or any(_watched(m) for m in (layer, attn, cross, mlp)):
+            return None
+        if any(getattr(m, name, None) is not None for m, name in [(attn, "q_norm"), (attn, "k_norm"),
+               (layer, "post_self_norm"), (layer, "post_mlp_norm")]):  # fmt: skip
+            return None
+        if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (H, Hkv, D):
+            return None
+        if (cross.num_heads, cross.head_dim) != (H, D):  # the source's key/value heads: its pools say
+            return None
+        for norm in (layer.self_norm, layer.cross_norm, layer.mlp_norm):
+            pairs.append(_s2s_norm(norm, rms))
+            eps.append(float(getattr(norm, "eps", 0.0)))
+        if type(mlp) is not MLP or "act" in vars(mlp) or "act_fn" in vars(mlp):
+            return None
+        activations.add(_S2S_ACTIVATIONS.get(mlp.activation, "gelu"))
+        qkv = [attn.qkv_proj, None, None] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+        if mlp.gate_up_proj is not None:
+            mlps = [mlp.gate_up_proj, None]
+        else:
+            mlps = [mlp.gate_proj, mlp.up_proj] if mlp.gated else [None, mlp.up_proj]
+        slots = [*zip(qkv, (False, True, True)), (attn.o_proj, False), (cross.q_proj, False), (cross.o_proj, False),
+                 *zip(mlps, (True, mlp.gate_up_proj is not None)), (mlp.down_proj, False)]  # fmt: skip
+        for proj, optional in slots:
+            operands = (decoding.NONE, []) if proj is None and optional else _operands(proj)
+            if operands is None:
+                return None
+            kinds.append(operands[0])
+            products += operands[1]
+    if isinstance(model.norm, nn.Identity):
+        pairs.append((torch.empty(0), torch.empty(0)))
+        eps.append(0.0)
+    else:
+        pairs.append(_s2s_norm(model.norm, rms))
+        eps.append(float(getattr(model.norm, "eps", 0.0)))
+    head = _operands(model.lm_head)
+    if head is None or any(p is None for p in pairs) or len(activations) != 1:
+        return None
+    kinds.append(head[0])
+    products += head[1]
+    windows = [_layer_window(cfg, i) for i in range(len(model.layers))]
+    norms = [t for pair in pairs for t in pair]
+    return Seq2SeqPlan(
+        norms, eps, cfg.norm_position == "pre", rms, products, kinds, activations.pop(), windows, H, Hkv, D
+    )
+
+
 def _rotaries(model, positions: Tensor) -> list:
     """Each layer's rotary factors ``(cos, signed_sin)``, ``(N, 1, D)`` (every head alike), computed once
     per distinct rotary module (``model.layer_rotary(i)`` where the model has one per layer)."""
@@ -505,6 +670,10 @@ def _rotaries(model, positions: Tensor) -> list:
             made[id(rotary)] = (cos[0, 0][:, None], Rotary.signed_sin(sin)[0, 0][:, None])  # (N, 1, D)
         out.append(made[id(rotary)])
     return out
+
+
+def _float32_cache(cache: PagedKVCache, memory: SourceMemory) -> bool:
+    return all(t.dtype == torch.float32 and t.is_cpu for t in (cache.k[0], memory.k[0]))
 
 
 def packed_forward(
@@ -533,7 +702,8 @@ def packed_forward(
         logit_rows: ``(M,)`` rows whose next-token logits are wanted (a sequence's last scheduled
             row, when it is to sample): only they go through the final norm and the head.
         plan: :func:`fused_plan` of ``model`` (read once by the caller): the whole step in one
-            native call (``packed_step``); None: the same work operation by operation.
+            native call (``packed_step``; ``seq2seq_step`` for an encoder-decoder); None: the same work
+            operation by operation.
         memory, row_src: encoder-decoder models: the sources' keys and values and, per row ``(N,)``,
             the index of its sequence's source in ``memory``.
         flex: self-attention through FlexAttention and a ``BlockMask`` of :func:`paged_mask` (None: on
@@ -551,7 +721,16 @@ def packed_forward(
     x = model._embed(tokens[None], positions[None], source=False)[0]  # (N, C)
     if flex is None:
         flex = x.is_cuda and flex_available()
-    if plan is not None and memory is None and not flex:
+    if isinstance(plan, Seq2SeqPlan) and memory is not None and not flex and _float32_cache(cache, memory):
+        lengths = memory.lengths.index_select(0, row_src)  # (N,)
+        src_real = None if memory.every_source_real else (lengths > 0).to(x.dtype)[:, None]  # (N, 1)
+        return decoding.seq2seq_step(
+            x.contiguous(), plan.norms, plan.eps, plan.pre, plan.rms, plan.products, plan.kinds, plan.activation,
+            cache.k, cache.v, tables, cache.layer_group, plan.windows, memory.k, memory.v, memory.tables, row_seq,
+            positions, row_src, (lengths - 1).clamp(min=0), src_real, logit_rows, plan.heads, plan.kv_heads,
+            plan.head_dim**-0.5,
+        )  # fmt: skip
+    if isinstance(plan, FusedPlan) and memory is None and not flex:
         cos, signed = x.new_empty(0), x.new_empty(0)
         if plan.rotaries:
             factors = [rotary.cos_sin(positions[None]) for rotary in plan.rotaries]  # (1, 1, N, D) each

@@ -66,6 +66,8 @@ __all__ = [
     "paged_attend_reference",
     "rms_norm",
     "rms_norm_reference",
+    "seq2seq_step",
+    "seq2seq_step_reference",
     "silu_mul",
     "silu_mul_reference",
     "unpack_panels",
@@ -282,6 +284,110 @@ def packed_step_reference(
     return project(PRODUCTS * L, h.index_select(0, logit_rows).contiguous())
 
 
+# seq2seq_step's slots, per decoder layer: its norms (self-attention, cross-attention, MLP), each a
+# (weight, bias) pair in the list (an empty bias: none), then the final norm's pair (an empty weight: none,
+# a post-norm model's); its products (NONE for k and v when S_QKV holds the fused q/k/v product, for
+# S_GATE in a plain MLP, for S_UP when S_GATE holds gate and up in one product), then the head
+S2S_SELF, S2S_CROSS, S2S_MLP, S2S_NORMS = range(4)
+S_QKV, S_K, S_V, S_O, S_CROSS_Q, S_CROSS_O, S_GATE, S_UP, S_DOWN, S2S_PRODUCTS = range(10)
+_S2S_ACTIVATIONS = {
+    "silu": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+
+
+def seq2seq_step_reference(
+    x: Tensor,
+    norms: list[Tensor],
+    eps: list[float],
+    pre: bool,
+    rms: bool,
+    products: list[Tensor],
+    kinds: list[int],
+    activation: str,
+    k_pools: list[Tensor],
+    v_pools: list[Tensor],
+    tables: list[Tensor],
+    layer_group: list[int],
+    windows: list[int],
+    memory_k: list[Tensor],
+    memory_v: list[Tensor],
+    memory_tables: Tensor,
+    row_seq: Tensor,
+    row_pos: Tensor,
+    row_src: Tensor,
+    src_last: Tensor,
+    src_real: Tensor | None,
+    logit_rows: Tensor,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+) -> Tensor:
+    """``seq2seq_step`` as operator calls from Python, in the same order: a step of an encoder-decoder's
+    decoder over packed rows. Per layer, each sublayer ``f`` with its residual and norm, ``x + f(norm(x))``
+    (``pre``) or ``norm(x + f(x))`` (post-norm: the original Transformer, Marian), the norms LayerNorm
+    (or RMSNorm, ``rms``): self-attention (the q/k/v product or three; k and v written to the rows' slots
+    in the layer's group of block tables; ``paged_attend`` within the layer's window; the output product),
+    attention to each row's source (``memory_k/v[layer]`` ``(Q, S, Hkv, D)``, one block per source in
+    ``memory_tables (Q, 1)``, row ``r`` reading source ``row_src[r]`` up to ``src_last[r]``; times
+    ``src_real (N, 1)`` where given), the MLP (``down(act(up))``, or gated: ``act(gate) * up``, SiLU's
+    fused halves through ``silu_mul``); then the final norm (where given) and the head on ``logit_rows``."""
+    L, N = len(k_pools), x.shape[0]
+    _, S, Hkv, D = k_pools[0].shape
+    H, act = heads, _S2S_ACTIVATIONS[activation]
+    project = _projector(products, kinds)
+    slots = [t[row_seq, row_pos // S] * S + row_pos % S for t in tables]  # (N,) each group
+
+    def norm(i: int, t: Tensor) -> Tensor:
+        w, b = norms[2 * i], norms[2 * i + 1]
+        if rms:
+            return rms_norm(t.contiguous(), w, eps[i])
+        return F.layer_norm(t, (t.shape[-1],), w, b if b.numel() else None, eps[i])
+
+    def sublayer(x: Tensor, i: int, fn) -> Tensor:
+        return x + fn(norm(i, x)) if pre else norm(i, x + fn(x))
+
+    for layer in range(L):
+        n, p, g = S2S_NORMS * layer, S2S_PRODUCTS * layer, layer_group[layer]
+
+        def attend(h: Tensor, p=p, layer=layer, g=g) -> Tensor:
+            if kinds[p + S_K] == NONE:
+                q, k, v = project(p + S_QKV, h).split([H * D, Hkv * D, Hkv * D], dim=1)
+            else:
+                q, k, v = project(p + S_QKV, h), project(p + S_K, h), project(p + S_V, h)
+            k_pools[layer].view(-1, Hkv, D)[slots[g]] = k.reshape(N, Hkv, D)
+            v_pools[layer].view(-1, Hkv, D)[slots[g]] = v.reshape(N, Hkv, D)
+            out = paged_attend(q.contiguous(), k_pools[layer], v_pools[layer], tables[g], row_seq, row_pos,
+                               windows[layer], H, scale)  # fmt: skip
+            return project(p + S_O, out)
+
+        def cross(h: Tensor, p=p, layer=layer) -> Tensor:
+            out = paged_attend(project(p + S_CROSS_Q, h), memory_k[layer], memory_v[layer], memory_tables, row_src,
+                               src_last, 0, H, scale)  # fmt: skip
+            return project(p + S_CROSS_O, out if src_real is None else out * src_real)
+
+        def mlp(h: Tensor, p=p) -> Tensor:
+            if kinds[p + S_GATE] == NONE:
+                a = act(project(p + S_UP, h))
+            elif kinds[p + S_UP] == NONE:
+                both = project(p + S_GATE, h)
+                gate, up = both.chunk(2, dim=1)
+                a = silu_mul(both) if activation == "silu" else act(gate) * up
+            else:
+                a = act(project(p + S_GATE, h)) * project(p + S_UP, h)
+            return project(p + S_DOWN, a.contiguous())
+
+        x = sublayer(x, n + S2S_SELF, attend)
+        x = sublayer(x, n + S2S_CROSS, cross)
+        x = sublayer(x, n + S2S_MLP, mlp)
+    h = x.index_select(0, logit_rows)
+    if norms[2 * S2S_NORMS * L].numel():
+        h = norm(S2S_NORMS * L, h)
+    return project(S2S_PRODUCTS * L, h.contiguous())
+
+
 # ---------------------------------------------------------------------------------------------
 # The operators: schemas, shape rules and PyTorch definitions here; csrc/decoding.cpp adds the
 # float32 CPU kernels
@@ -298,6 +404,12 @@ _LIBRARY.define(
     "Tensor[] products, int[] kinds, str activation, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
     "Tensor[] tables, int[] layer_group, int[] windows, Tensor row_seq, Tensor row_pos, Tensor logit_rows, "
     "int heads, int kv_heads, float scale) -> Tensor"
+)
+_LIBRARY.define(
+    "seq2seq_step(Tensor x, Tensor[] norms, float[] eps, bool pre, bool rms, Tensor[] products, int[] kinds, "
+    "str activation, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor[] tables, int[] layer_group, int[] windows, "
+    "Tensor[] memory_k, Tensor[] memory_v, Tensor memory_tables, Tensor row_seq, Tensor row_pos, Tensor row_src, "
+    "Tensor src_last, Tensor? src_real, Tensor logit_rows, int heads, int kv_heads, float scale) -> Tensor"
 )
 _LIBRARY.define(
     "paged_attend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor row_seq, Tensor row_pos, int window, "
@@ -343,6 +455,15 @@ def _(x, cos, signed_sin, layer_rope, norms, eps, products, kinds, activation, k
     return x.new_empty(logit_rows.shape[0], head.shape[0])
 
 
+@torch.library.register_fake("attnmask::seq2seq_step", lib=_LIBRARY)
+def _(x, norms, eps, pre, rms, products, kinds, activation, k_pools, v_pools, tables, layer_group, windows,
+      memory_k, memory_v, memory_tables, row_seq, row_pos, row_src, src_last, src_real, logit_rows, heads, kv_heads,
+      scale):  # fmt: skip
+    first = _first_tensors(kinds)[-2]
+    head = products[first + 1] if kinds[-1] == DENSE else products[first]
+    return x.new_empty(logit_rows.shape[0], head.shape[0])
+
+
 @torch.library.register_fake("attnmask::paged_attend", lib=_LIBRARY)
 def _(q, k_pool, v_pool, tables, row_seq, row_pos, window, heads, scale):
     return torch.empty_like(q)
@@ -357,6 +478,7 @@ for _name, _definition in [
     ("linear_panels", linear_panels_reference),
     ("paged_attend", paged_attend_reference),
     ("packed_step", packed_step_reference),
+    ("seq2seq_step", seq2seq_step_reference),
 ]:
     _LIBRARY.impl(_name, _definition, "CompositeExplicitAutograd")
 
@@ -365,6 +487,7 @@ add_rms_norm = torch.ops.attnmask.add_rms_norm.default
 silu_mul = torch.ops.attnmask.silu_mul.default
 paged_attend = torch.ops.attnmask.paged_attend.default
 packed_step = torch.ops.attnmask.packed_step.default
+seq2seq_step = torch.ops.attnmask.seq2seq_step.default
 linear_rows = torch.ops.attnmask.linear_rows.default
 pack_panels = torch.ops.attnmask.pack_panels.default
 linear_panels = torch.ops.attnmask.linear_panels.default

@@ -27,7 +27,13 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/ops/layer_norm.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -1099,6 +1105,201 @@ at::Tensor packed_step(const at::Tensor &x0, const at::Tensor &cos, const at::Te
     return project(PRODUCTS * L, h.index_select(0, logit_rows).contiguous());
 }
 
+// The slots of seq2seq_step's lists, per decoder layer: its norms (self-attention, cross-attention, MLP),
+// each a (weight, bias) pair of tensors (an empty bias: none), then the final norm's pair (an empty
+// weight: none, a post-norm model's); its products (NONE for k and v when QKV holds the fused q/k/v
+// product; for GATE in an MLP that is not gated; for UP when GATE holds gate and up in one product), then
+// the head.
+enum S2sNorm { S2S_SELF, S2S_CROSS, S2S_MLP, S2S_NORMS };
+enum S2sProduct { S_QKV, S_K, S_V, S_O, S_CROSS_Q, S_CROSS_O, S_GATE, S_UP, S_DOWN, S2S_PRODUCTS };
+
+// The activation of seq2seq_step's MLP, as ATen's operator computes it (the bits of the step made
+// operation by operation from Python).
+at::Tensor s2s_act(c10::string_view name, const at::Tensor &t) {
+    if (name == "silu") return at::silu(t);
+    if (name == "relu") return at::relu(t);
+    if (name == "gelu") return at::gelu(t);
+    TORCH_CHECK_VALUE(name == "gelu_tanh", "seq2seq_step: activation '", std::string(name),
+                      "' is not one of 'silu', 'relu', 'gelu', 'gelu_tanh'");
+    return at::gelu(t, "tanh");
+}
+
+// A whole step of an encoder-decoder's decoder over packed rows of several sequences: LayerNorm (or
+// RMSNorm) before each sublayer (pre) or after its residual (post: the original Transformer, Marian),
+// self-attention over the paged cache, attention to each row's source, a plain or gated MLP, then the
+// head on `logit_rows` only. The same operators in the same order as the step made operation by
+// operation from Python (attnmask.decode.step.packed_forward without a plan) and as seq2seq_step_reference,
+// so the same bits; per layer, with sub(x, f) = x + f(norm(x)) (pre) or norm(x + f(x)) (post):
+//
+//   x = sub(x, self):  q, k, v = the q/k/v product(s); k, v written to the rows' slots in the layer's
+//                      group of block tables; o(paged_attend(q, the layer's pools, within its window))
+//   x = sub(x, cross): o(paged_attend(q(x), the layer's source keys and values, each row its source
+//                      whole) * src_real)
+//   x = sub(x, mlp):   down(act(up)), down(act(gate) * up) or down(silu_mul(gate_up))
+//
+// memory_k, memory_v: (Q, S, Hkv, D) a layer, one block per source, read through memory_tables (Q, 1);
+// row_src (N,) each row's source, src_last (N,) its last position; src_real (N, 1) 0 for a row whose
+// source is padding alone (none: every source real). The rest as packed_step takes it.
+at::Tensor seq2seq_step(const at::Tensor &x0, at::TensorList norms, at::ArrayRef<double> eps, bool pre, bool rms,
+                        at::TensorList products, at::IntArrayRef kinds, c10::string_view activation,
+                        at::TensorList k_pools, at::TensorList v_pools, at::TensorList tables,
+                        at::IntArrayRef layer_group, at::IntArrayRef windows, at::TensorList memory_k,
+                        at::TensorList memory_v, const at::Tensor &memory_tables, const at::Tensor &row_seq,
+                        const at::Tensor &row_pos, const at::Tensor &row_src, const at::Tensor &src_last,
+                        const std::optional<at::Tensor> &src_real, const at::Tensor &logit_rows, int64_t heads,
+                        int64_t kv_heads, double scale) {
+    const char *op = "seq2seq_step";
+    const int64_t L = static_cast<int64_t>(k_pools.size()), G = static_cast<int64_t>(tables.size());
+    check_rows(x0, op, "x");
+    TORCH_CHECK_VALUE(x0.dim() == 2, op, ": x must be (N, C); got ", x0.sizes());
+    const int64_t N = x0.size(0), C = x0.size(1), H = heads, Hkv = kv_heads;
+    TORCH_CHECK_VALUE(L > 0 && static_cast<int64_t>(v_pools.size()) == L &&
+                          static_cast<int64_t>(memory_k.size()) == L && static_cast<int64_t>(memory_v.size()) == L,
+                      op, ": ", L, " key pools, ", v_pools.size(), " value pools, ", memory_k.size(), " and ",
+                      memory_v.size(), " source key and value tensors; expected one of each per layer");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(layer_group.size()) == L && static_cast<int64_t>(windows.size()) == L,
+                      op, ": layer_group and windows must name each of the ", L, " layers");
+    TORCH_CHECK_VALUE(H > 0 && Hkv > 0 && H % Hkv == 0, op, ": ", H, " heads over ", Hkv, " key/value heads");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(norms.size()) == 2 * (S2S_NORMS * L + 1) &&
+                          static_cast<int64_t>(eps.size()) == S2S_NORMS * L + 1,
+                      op, ": ", norms.size(), " norm tensors and ", eps.size(), " eps for ", L, " layers; expected ",
+                      2 * (S2S_NORMS * L + 1), " and ", S2S_NORMS * L + 1, " (", static_cast<int>(S2S_NORMS),
+                      " (weight, bias) pairs a layer, then the final norm's)");
+    for (int64_t i = 0; i < S2S_NORMS * L + 1; i++) {
+        const at::Tensor &w = norms[2 * i], &b = norms[2 * i + 1];
+        if (i == S2S_NORMS * L && w.numel() == 0) continue;  // no final norm
+        for (const at::Tensor *t : {&w, &b}) {
+            if (t == &b && b.numel() == 0) continue;
+            check_rows(*t, op, "a norm weight or bias");
+            TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == C, op, ": norm ", i, " has a tensor of shape ", t->sizes(),
+                              "; expected (", C, ",)");
+        }
+    }
+    TORCH_CHECK_VALUE(static_cast<int64_t>(kinds.size()) == S2S_PRODUCTS * L + 1, op, ": ", kinds.size(),
+                      " products for ", L, " layers; expected ", S2S_PRODUCTS * L + 1, " (",
+                      static_cast<int>(S2S_PRODUCTS), " a layer, then the head)");
+    std::vector<int64_t> first(kinds.size() + 1, 0);
+    for (size_t i = 0; i < kinds.size(); i++) {
+        const int64_t slot = i < static_cast<size_t>(S2S_PRODUCTS * L) ? static_cast<int64_t>(i) % S2S_PRODUCTS : S_QKV;
+        const bool optional = slot == S_K || slot == S_V || slot == S_GATE || slot == S_UP;
+        TORCH_CHECK_VALUE((optional && kinds[i] == NONE) || (DENSE <= kinds[i] && kinds[i] <= Q6_K + INT8), op,
+                          ": product kind ", kinds[i], " in slot ", i, " is not a product kind of packed_step",
+                          optional ? " or -1 (none)" : "");
+        first[i + 1] = first[i] + product_tensors(kinds[i]);
+    }
+    TORCH_CHECK_VALUE(first.back() == static_cast<int64_t>(products.size()), op, ": ", products.size(),
+                      " product tensors; the kinds name ", first.back());
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *k = kinds.data() + S2S_PRODUCTS * l;
+        TORCH_CHECK_VALUE((k[S_K] == NONE) == (k[S_V] == NONE), op, ": layer ", l,
+                          " has one of its k and v products; expected both, or neither (q/k/v fused)");
+        TORCH_CHECK_VALUE(k[S_GATE] != NONE || k[S_UP] != NONE, op, ": layer ", l, " has no MLP product");
+        TORCH_CHECK_VALUE(0 <= layer_group[l] && layer_group[l] < G, op, ": layer ", l, " is in group ",
+                          layer_group[l], " of ", G, " block tables");
+        TORCH_CHECK_VALUE(windows[l] >= 0, op, ": layer ", l, " has window ", windows[l], "; expected >= 0");
+        for (const at::Tensor *t : {&k_pools[l], &v_pools[l]}) {
+            check_rows(*t, op, "a pool");
+            TORCH_CHECK_VALUE(t->dim() == 4 && t->sizes() == k_pools[0].sizes() && t->size(2) == Hkv, op,
+                              ": pools must all be (P, S, Hkv, D) = ", k_pools[0].sizes(), " with Hkv = ", Hkv);
+        }
+    }
+    for (const at::Tensor *t : {&row_seq, &row_pos, &row_src, &src_last, &logit_rows}) {
+        TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
+                          op, ": row_seq, row_pos, row_src, src_last and logit_rows must be 1-D contiguous int64 CPU "
+                          "tensors");
+    }
+    TORCH_CHECK_VALUE(row_seq.size(0) == N && row_pos.size(0) == N && row_src.size(0) == N && src_last.size(0) == N,
+                      op, ": row_seq, row_pos, row_src and src_last must have the ", N, " rows of x");
+    const int64_t *lr = logit_rows.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < logit_rows.size(0); i++)
+        TORCH_CHECK_VALUE(0 <= lr[i] && lr[i] < N, op, ": logit row ", lr[i], " of ", N, " rows");
+    const int64_t S = k_pools[0].size(1), D = k_pools[0].size(3), cells = k_pools[0].size(0) * S;
+
+    auto project = [&](int64_t i, const at::Tensor &h) { return product(kinds[i], products.data() + first[i], h); };
+    auto features = [&](const at::Tensor &t, int64_t want, int64_t l, const char *what) {
+        TORCH_CHECK_VALUE(t.size(1) == want, op, ": layer ", l, "'s ", what, " product gives ", t.size(1),
+                          " features; expected ", want);
+    };
+    auto norm = [&](int64_t i, const at::Tensor &t) {
+        const at::Tensor &w = norms[2 * i], &b = norms[2 * i + 1];
+        if (rms) return rms_norm(t.contiguous(), w, eps[i]);
+        return at::layer_norm(t, {C}, w, b.numel() ? std::optional<at::Tensor>(b) : std::nullopt, eps[i]);
+    };
+    // one sublayer with its residual, norm before (pre) or after (post)
+    auto sublayer = [&](const at::Tensor &x, int64_t i, auto fn) {
+        return pre ? at::add(x, fn(norm(i, x))) : norm(i, at::add(x, fn(x)));
+    };
+    const int64_t *seq = row_seq.const_data_ptr<int64_t>(), *pos = row_pos.const_data_ptr<int64_t>();
+    std::vector<std::vector<int64_t>> slots;
+    for (int64_t g = 0; g < G; g++) slots.push_back(slots_of(tables[g], seq, pos, N, S));
+
+    at::Tensor x = x0;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t n = S2S_NORMS * l, p = S2S_PRODUCTS * l, g = layer_group[l];
+        x = sublayer(x, n + S2S_SELF, [&](const at::Tensor &h) {
+            const at::Tensor qkv = project(p + S_QKV, h);
+            at::Tensor q, k, v;
+            if (kinds[p + S_K] == NONE) {  // one q/k/v product: each row's q, k and v side by side
+                features(qkv, (H + 2 * Hkv) * D, l, "q/k/v");
+                q = qkv.narrow(1, 0, H * D).contiguous();
+                k = qkv.narrow(1, H * D, Hkv * D), v = qkv.narrow(1, (H + Hkv) * D, Hkv * D);
+            } else {
+                features(qkv, H * D, l, "q");
+                q = qkv, k = project(p + S_K, h), v = project(p + S_V, h);
+                features(k, Hkv * D, l, "k");
+                features(v, Hkv * D, l, "v");
+            }
+            // each row's key and value heads into its slot, before the rows attend
+            float *kc = k_pools[l].mutable_data_ptr<float>(), *vc = v_pools[l].mutable_data_ptr<float>();
+            const float *kp = k.const_data_ptr<float>(), *vp = v.const_data_ptr<float>();
+            const int64_t ks = k.stride(0), vs = v.stride(0), *sl = slots[g].data();
+            for (int64_t r = 0; r < N; r++) {
+                TORCH_CHECK_VALUE(0 <= sl[r] && sl[r] < cells, op, ": row ", r, " writes slot ", sl[r],
+                                  " of a pool of ", cells);
+                std::copy(kp + r * ks, kp + r * ks + Hkv * D, kc + sl[r] * Hkv * D);
+                std::copy(vp + r * vs, vp + r * vs + Hkv * D, vc + sl[r] * Hkv * D);
+            }
+            const at::Tensor out = project(p + S_O, paged_attend(q, k_pools[l], v_pools[l], tables[g], row_seq,
+                                                                 row_pos, windows[l], H, scale));
+            features(out, C, l, "output");
+            return out;
+        });
+        x = sublayer(x, n + S2S_CROSS, [&](const at::Tensor &h) {
+            const at::Tensor q = project(p + S_CROSS_Q, h);
+            features(q, H * D, l, "source query");
+            at::Tensor out = paged_attend(q, memory_k[l], memory_v[l], memory_tables, row_src, src_last, 0, H, scale);
+            if (src_real.has_value()) out = at::mul(out, *src_real);  // a source of padding alone: zeros
+            out = project(p + S_CROSS_O, out);
+            features(out, C, l, "source output");
+            return out;
+        });
+        x = sublayer(x, n + S2S_MLP, [&](const at::Tensor &h) {
+            at::Tensor a;
+            if (kinds[p + S_GATE] == NONE) {  // down(act(up))
+                a = s2s_act(activation, project(p + S_UP, h));
+            } else if (kinds[p + S_UP] == NONE) {  // one gate/up product: each row's gate, then its up
+                const at::Tensor both = project(p + S_GATE, h);
+                TORCH_CHECK_VALUE(both.size(1) % 2 == 0, op, ": layer ", l, "'s gate/up product gives ",
+                                  both.size(1), " features; expected gate and up alike");
+                if (activation == "silu") {
+                    a = silu_mul(both);
+                } else {
+                    const int64_t F = both.size(1) / 2;
+                    a = at::mul(s2s_act(activation, both.narrow(1, 0, F)), both.narrow(1, F, F));
+                }
+            } else {
+                a = at::mul(s2s_act(activation, project(p + S_GATE, h)), project(p + S_UP, h));
+            }
+            const at::Tensor out = project(p + S_DOWN, a.contiguous());
+            features(out, C, l, "down");
+            return out;
+        });
+    }
+    at::Tensor h = x.index_select(0, logit_rows);
+    if (norms[2 * S2S_NORMS * L].numel()) h = norm(S2S_NORMS * L, h);
+    return project(S2S_PRODUCTS * L, h.contiguous());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
@@ -1110,4 +1311,5 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("linear_rows", &linear_rows);
     lib.impl("paged_attend", &paged_attend);
     lib.impl("packed_step", &packed_step);
+    lib.impl("seq2seq_step", &seq2seq_step);
 }
