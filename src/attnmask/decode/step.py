@@ -32,11 +32,11 @@ BLAS then decides the bits).
 For a pre-norm RMSNorm decoder with a gated MLP in float32 or GGUF blocks (Llama, SmolLM2, Gemma 3
 with its q/k norms, post-sublayer norms, per-layer rotary and windows and its layer groups) the whole
 step is one native call (``packed_step``, :func:`fused_plan`); so is an encoder-decoder's decoder
-without rotary (``seq2seq_step``: LayerNorm or RMSNorm, pre- or post-norm as in the original
-Transformer and Marian, source attention, a plain or gated MLP), which makes the operators of the
-per-operation path in the same order from C++, so the same bits. Every other model (rotary in an
-encoder-decoder, a module watched by a hook, weights in another dtype) takes the per-operation path,
-batch-invariant too.
+(``seq2seq_step``: LayerNorm or RMSNorm, pre- or post-norm as in the original Transformer and Marian,
+rotary or not, source attention, a plain or gated MLP), which makes the operators of the
+per-operation path in the same order from C++, so the same bits. Every other model (a decoder-only
+model with post-norm, LayerNorm or an MLP without a gate, a module watched by a hook, weights in
+another dtype) takes the per-operation path, batch-invariant too.
 """
 
 from __future__ import annotations
@@ -599,8 +599,10 @@ def _s2s_norm(norm: nn.Module | None, rms: bool) -> tuple[Tensor, Tensor] | None
 def _seq2seq_plan(model) -> Seq2SeqPlan | None:
     """:func:`fused_plan` of an encoder-decoder: its decoder's lists in ``seq2seq_step``'s slots."""
     cfg = model.config
-    if cfg.positions == "rotary" or cfg.norm not in ("layernorm", "rmsnorm"):
+    if cfg.norm not in ("layernorm", "rmsnorm"):
         return None
+    if any(model.layer_rotary(i) is not getattr(model, "rotary", None) for i in range(len(model.layers))):
+        return None  # one rotary for every layer (or none), as the step takes it
     rms = cfg.norm == "rmsnorm"
     pairs: list[tuple[Tensor, Tensor] | None] = []
     eps: list[float] = []
@@ -724,11 +726,15 @@ def packed_forward(
     if isinstance(plan, Seq2SeqPlan) and memory is not None and not flex and _float32_cache(cache, memory):
         lengths = memory.lengths.index_select(0, row_src)  # (N,)
         src_real = None if memory.every_source_real else (lengths > 0).to(x.dtype)[:, None]  # (N, 1)
+        cos = signed = x.new_empty(0)
+        if cfg.positions == "rotary":
+            cos, sin = model.rotary.cos_sin(positions[None])  # (1, 1, N, D)
+            cos, signed = cos[0, 0].contiguous(), Rotary.signed_sin(sin)[0, 0].contiguous()  # (N, D)
         return decoding.seq2seq_step(
-            x.contiguous(), plan.norms, plan.eps, plan.pre, plan.rms, plan.products, plan.kinds, plan.activation,
-            cache.k, cache.v, tables, cache.layer_group, plan.windows, memory.k, memory.v, memory.tables, row_seq,
-            positions, row_src, (lengths - 1).clamp(min=0), src_real, logit_rows, plan.heads, plan.kv_heads,
-            plan.head_dim**-0.5,
+            x.contiguous(), cos, signed, plan.norms, plan.eps, plan.pre, plan.rms, plan.products, plan.kinds,
+            plan.activation, cache.k, cache.v, tables, cache.layer_group, plan.windows, memory.k, memory.v,
+            memory.tables, row_seq, positions, row_src, (lengths - 1).clamp(min=0), src_real, logit_rows, plan.heads,
+            plan.kv_heads, plan.head_dim**-0.5,
         )  # fmt: skip
     if isinstance(plan, FusedPlan) and memory is None and not flex:
         cos, signed = x.new_empty(0), x.new_empty(0)

@@ -300,6 +300,8 @@ _S2S_ACTIVATIONS = {
 
 def seq2seq_step_reference(
     x: Tensor,
+    cos: Tensor,
+    signed_sin: Tensor,
     norms: list[Tensor],
     eps: list[float],
     pre: bool,
@@ -328,8 +330,9 @@ def seq2seq_step_reference(
     """``seq2seq_step`` as operator calls from Python, in the same order: a step of an encoder-decoder's
     decoder over packed rows. Per layer, each sublayer ``f`` with its residual and norm, ``x + f(norm(x))``
     (``pre``) or ``norm(x + f(x))`` (post-norm: the original Transformer, Marian), the norms LayerNorm
-    (or RMSNorm, ``rms``): self-attention (the q/k/v product or three; k and v written to the rows' slots
-    in the layer's group of block tables; ``paged_attend`` within the layer's window; the output product),
+    (or RMSNorm, ``rms``): self-attention (the q/k/v product or three; q and k rotated by the rows' factors
+    ``cos``, ``signed_sin`` ``(N, D)`` where given; k and v written to the rows' slots in the layer's group
+    of block tables; ``paged_attend`` within the layer's window; the output product),
     attention to each row's source (``memory_k/v[layer]`` ``(Q, S, Hkv, D)``, one block per source in
     ``memory_tables (Q, 1)``, row ``r`` reading source ``row_src[r]`` up to ``src_last[r]``; times
     ``src_real (N, 1)`` where given), the MLP (``down(act(up))``, or gated: ``act(gate) * up``, SiLU's
@@ -357,7 +360,13 @@ def seq2seq_step_reference(
                 q, k, v = project(p + S_QKV, h).split([H * D, Hkv * D, Hkv * D], dim=1)
             else:
                 q, k, v = project(p + S_QKV, h), project(p + S_K, h), project(p + S_V, h)
-            k_pools[layer].view(-1, Hkv, D)[slots[g]] = k.reshape(N, Hkv, D)
+            q, k = q.reshape(N, H, D), k.reshape(N, Hkv, D)
+            if cos.numel():
+                c, s = cos[:, None], signed_sin[:, None]  # (N, 1, D)
+                q = q * c + q.roll(D // 2, dims=-1) * s
+                k = k * c + k.roll(D // 2, dims=-1) * s
+            q = q.reshape(N, H * D)
+            k_pools[layer].view(-1, Hkv, D)[slots[g]] = k
             v_pools[layer].view(-1, Hkv, D)[slots[g]] = v.reshape(N, Hkv, D)
             out = paged_attend(q.contiguous(), k_pools[layer], v_pools[layer], tables[g], row_seq, row_pos,
                                windows[layer], H, scale)  # fmt: skip
@@ -406,10 +415,11 @@ _LIBRARY.define(
     "int heads, int kv_heads, float scale) -> Tensor"
 )
 _LIBRARY.define(
-    "seq2seq_step(Tensor x, Tensor[] norms, float[] eps, bool pre, bool rms, Tensor[] products, int[] kinds, "
-    "str activation, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor[] tables, int[] layer_group, int[] windows, "
-    "Tensor[] memory_k, Tensor[] memory_v, Tensor memory_tables, Tensor row_seq, Tensor row_pos, Tensor row_src, "
-    "Tensor src_last, Tensor? src_real, Tensor logit_rows, int heads, int kv_heads, float scale) -> Tensor"
+    "seq2seq_step(Tensor x, Tensor cos, Tensor signed_sin, Tensor[] norms, float[] eps, bool pre, bool rms, "
+    "Tensor[] products, int[] kinds, str activation, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor[] tables, "
+    "int[] layer_group, int[] windows, Tensor[] memory_k, Tensor[] memory_v, Tensor memory_tables, Tensor row_seq, "
+    "Tensor row_pos, Tensor row_src, Tensor src_last, Tensor? src_real, Tensor logit_rows, int heads, int kv_heads, "
+    "float scale) -> Tensor"
 )
 _LIBRARY.define(
     "paged_attend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor row_seq, Tensor row_pos, int window, "
@@ -456,9 +466,9 @@ def _(x, cos, signed_sin, layer_rope, norms, eps, products, kinds, activation, k
 
 
 @torch.library.register_fake("attnmask::seq2seq_step", lib=_LIBRARY)
-def _(x, norms, eps, pre, rms, products, kinds, activation, k_pools, v_pools, tables, layer_group, windows,
-      memory_k, memory_v, memory_tables, row_seq, row_pos, row_src, src_last, src_real, logit_rows, heads, kv_heads,
-      scale):  # fmt: skip
+def _(x, cos, signed_sin, norms, eps, pre, rms, products, kinds, activation, k_pools, v_pools, tables, layer_group,
+      windows, memory_k, memory_v, memory_tables, row_seq, row_pos, row_src, src_last, src_real, logit_rows, heads,
+      kv_heads, scale):  # fmt: skip
     first = _first_tensors(kinds)[-2]
     head = products[first + 1] if kinds[-1] == DENSE else products[first]
     return x.new_empty(logit_rows.shape[0], head.shape[0])

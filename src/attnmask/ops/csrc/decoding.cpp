@@ -1131,16 +1131,17 @@ at::Tensor s2s_act(c10::string_view name, const at::Tensor &t) {
 // operation from Python (attnmask.decode.step.packed_forward without a plan) and as seq2seq_step_reference,
 // so the same bits; per layer, with sub(x, f) = x + f(norm(x)) (pre) or norm(x + f(x)) (post):
 //
-//   x = sub(x, self):  q, k, v = the q/k/v product(s); k, v written to the rows' slots in the layer's
-//                      group of block tables; o(paged_attend(q, the layer's pools, within its window))
+//   x = sub(x, self):  q, k, v = the q/k/v product(s); q, k rotated (rotary models); k, v written to the
+//                      rows' slots in the layer's group of block tables; o(paged_attend(q, the layer's pools, within its window))
 //   x = sub(x, cross): o(paged_attend(q(x), the layer's source keys and values, each row its source
 //                      whole) * src_real)
 //   x = sub(x, mlp):   down(act(up)), down(act(gate) * up) or down(silu_mul(gate_up))
 //
 // memory_k, memory_v: (Q, S, Hkv, D) a layer, one block per source, read through memory_tables (Q, 1);
 // row_src (N,) each row's source, src_last (N,) its last position; src_real (N, 1) 0 for a row whose
-// source is padding alone (none: every source real). The rest as packed_step takes it.
-at::Tensor seq2seq_step(const at::Tensor &x0, at::TensorList norms, at::ArrayRef<double> eps, bool pre, bool rms,
+// source is padding alone (none: every source real); cos, signed_sin (N, D): the rows' rotary factors,
+// applied to every query and key head (empty: no rotary). The rest as packed_step takes it.
+at::Tensor seq2seq_step(const at::Tensor &x0, const at::Tensor &cos, const at::Tensor &signed_sin, at::TensorList norms, at::ArrayRef<double> eps, bool pre, bool rms,
                         at::TensorList products, at::IntArrayRef kinds, c10::string_view activation,
                         at::TensorList k_pools, at::TensorList v_pools, at::TensorList tables,
                         at::IntArrayRef layer_group, at::IntArrayRef windows, at::TensorList memory_k,
@@ -1214,6 +1215,16 @@ at::Tensor seq2seq_step(const at::Tensor &x0, at::TensorList norms, at::ArrayRef
     for (int64_t i = 0; i < logit_rows.size(0); i++)
         TORCH_CHECK_VALUE(0 <= lr[i] && lr[i] < N, op, ": logit row ", lr[i], " of ", N, " rows");
     const int64_t S = k_pools[0].size(1), D = k_pools[0].size(3), cells = k_pools[0].size(0) * S;
+    const bool rotary = cos.numel() > 0;
+    if (rotary) {
+        check_rows(cos, op, "cos");
+        check_rows(signed_sin, op, "signed_sin");
+        TORCH_CHECK_VALUE(cos.dim() == 2 && cos.size(0) == N && cos.size(1) == D && signed_sin.sizes() == cos.sizes(),
+                          op, ": cos and signed_sin must be (N, D) = (", N, ", ", D, ") alike; got ", cos.sizes(),
+                          " and ", signed_sin.sizes());
+    }
+    const float *cp = rotary ? cos.const_data_ptr<float>() : nullptr;
+    const float *sp = rotary ? signed_sin.const_data_ptr<float>() : nullptr;
 
     auto project = [&](int64_t i, const at::Tensor &h) { return product(kinds[i], products.data() + first[i], h); };
     auto features = [&](const at::Tensor &t, int64_t want, int64_t l, const char *what) {
@@ -1241,7 +1252,7 @@ at::Tensor seq2seq_step(const at::Tensor &x0, at::TensorList norms, at::ArrayRef
             at::Tensor q, k, v;
             if (kinds[p + S_K] == NONE) {  // one q/k/v product: each row's q, k and v side by side
                 features(qkv, (H + 2 * Hkv) * D, l, "q/k/v");
-                q = qkv.narrow(1, 0, H * D).contiguous();
+                q = qkv.narrow(1, 0, H * D);
                 k = qkv.narrow(1, H * D, Hkv * D), v = qkv.narrow(1, (H + Hkv) * D, Hkv * D);
             } else {
                 features(qkv, H * D, l, "q");
@@ -1249,16 +1260,23 @@ at::Tensor seq2seq_step(const at::Tensor &x0, at::TensorList norms, at::ArrayRef
                 features(k, Hkv * D, l, "k");
                 features(v, Hkv * D, l, "v");
             }
-            // each row's key and value heads into its slot, before the rows attend
+            // each row's query heads rotated (or copied), its key heads rotated and its value heads copied
+            // into its slot, before the rows attend
+            at::Tensor qr = at::empty({N, H * D}, x0.options());
+            float *qo = qr.mutable_data_ptr<float>();
             float *kc = k_pools[l].mutable_data_ptr<float>(), *vc = v_pools[l].mutable_data_ptr<float>();
-            const float *kp = k.const_data_ptr<float>(), *vp = v.const_data_ptr<float>();
-            const int64_t ks = k.stride(0), vs = v.stride(0), *sl = slots[g].data();
+            const float *qp = q.const_data_ptr<float>(), *kp = k.const_data_ptr<float>(), *vp = v.const_data_ptr<float>();
+            const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), *sl = slots[g].data();
             for (int64_t r = 0; r < N; r++) {
                 TORCH_CHECK_VALUE(0 <= sl[r] && sl[r] < cells, op, ": row ", r, " writes slot ", sl[r],
                                   " of a pool of ", cells);
-                std::copy(kp + r * ks, kp + r * ks + Hkv * D, kc + sl[r] * Hkv * D);
+                const float *c = rotary ? cp + r * D : nullptr, *s = rotary ? sp + r * D : nullptr;
+                for (int64_t hd = 0; hd < H; hd++) rotate_row(qp + r * qs + hd * D, c, s, qo + (r * H + hd) * D, D);
+                for (int64_t hd = 0; hd < Hkv; hd++)
+                    rotate_row(kp + r * ks + hd * D, c, s, kc + (sl[r] * Hkv + hd) * D, D);
                 std::copy(vp + r * vs, vp + r * vs + Hkv * D, vc + sl[r] * Hkv * D);
             }
+            q = qr;
             const at::Tensor out = project(p + S_O, paged_attend(q, k_pools[l], v_pools[l], tables[g], row_seq,
                                                                  row_pos, windows[l], H, scale));
             features(out, C, l, "output");
