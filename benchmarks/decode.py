@@ -341,6 +341,48 @@ def bench_framework() -> list[str]:
         slow = decode.greedy(model, prompts=[prompt], max_new_tokens=32, eos_id=None)
     same = slow == decode.greedy(model, prompts=[prompt], max_new_tokens=32, eos_id=None)
     print(f"# the two paths give the same 32 tokens: {same}", flush=True)
+    return rows + [""] + bench_framework_seq2seq(run)
+
+
+def bench_framework_seq2seq(run) -> list[str]:
+    """The same for an encoder-decoder's decoder: ``seq2seq_step`` against its operations from Python."""
+    cfg = ModelConfig(
+        vocab_size=512, arch="encoder_decoder", dim=64, n_layers=6, n_encoder_layers=6, n_heads=8, head_dim=64,
+        ffn_dim=128, max_seq_len=2048, positions="rotary", norm="rmsnorm", activation="swiglu", bias=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    source = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 2]]
+
+    def greedy(n):
+        decode.greedy(model, src=source, max_new_tokens=n, eos_id=None)
+
+    def greedy_per_operation(n):
+        with per_operation():
+            greedy(n)
+
+    rows = [
+        "attnmask's translation model's structure at width 64 (encoder-decoder, 6 + 6 layers, 8 heads of 64, "
+        "rotary, RMSNorm, SwiGLU), one 12-token source, greedy; per token as above",
+        "",
+        "| step | CPU ms per token | wall ms per token |",
+        "|---|---:|---:|",
+    ]
+    print("\n".join(rows), flush=True)
+    variants = {
+        "decode.greedy, the decoder's step in one native call (seq2seq_step)": greedy,
+        "decode.greedy, the decoder's step operation by operation": greedy_per_operation,
+    }
+    for name, fn in variants.items():
+        run(fn, 128)  # warm-up
+        best = min(tuple((a - b) / 120 * 1e3 for a, b in zip(run(fn, 128), run(fn, 8))) for _ in range(3))
+        row = f"| {name} | {best[0]:.2f} | {best[1]:.2f} |"
+        print(row, flush=True)
+        rows.append(row)
+    with per_operation():
+        slow = decode.greedy(model, src=source, max_new_tokens=32, eos_id=None)
+    same = slow == decode.greedy(model, src=source, max_new_tokens=32, eos_id=None)
+    print(f"# the two paths give the same 32 tokens: {same}", flush=True)
     return rows
 
 
