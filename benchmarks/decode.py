@@ -17,7 +17,9 @@ Three measurements (``--part cache``, ``--part translate``, ``--part framework``
    are compared first. The joint BPE vocabulary (8000) is trained on Multi30k's training set. Both
    decode the same length-sorted batches with the same limit (``--max-new`` tokens, no other
    constraint) and the generated tokens are counted (up to and including ``<eos>``). With random
-   weights the outputs are not translations, and rows rarely stop before the limit.
+   weights the outputs are not translations, and rows rarely stop before the limit. Batch invariance:
+   the first batch's sentences are translated again one at a time (greedy, untimed) and compared
+   token for token with their translation in the batch.
 
 3. **Framework work per token** (``--part framework``). SmolLM2-135M's structure (30 layers, 9 query /
    3 key-value heads of 64, rotary, RMSNorm, SwiGLU, fused projections) at width 64, FFN 128 and a
@@ -243,6 +245,7 @@ def bench_translate(batch_size: int, max_new: int, n_sentences: int | None, beam
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(rows), flush=True)
+    solo = []
     for beam in beams:
         name = "greedy" if beam == 1 else f"beam {beam}"
         ours_translate(ours, batches[:1], beam, 4)  # warm-up
@@ -258,6 +261,10 @@ def bench_translate(batch_size: int, max_new: int, n_sentences: int | None, beam
                 dt = time.perf_counter() - t0
                 results[impl] = (results[impl][0] + out, results[impl][1] + dt)
         same = sum(a == b for a, b in zip(results["attnmask"][0], results["HF generate"][0]))
+        if beam == 1:  # batch invariance: the first batch's sentences translated alone, token for token
+            alone = [ours_translate(ours, [[src]], 1, max_new)[0] for src in batches[0]]
+            kept = sum(a == b for a, b in zip(alone, results["attnmask"][0]))
+            solo.append(f"greedy: {kept}/{len(alone)} of the first batch's translations are the ones they get alone")
         t_hf = results["HF generate"][1]
         for impl, (out, dt) in results.items():
             tokens = count_generated(out, max_new)
@@ -267,7 +274,9 @@ def bench_translate(batch_size: int, max_new: int, n_sentences: int | None, beam
             rows.append(row)
         rows.append(f"| {name} | speed-up | {t_hf / results['attnmask'][1]:.2f}x | | | | |")
         print(rows[-1], flush=True)
-    return rows
+    for line in solo:
+        print(line, flush=True)
+    return rows + [""] + solo
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,33 +327,37 @@ def bench_framework() -> list[str]:
     if not fused:
         print("# the native kernels are not built here: every row runs the packed step operation by operation")
 
+    title = (
+        "SmolLM2-135M's structure at width 64 (30 layers, 9/3 heads of 64, rotary, RMSNorm, SwiGLU, fused "
+        "projections), batch 1, greedy; per token = (128 tokens - 8 tokens) / 120, best of 3"
+    )
+    rows = framework_table(title, variants)
+    with per_operation():
+        slow = decode.greedy(model, prompts=[prompt], max_new_tokens=32, eos_id=None)
+    same = slow == decode.greedy(model, prompts=[prompt], max_new_tokens=32, eos_id=None)
+    print(f"# the two paths give the same 32 tokens: {same}", flush=True)
+    return rows + [""] + bench_framework_seq2seq()
+
+
+def framework_table(title: str, variants: dict) -> list[str]:
+    """Time each ``variants[name](n)`` (n new tokens): CPU and wall ms per token, as a table under ``title``."""
+
     def run(fn, n):
         c, w = time.process_time(), time.perf_counter()
         fn(n)
         return time.process_time() - c, time.perf_counter() - w
 
-    rows = [
-        "SmolLM2-135M's structure at width 64 (30 layers, 9/3 heads of 64, rotary, RMSNorm, SwiGLU, fused "
-        "projections), batch 1, greedy; per token = (128 tokens - 8 tokens) / 120, best of 3",
-        "",
-        "| step | CPU ms per token | wall ms per token |",
-        "|---|---:|---:|",
-    ]
+    rows = [title, "", "| step | CPU ms per token | wall ms per token |", "|---|---:|---:|"]
     print("\n".join(rows), flush=True)
     for name, fn in variants.items():
         run(fn, 128)  # warm-up
         best = min(tuple((a - b) / 120 * 1e3 for a, b in zip(run(fn, 128), run(fn, 8))) for _ in range(3))
-        row = f"| {name} | {best[0]:.2f} | {best[1]:.2f} |"
-        print(row, flush=True)
-        rows.append(row)
-    with per_operation():
-        slow = decode.greedy(model, prompts=[prompt], max_new_tokens=32, eos_id=None)
-    same = slow == decode.greedy(model, prompts=[prompt], max_new_tokens=32, eos_id=None)
-    print(f"# the two paths give the same 32 tokens: {same}", flush=True)
-    return rows + [""] + bench_framework_seq2seq(run)
+        rows.append(f"| {name} | {best[0]:.2f} | {best[1]:.2f} |")
+        print(rows[-1], flush=True)
+    return rows
 
 
-def bench_framework_seq2seq(run) -> list[str]:
+def bench_framework_seq2seq() -> list[str]:
     """The same for an encoder-decoder's decoder: ``seq2seq_step`` against its operations from Python."""
     cfg = ModelConfig(
         vocab_size=512, arch="encoder_decoder", dim=64, n_layers=6, n_encoder_layers=6, n_heads=8, head_dim=64,
@@ -361,24 +374,17 @@ def bench_framework_seq2seq(run) -> list[str]:
         with per_operation():
             greedy(n)
 
-    rows = [
+    title = (
         "attnmask's translation model's structure at width 64 (encoder-decoder, 6 + 6 layers, 8 heads of 64, "
-        "rotary, RMSNorm, SwiGLU), one 12-token source, greedy; per token as above",
-        "",
-        "| step | CPU ms per token | wall ms per token |",
-        "|---|---:|---:|",
-    ]
-    print("\n".join(rows), flush=True)
-    variants = {
-        "decode.greedy, the decoder's step in one native call (seq2seq_step)": greedy,
-        "decode.greedy, the decoder's step operation by operation": greedy_per_operation,
-    }
-    for name, fn in variants.items():
-        run(fn, 128)  # warm-up
-        best = min(tuple((a - b) / 120 * 1e3 for a, b in zip(run(fn, 128), run(fn, 8))) for _ in range(3))
-        row = f"| {name} | {best[0]:.2f} | {best[1]:.2f} |"
-        print(row, flush=True)
-        rows.append(row)
+        "rotary, RMSNorm, SwiGLU), one 12-token source, greedy; per token as above"
+    )
+    rows = framework_table(
+        title,
+        {
+            "decode.greedy, the decoder's step in one native call (seq2seq_step)": greedy,
+            "decode.greedy, the decoder's step operation by operation": greedy_per_operation,
+        },
+    )
     with per_operation():
         slow = decode.greedy(model, src=source, max_new_tokens=32, eos_id=None)
     same = slow == decode.greedy(model, src=source, max_new_tokens=32, eos_id=None)

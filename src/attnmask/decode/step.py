@@ -444,6 +444,18 @@ def _operands(proj: nn.Module | None) -> tuple[int, list[Tensor]] | None:
     return None
 
 
+def _take_operands(slots: list[tuple[nn.Module | None, bool]], kinds: list[int], products: list[Tensor]) -> bool:
+    """Append each ``(module, optional)`` slot's product kind and tensors (:func:`_operands`; ``NONE`` for an
+    optional slot without a module); False where a product cannot be taken."""
+    for proj, optional in slots:
+        operands = (decoding.NONE, []) if proj is None and optional else _operands(proj)
+        if operands is None:
+            return False
+        kinds.append(operands[0])
+        products += operands[1]
+    return True
+
+
 def _norm_operand(norm: nn.Module | None, optional: bool) -> Tensor | None:
     """A norm's weight as ``packed_step`` takes it (an empty tensor for an optional norm a layer lacks);
     None where the step cannot compute it (not an RMSNorm in float32, or watched)."""
@@ -545,13 +557,14 @@ def fused_plan(model) -> FusedPlan | Seq2SeqPlan | None:
         fused_qkv, fused_gate_up = attn.qkv_proj is not None, mlp.gate_up_proj is not None
         qkv = [attn.qkv_proj, None, None] if fused_qkv else [attn.q_proj, attn.k_proj, attn.v_proj]
         mlps = [mlp.gate_up_proj, None] if fused_gate_up else [mlp.gate_proj, mlp.up_proj]
-        for proj, optional in [*zip(qkv, (False, True, True)), (attn.o_proj, False), *zip(mlps, (False, True)),
-                               (mlp.down_proj, False)]:  # fmt: skip
-            operands = (decoding.NONE, []) if proj is None and optional else _operands(proj)
-            if operands is None:
-                return None
-            kinds.append(operands[0])
-            products += operands[1]
+        slots = [
+            *zip(qkv, (False, True, True)),
+            (attn.o_proj, False),
+            *zip(mlps, (False, True)),
+            (mlp.down_proj, False),
+        ]
+        if not _take_operands(slots, kinds, products):
+            return None
         rotary = (per_layer(i) if per_layer is not None else model.rotary) if cfg.positions == "rotary" else None
         if cfg.positions == "rotary" and rotary is None:
             return None
@@ -560,11 +573,12 @@ def fused_plan(model) -> FusedPlan | Seq2SeqPlan | None:
         layer_rope.append(next((j for j, r in enumerate(rotaries) if r is rotary), 0))
     norms.append(_norm_operand(model.norm, False))
     eps.append(float(getattr(model.norm, "eps", 0.0)))
-    head = _operands(model.lm_head)
-    if head is None or any(n is None for n in norms) or len(activations) != 1:
+    if (
+        any(n is None for n in norms)
+        or len(activations) != 1
+        or not _take_operands([(model.lm_head, False)], kinds, products)
+    ):
         return None
-    kinds.append(head[0])
-    products += head[1]
     attn = model.layers[0].self_attn
     windows = [_layer_window(cfg, i) for i in range(len(model.layers))]
     return FusedPlan(
@@ -633,23 +647,20 @@ def _seq2seq_plan(model) -> Seq2SeqPlan | None:
             mlps = [mlp.gate_proj, mlp.up_proj] if mlp.gated else [None, mlp.up_proj]
         slots = [*zip(qkv, (False, True, True)), (attn.o_proj, False), (cross.q_proj, False), (cross.o_proj, False),
                  *zip(mlps, (True, mlp.gate_up_proj is not None)), (mlp.down_proj, False)]  # fmt: skip
-        for proj, optional in slots:
-            operands = (decoding.NONE, []) if proj is None and optional else _operands(proj)
-            if operands is None:
-                return None
-            kinds.append(operands[0])
-            products += operands[1]
+        if not _take_operands(slots, kinds, products):
+            return None
     if isinstance(model.norm, nn.Identity):
         pairs.append((torch.empty(0), torch.empty(0)))
         eps.append(0.0)
     else:
         pairs.append(_s2s_norm(model.norm, rms))
         eps.append(float(getattr(model.norm, "eps", 0.0)))
-    head = _operands(model.lm_head)
-    if head is None or any(p is None for p in pairs) or len(activations) != 1:
+    if (
+        any(p is None for p in pairs)
+        or len(activations) != 1
+        or not _take_operands([(model.lm_head, False)], kinds, products)
+    ):
         return None
-    kinds.append(head[0])
-    products += head[1]
     windows = [_layer_window(cfg, i) for i in range(len(model.layers))]
     norms = [t for pair in pairs for t in pair]
     return Seq2SeqPlan(
