@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from attnmask import decode, masks
 from attnmask.data.tokenizer import SOS_ID
+from attnmask.decode import step as decode_step
 from attnmask.model import Transformer
 from tests.conftest import tiny_model
 
@@ -106,7 +107,12 @@ def test_decoder_steps_equal_full_recomputation(side, positions):
 
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned", "rotary"])
-def test_encoder_decoder_steps_equal_full_recomputation(side, positions):
+@pytest.mark.parametrize("rows", [True, False], ids=["rows-encoder", "general-encoder"])
+def test_encoder_decoder_steps_equal_full_recomputation(monkeypatch, side, positions, rows):
+    """The sources encoded row by row (the CPU's native path) or by the general forward (elsewhere: packed
+    under a document mask, or padded): the same logits as the full forward, up to float32 rounding."""
+    if not rows:
+        monkeypatch.setattr(decode_step, "_rows_encoder", lambda model: False)
     model = make_model("encoder_decoder", positions)
     src, src_mask = source(side)
     fed = fed_tokens(src.shape[0])

@@ -164,6 +164,21 @@ class SourceMemory:
         return cls.project(model, memory, keep)
 
     @classmethod
+    def _encode_packed(cls, model, src_ids: Tensor, keep: Tensor, lengths: Tensor) -> SourceMemory:
+        from attnmask.model.transformer import segment_positions
+
+        segments = torch.repeat_interleave(torch.arange(len(lengths), device=src_ids.device), lengths)[None]  # (1, T)
+        memory = model.encode(src_ids[keep][None], masks.document(segments), positions=segment_positions(segments))
+        ks, vs = [], []
+        for layer in model.layers:
+            k, v = layer.cross_attn.project_kv(memory)  # (1, Hkv, T, D)
+            for packed, out in ((k, ks), (v, vs)):
+                full = packed.new_zeros(*keep.shape, *packed.shape[1:2], packed.shape[3])  # (B, S, Hkv, D)
+                full[keep] = packed[0].transpose(0, 1)
+                out.append(full)
+        return cls(ks, vs, lengths.cpu().to(src_ids.device))
+
+    @classmethod
     def _encode_rows(cls, model, ids: Tensor, lengths: Tensor, keep: Tensor | None) -> SourceMemory:
         """The encoder over the sources' real tokens ``ids (T,)`` packed in one row (``lengths (Q,)`` of
         them each), as the decoder's packed step computes: every product one whose rows are computed
