@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from attnmask import decode, masks
 from attnmask.data.tokenizer import SOS_ID
 from attnmask.decode import step as decode_step
+from attnmask.errors import UserError
 from attnmask.model import Transformer
 from tests.conftest import tiny_model
 
@@ -244,3 +245,10 @@ def test_autocast_steps_follow_the_full_forward():
             full = model.decode(torch.tensor([[5, 6, 7, 8, 9, 10]]), mask=masks.causal())[0, 2:].float()
     assert full.dtype == torch.float32 and got.shape == full.shape
     torch.testing.assert_close(got, full, atol=0.1, rtol=0.05)
+
+
+def test_a_source_longer_than_the_models_positions_is_refused_by_name():
+    """The rows encoder checks positions as the general forward does: a clear error, not an index error."""
+    model = tiny_model("encoder_decoder", max_seq_len=8)
+    with pytest.raises(UserError, match="max_seq_len=8"):
+        decode_step.SourceMemory.encode(model, torch.randint(4, 20, (2, 12)), None)

@@ -189,6 +189,7 @@ class SourceMemory:
         segments = torch.repeat_interleave(torch.arange(Q), lengths)  # (T,)
         starts = torch.cumsum(lengths, 0) - lengths  # (Q,)
         positions = torch.arange(ids.shape[0]) - starts[segments]  # (T,): restarting at each source
+        model._check_positions(positions[None])  # a source longer than the model's positions: a clear error
         last = (lengths - 1)[segments]  # (T,): each row reads its source whole
         tables = torch.arange(Q)[:, None]  # (Q, 1): one block per source
         x = model._embed(ids[None], positions[None], source=True)[0]  # (T, C)
