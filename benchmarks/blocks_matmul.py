@@ -1,4 +1,4 @@
-"""The block kernel's products (``attnmask::block_matmul``, ``csrc/blocks_kernel.c``) by layout, shape and rows.
+"""The block kernel's products (``attnmask::block_panels_matmul``, ``csrc/blocks_kernel.c``) by layout, shape and rows.
 
 For each GGUF format, weight shape ``(N, K)`` and row count ``M``: the best of ``--repeats`` timings
 (each the mean of about twice the calls that take 20 ms: ``rows_stream.best_seconds``) of the kernel
@@ -68,7 +68,6 @@ def main() -> None:
     status = native.load()
     if not status.native:
         raise SystemExit(f"the native kernels are not available here: {status.why}")
-    product = blocks.block_matmul if args.activations == "float32" else blocks.block_matmul_i8
     print(f"# {cpu_name()}; kernels: {status.why}")
     print(f"# {args.threads} thread(s), torch {torch.__version__}, {args.activations} activations")
     print(f"# GMAC/s, best of {args.repeats}")
@@ -78,9 +77,14 @@ def main() -> None:
         packed = random_blocks(kind, n, k)
         codes, d, m = packed["codes"], packed["d"], packed.get("m")
         weight = blocks.unpack(packed, kind, k)
+        if args.activations == "float32":  # the panels a layer keeps (BlockLinear.panels), packed once
+            panels = blocks.pack_block_panels(codes, d, m, kind, k)
+            product = lambda x, panels=panels, n=n: blocks.block_panels_matmul(panels, x, n)  # noqa: E731
+        else:
+            product = lambda x, codes=codes, d=d, m=m, kind=kind, k=k: blocks.block_matmul_i8(codes, d, m, x, kind, k)  # noqa: E731
         for rows in args.rows:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-            ours = best_seconds(lambda x=x, kind=kind, k=k: product(codes, d, m, x, kind, k), args.repeats)  # noqa: B023
+            ours = best_seconds(lambda x=x, product=product: product(x), args.repeats)
             theirs = best_seconds(lambda x=x: F.linear(x, weight), args.repeats)  # noqa: B023
             macs = rows * n * k / 1e9
             print(f"| {kind} | {n} x {k} | {what} | {rows} | {macs / ours:.1f} | {macs / theirs:.1f} |")

@@ -54,7 +54,7 @@ def random_bytes_blocks(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarra
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n, k // BLOCK_WEIGHTS[kind], BLOCK_BYTES[kind]), dtype=np.uint8)
     halves = (rng.standard_normal((n, k // BLOCK_WEIGHTS[kind], 2)) * 0.02).astype(np.float16).view(np.uint8)
-    at = {"Q5_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[kind]  # d (and dmin for Q4_K)
+    at = {"Q4_1": [0, 2], "Q8_0": [0], "Q5_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[kind]  # d (and m, dmin)
     for i, start in enumerate(at):
         raw[..., start : start + 2] = halves[..., 2 * i : 2 * i + 2]
     raw = raw.reshape(n, -1)
@@ -184,6 +184,72 @@ def test_a_long_prompts_rows_are_the_same_bits_as_alone(kind, threads):
 
 
 # ---------------------------------------------------------------------------------------------
+# Panels: the float32 product from a weight packed once
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", [*NEW, "Q8_0", "Q4_1"])
+def test_panels_hold_the_weight_and_give_block_matmuls_bits(kind):
+    """pack_block_panels (C) = its PyTorch definition, byte for byte, for row counts around the 16 rows of a
+    panel group and odd block counts; the panels unpack to the weight; block_panels_matmul = block_matmul
+    (which packs for the call), bit for bit, and the PyTorch definition within float32's error."""
+    g = torch.Generator().manual_seed(9)
+    k = 512 if BLOCK_WEIGHTS[kind] == 256 else 608
+    for n in (1, 15, 16, 17, 40):
+        raw, w = random_bytes_blocks(kind, n, k, seed=n)
+        t = repack(torch.from_numpy(raw), kind, k)
+        codes, d, m = t["codes"], t["d"], t.get("m")
+        want = blocks.pack_block_panels_reference(codes, d, m, kind, k)
+        assert want.shape == (
+            -(-n // 16),
+            k // blocks.PANEL_BLOCK[blocks.LAYOUT[kind]],
+            blocks.PANEL_UNIT[blocks.LAYOUT[kind]],
+        )
+        assert torch.equal(blocks.unpack_block_panels(want, n), w), f"{kind} {n}: the definition's panels"
+        x = torch.randn(5, k, generator=g)
+        err, bound = float32_error(blocks.block_panels_matmul_reference(want, x, n), x, w)
+        assert err <= bound, f"{kind} {n}: the PyTorch definition's product"
+        if ops.available():
+            panels = blocks.pack_block_panels(codes, d, m, kind, k)
+            assert torch.equal(panels, want), f"{kind} {n}: C panels"
+            got = blocks.block_panels_matmul(panels, x, n)
+            assert torch.equal(got, blocks.block_matmul(codes, d, m, x, kind, k)), f"{kind} {n}"
+            err, bound = float32_error(got, x, w)
+            assert err <= bound, f"{kind} {n}: error {err:.3g}, allowed {bound:.3g}"
+
+
+def test_panels_are_checked():
+    native_or_skip()
+    raw, _ = random_bytes_blocks("Q8_0", 20, 64, seed=1)
+    t = repack(torch.from_numpy(raw), "Q8_0", 64)
+    panels = blocks.pack_block_panels(t["codes"], t["d"], None, "Q8_0", 64)
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match=r"do not hold 40 outputs; expected \(ceil\(out_features / 16\)"):
+        blocks.block_panels_matmul(panels, x, 40)
+    with pytest.raises(ValueError, match=r"x must be contiguous float32 \(rows, 64\)"):
+        blocks.block_panels_matmul(panels, x[:, :32], 20)
+    with pytest.raises(ValueError, match="panels must be contiguous uint8"):
+        blocks.block_panels_matmul(panels.float(), x, 20)
+    with pytest.raises(ValueError, match="do not hold 40 outputs"):
+        blocks.unpack_block_panels(panels, 40)
+
+
+def _panel_product_bits() -> str:
+    """A digest of block_panels_matmul's bits for each layout on fixed blocks (numpy's generator) and
+    integer-made activations (torch.randn's own bits follow the CPU capability): row tiles of 1 to 8 rows,
+    a partial last group."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for kind in ("Q4_1", "Q8_0", "Q6_K"):
+        k = 512 if kind == "Q6_K" else 608
+        raw, _ = random_bytes_blocks(kind, 45, k, seed=3)
+        t = repack(torch.from_numpy(raw), kind, k)
+        panels = blocks.pack_block_panels(t["codes"], t["d"], t.get("m"), kind, k)
+        x = ((torch.arange(19 * k, dtype=torch.int64) * 7919 + 1) % 1009 - 504).float().view(19, k) / 256
+        digest.update(blocks.block_panels_matmul(panels, x, 45).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
 # int8 activations (the opt-in: llama.cpp's arithmetic)
 # ---------------------------------------------------------------------------------------------
 def int8_definition(x: torch.Tensor, layer: BlockLinear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,14 +321,14 @@ def test_q4_k_q5_0_and_q6_k_take_the_decoding_steps_block_kinds():
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
     for kind, want in (("Q4_K", 1), ("Q5_0", 2), ("Q6_K", 3)):
         layer = BlockLinear.from_numpy(random_bytes_blocks(kind, 24, 512, seed=4)[0], kind, 512)
-        got, tensors = layer.decoder_operands()
-        assert got == want
-        m = tensors[2] if want == 1 else None
-        step = torch.ops.attnmask.block_matmul(tensors[0], tensors[1], m, x, ["Q4_1", "Q8_0", "Q6_K"][want - 1], 512)
+        got, tensors = layer.decoder_operands()  # the layer's panels and an empty (N, 0)
+        assert got == want and len(tensors) == 2 and tensors[1].shape == (24, 0)
+        step = torch.ops.attnmask.block_panels_matmul(tensors[0], x, tensors[1].shape[0])
         assert torch.equal(step, layer(x))
-        layer.activations = "int8"  # kinds 4, 5, 6: the same layouts, int8 activations
+        layer.activations = "int8"  # kinds 4, 5, 6: the same layouts' buffers, int8 activations
         got, tensors = layer.decoder_operands()
-        assert got == want + 3
+        assert got == want + 3 and len(tensors) == (3 if want == 1 else 2)
+        m = tensors[2] if want == 1 else None
         step = torch.ops.attnmask.block_matmul_i8(tensors[0], tensors[1], m, x, ["Q4_1", "Q8_0", "Q6_K"][want - 1], 512)
         assert torch.equal(step, layer(x))
 
@@ -349,11 +415,14 @@ def test_the_avx2_and_portable_builds_pass_these_tests(tmp_path, flavour):
     code = (
         "import sys, pytest\n"
         "from attnmask import ops\n"
+        "from tests.ops.test_blocks import _panel_product_bits\n"
         "print(ops.load().simd)\n"
+        "print(_panel_product_bits())\n"
         f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', 'not builds and not gemma']))\n"
     )
     lines = run_python(code, timeout=900, ATTNMASK_CACHE=str(tmp_path), CC=str(wrapper))
     assert lines[0] == {"avx2": "AVX2", "avx2-vnni": "AVX2", "portable": "portable C"}[flavour], lines[0]
+    assert lines[1] == _panel_product_bits(), "the float32 product's bits differ between builds"
     assert " passed" in lines[-1] and "skipped" not in lines[-1] and "failed" not in lines[-1], lines[-1]
 
 

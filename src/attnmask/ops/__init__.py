@@ -1,7 +1,8 @@
 """attnmask's operators with native kernels: every C/C++ source of the project and its Python face.
 
 - :mod:`.blocks`: products with GGUF block weights (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) as stored,
-  ``block_matmul`` and ``block_dequantize``, and the layouts the kernel reads (``repack`` / ``unpack``);
+  ``block_matmul`` and ``block_dequantize``, the layouts the kernel reads (``repack`` / ``unpack``), and
+  the float32 product from a weight packed once (``pack_block_panels``, ``block_panels_matmul``);
 - :mod:`.decoding`: the packed decoding step's operators (norms, SwiGLU, few-row products,
   ``paged_attend``: attention through a paged cache's block tables, ``packed_step``: the whole step
   in one call);
@@ -24,8 +25,10 @@ from attnmask.ops.blocks import (  # noqa: F401
     QK,
     block_dequantize,
     block_matmul,
+    block_panels_matmul,
     check_buffers,
     dequantize_blocks,
+    pack_block_panels,
     repack,
     unpack,
 )

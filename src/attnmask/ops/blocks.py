@@ -37,9 +37,17 @@ threads with OpenMP):
   weight with the rounded activations. Not the float32 product: the activations are rounded (about
   1e-2 relative on a product's outputs). Each output element is again computed by the same operations in the same order
   whatever the rows and threads, so a row's result does not depend on its batch, bit for bit;
-- ``torch.ops.attnmask.block_dequantize(codes, d, m, kind, in_features)``: the float32 weight.
+- ``torch.ops.attnmask.block_dequantize(codes, d, m, kind, in_features)``: the float32 weight;
+- ``torch.ops.attnmask.pack_block_panels(codes, d, m, kind, in_features)`` and
+  ``torch.ops.attnmask.block_panels_matmul(panels, x, out_features)``: ``block_matmul``'s float32
+  product in two parts, the weight moved once into panels (its rows 16 at a time side by side, one unit
+  of bytes per block: :data:`PANEL_UNIT`), then the product from them, the same bits as
+  ``block_matmul``, which packs for each call. The panels are a second copy of the codes and scales,
+  what a layer keeps to decode (:class:`attnmask.pretrained.quantized.BlockLinear`): with the weight's
+  rows in vector lanes, a block's products are multiply-adds against one broadcast activation, with no
+  sums across lanes (``csrc/blocks_kernel.c``).
 
-Both check every buffer before the kernel reads it (:func:`check_buffers`; the C++ checks say the
+They check every buffer before the kernel reads it (:func:`check_buffers`; the C++ checks say the
 same words), so nothing reaches a raw pointer that could make it read past an end.
 """
 
@@ -61,11 +69,14 @@ __all__ = [
     "block_dequantize",
     "block_matmul",
     "block_matmul_i8",
+    "block_panels_matmul",
     "check_buffers",
     "dequantize_blocks",
+    "pack_block_panels",
     "quantize_activations",
     "repack",
     "unpack",
+    "unpack_block_panels",
 ]
 
 QK = 32  # weights per block of Q4_1, Q5_0 and Q8_0, and per scale of the kernel's 4-bit and 8-bit layouts
@@ -153,23 +164,93 @@ def repack(blocks: Tensor, kind: str, in_features: int) -> dict[str, Tensor]:
     return {"codes": codes.contiguous(), "d": d.contiguous()}
 
 
-def unpack(packed: dict[str, Tensor], kind: str, in_features: int) -> Tensor:
-    """Float32 ``(out, in)`` weight of :func:`repack`'s tensors, in PyTorch (any device)."""
-    codes, d = packed["codes"], packed["d"]
+def _weight_codes(packed: dict[str, Tensor], kind: str, in_features: int) -> Tensor:
+    """The codes of :func:`repack`'s tensors in weight order: ``(out, in / 32, 32)``, uint8 (4-bit layout)
+    or int8."""
+    codes = packed["codes"]
     n, nb = codes.shape[0], in_features // QK
     if LAYOUT[kind] == "4-bit":
-        nbp = d.shape[1]
+        nbp = nb + nb % 2
         lanes = codes.reshape(n, nbp // 2, 8, 4).transpose(2, 3)  # (pair, c, i)
-        q = torch.stack([lanes & 15, lanes >> 4], dim=3).reshape(n, nbp, QK)[:, :nb]  # (n, nb, 32)
+        return torch.stack([lanes & 15, lanes >> 4], dim=3).reshape(n, nbp, QK)[:, :nb]
+    pairs = nb // 2 * 2
+    planes = codes[:, : pairs * QK].reshape(n, nb // 2, 4, 2, 8).transpose(2, 3)  # (pair, block, k, i)
+    q = torch.cat([planes.reshape(n, pairs, QK), codes[:, pairs * QK :].reshape(n, -1, QK)], dim=1)
+    return q.view(torch.int8)
+
+
+def unpack(packed: dict[str, Tensor], kind: str, in_features: int) -> Tensor:
+    """Float32 ``(out, in)`` weight of :func:`repack`'s tensors, in PyTorch (any device)."""
+    q, d = _weight_codes(packed, kind, in_features), packed["d"]
+    n, nb = q.shape[0], in_features // QK
+    if LAYOUT[kind] == "4-bit":
         w = d[:, :nb, None] * q.float() + packed["m"][:, :nb, None]
     else:
-        pairs = nb // 2 * 2
-        planes = codes[:, : pairs * QK].reshape(n, nb // 2, 4, 2, 8).transpose(2, 3)  # (pair, block, k, i)
-        q = torch.cat([planes.reshape(n, pairs, QK), codes[:, pairs * QK :].reshape(n, -1, QK)], dim=1)
-        q = q.view(torch.int8)  # (n, nb, 32) in weight order
         per = d.shape[1] // nb  # scales per block: 1, or 2 (Q6_K: weights 0..15 and 16..31)
         w = q.reshape(n, nb * per, QK // per).float() * d[:, :, None]
     return w.reshape(n, in_features)
+
+
+# Panels (csrc/blocks_kernel.c): weight rows PANEL_COLUMNS at a time, one unit of bytes per group and block:
+# 4-bit 4 x 64 bytes of codes (vector j, lane l: weight 8j + i of row l in bits 4i..4i+3), d[16], m[16];
+# 8-bit 32 x 16 signed bytes (row k, lane l: weight k of row l), d[16]; 8-bit/16 (blocks of 16) the same
+# with 16 rows of codes. PANEL_UNIT: bytes per unit; PANEL_BLOCK: weights per unit along K.
+PANEL_COLUMNS = 16
+PANEL_UNIT = {"4-bit": 384, "8-bit": 576, "8-bit/16": 320}
+PANEL_BLOCK = {"4-bit": QK, "8-bit": QK, "8-bit/16": 16}
+
+
+def _float_bytes(t: Tensor) -> Tensor:
+    """float32 ``(..., 16)`` -> its bytes ``(..., 64)``."""
+    return t.contiguous().view(torch.uint8)
+
+
+def pack_block_panels_reference(codes: Tensor, d: Tensor, m: Tensor | None, kind: str, in_features: int) -> Tensor:
+    """What ``pack_block_panels`` computes, in PyTorch: :func:`repack`'s tensors in panels, uint8
+    ``(ceil(out / 16), in / block, unit)``, rows past ``out`` zero."""
+    if codes.device.type == "cpu":
+        check_buffers(codes, d, m, kind, in_features)
+    layout = LAYOUT[kind]
+    packed = {"codes": codes, "d": d} | ({"m": m} if m is not None else {})
+    q = _weight_codes(packed, kind, in_features).view(torch.uint8)  # (n, nb, 32)
+    n, blk = q.shape[0], PANEL_BLOCK[layout]
+    rows = -(-n // PANEL_COLUMNS) * PANEL_COLUMNS
+    nblk = in_features // blk
+    q = F.pad(q.reshape(n, nblk, blk), (0, 0, 0, 0, 0, rows - n)).reshape(-1, PANEL_COLUMNS, nblk, blk)
+
+    def scale(t: Tensor) -> Tensor:  # (n, nblk) float32 -> (groups, nblk, 64) bytes
+        return _float_bytes(F.pad(t[:, :nblk], (0, 0, 0, rows - n)).reshape(-1, PANEL_COLUMNS, nblk).transpose(1, 2))
+
+    if layout == "4-bit":  # byte c of lane l in vector j: weights 8j + 2c (low nibble) and 8j + 2c + 1
+        q = q.reshape(-1, PANEL_COLUMNS, nblk, 4, 4, 2)
+        lanes = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1, 4)  # (group, block, j, lane, byte)
+        parts = [lanes.reshape(-1, nblk, 256), scale(d), scale(m)]
+    else:
+        parts = [q.permute(0, 2, 3, 1).reshape(-1, nblk, blk * PANEL_COLUMNS), scale(d)]
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def unpack_block_panels(panels: Tensor, out_features: int) -> Tensor:
+    """Float32 ``(out_features, K)`` weight of panels, in PyTorch (any device)."""
+    layout = {unit: name for name, unit in PANEL_UNIT.items()}.get(panels.shape[-1])
+    if panels.dim() != 3 or layout is None or panels.shape[0] != -(-out_features // PANEL_COLUMNS):
+        raise UserError(
+            f"panels of shape {tuple(panels.shape)} do not hold {out_features} outputs; expected "
+            f"(ceil(out_features / {PANEL_COLUMNS}), blocks, 384 | 576 | 320)"
+        )
+    groups, nblk, blk = panels.shape[0], panels.shape[1], PANEL_BLOCK[layout]
+    code_bytes = 256 if layout == "4-bit" else blk * PANEL_COLUMNS
+    floats = lambda at: panels[..., at : at + 64].contiguous().view(torch.float32)  # noqa: E731 (g, nblk, 16)
+    d = floats(code_bytes)
+    if layout == "4-bit":
+        lanes = panels[..., :256].reshape(groups, nblk, 4, PANEL_COLUMNS, 4)  # (g, b, j, lane, byte)
+        q = torch.stack([lanes & 15, lanes >> 4], dim=-1).reshape(groups, nblk, 4, PANEL_COLUMNS, 8)
+        q = q.permute(0, 3, 1, 2, 4).reshape(groups, PANEL_COLUMNS, nblk, blk).float()
+        w = d.transpose(1, 2)[..., None] * q + floats(code_bytes + 64).transpose(1, 2)[..., None]
+    else:
+        q = panels[..., :code_bytes].reshape(groups, nblk, blk, PANEL_COLUMNS).view(torch.int8)
+        w = q.permute(0, 3, 1, 2).float() * d.transpose(1, 2)[..., None]
+    return w.reshape(groups * PANEL_COLUMNS, nblk * blk)[:out_features]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +310,11 @@ def block_matmul_reference(codes: Tensor, d: Tensor, m: Tensor | None, x: Tensor
     return F.linear(x, unpack(packed, kind, in_features).to(x.dtype))
 
 
+def block_panels_matmul_reference(panels: Tensor, x: Tensor, out_features: int) -> Tensor:
+    """What ``block_panels_matmul`` computes, in PyTorch: the float32 product with the weight the panels hold."""
+    return F.linear(x, unpack_block_panels(panels, out_features).to(x.dtype))
+
+
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     """``x (rows, K)`` float32 -> ``(q, dx)``: ``block_matmul_i8``'s 8-bit activations, ``q`` float32
     integers ``(rows, K)`` in -127..127 and ``dx`` float32 ``(rows, K / 32)``, ``x ~ dx * q`` per block
@@ -273,6 +359,10 @@ _LIBRARY.define("block_dequantize(Tensor codes, Tensor d, Tensor? m, str kind, i
 _LIBRARY.impl("block_matmul", block_matmul_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("block_matmul_i8", block_matmul_i8_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("block_dequantize", block_dequantize_reference, "CompositeExplicitAutograd")
+_LIBRARY.define("pack_block_panels(Tensor codes, Tensor d, Tensor? m, str kind, int in_features) -> Tensor")
+_LIBRARY.define("block_panels_matmul(Tensor panels, Tensor x, int out_features) -> Tensor")
+_LIBRARY.impl("pack_block_panels", pack_block_panels_reference, "CompositeExplicitAutograd")
+_LIBRARY.impl("block_panels_matmul", block_panels_matmul_reference, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("attnmask::block_matmul", lib=_LIBRARY)
@@ -292,6 +382,20 @@ def _(codes, d, m, kind, in_features):
     return d.new_empty(codes.shape[0], in_features)
 
 
+@torch.library.register_fake("attnmask::pack_block_panels", lib=_LIBRARY)
+def _(codes, d, m, kind, in_features):
+    layout = LAYOUT[kind]
+    groups = -(-codes.shape[0] // PANEL_COLUMNS)
+    return codes.new_empty(groups, in_features // PANEL_BLOCK[layout], PANEL_UNIT[layout])
+
+
+@torch.library.register_fake("attnmask::block_panels_matmul", lib=_LIBRARY)
+def _(panels, x, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
 block_matmul = torch.ops.attnmask.block_matmul.default
 block_matmul_i8 = torch.ops.attnmask.block_matmul_i8.default
 block_dequantize = torch.ops.attnmask.block_dequantize.default
+pack_block_panels = torch.ops.attnmask.pack_block_panels.default
+block_panels_matmul = torch.ops.attnmask.block_panels_matmul.default

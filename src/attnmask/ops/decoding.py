@@ -74,10 +74,10 @@ __all__ = [
 ]
 
 # packed_step's product kinds: a float32 weight in panels and its bias (n,), or an empty (n, 0) for none; a
-# block layer's buffers in the kernel's 4-bit layout (codes, d, m: Q4_1, Q4_K), its 8-bit layout (codes, d:
-# Q8_0, Q5_0) or its 8-bit layout with a scale per 16 weights (codes, d: Q6_K); INT8 + each of those: the
-# same buffers, multiplied with int8 activations (blocks.block_matmul_i8); NONE: no product in an optional
-# slot
+# block layer's weight in the kernel's 4-bit layout (Q4_1, Q4_K), its 8-bit layout (Q8_0, Q5_0) or its 8-bit
+# layout with a scale per 16 weights (Q6_K), as its panels (blocks.pack_block_panels) and an empty (n, 0);
+# INT8 + each of those: the layer's buffers (codes, d, and m for the 4-bit layout), multiplied with int8
+# activations (blocks.block_matmul_i8); NONE: no product in an optional slot
 NONE, DENSE, Q4_1, Q8_0, Q6_K, INT8 = -1, 0, 1, 2, 3, 3
 # The slots of each layer in packed_step's lists: its norms (an empty weight where it has none of an
 # optional one: q_norm, k_norm, post_self_norm, post_mlp_norm), then the final norm; its products (NONE
@@ -151,11 +151,18 @@ def bias_operand(weight: Tensor, bias: Tensor | None) -> Tensor:
 
 def _first_tensors(kinds: list[int]) -> list[int]:
     """Where each product's tensors start in a step's list (``kinds[i]``: NONE none, DENSE panels and
-    bias, Q4_1 (and its INT8 kind) codes, d and m, Q8_0 / Q6_K codes and d), and the end."""
+    bias, Q4_1 / Q8_0 / Q6_K block panels and an empty ``(N, 0)``, their INT8 kinds codes and d (and m
+    for Q4_1)), and the end."""
     first = [0]
     for kind in kinds:
-        first.append(first[-1] + (0 if kind == NONE else 3 if kind in (Q4_1, Q4_1 + INT8) else 2))
+        first.append(first[-1] + (0 if kind == NONE else 3 if kind == Q4_1 + INT8 else 2))
     return first
+
+
+def _outputs(products: list[Tensor], kinds: list[int], i: int) -> int:
+    """Product ``i``'s output features, from its tensors."""
+    first = _first_tensors(kinds)[i]
+    return products[first + 1].shape[0] if kinds[i] <= Q6_K else products[first].shape[0]
 
 
 _BLOCK_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", Q6_K: "Q6_K"}  # the layout's kernel for each block kind
@@ -169,10 +176,11 @@ def _projector(products: list[Tensor], kinds: list[int]):
         t = products[first[i] : first[i + 1]]
         if kinds[i] == DENSE:
             return linear_panels(h, t[0], t[1] if t[1].dim() == 1 else None, t[1].shape[0])
-        layout = kinds[i] - INT8 if kinds[i] > Q6_K else kinds[i]
+        if kinds[i] <= Q6_K:
+            return blocks.block_panels_matmul(t[0], h, t[1].shape[0])
+        layout = kinds[i] - INT8
         m = t[2] if layout == Q4_1 else None
-        product = blocks.block_matmul_i8 if kinds[i] > Q6_K else blocks.block_matmul
-        return product(t[0], t[1], m, h, _BLOCK_NAMES[layout], h.shape[1])
+        return blocks.block_matmul_i8(t[0], t[1], m, h, _BLOCK_NAMES[layout], h.shape[1])
 
     return project
 
@@ -460,18 +468,14 @@ def _(x, panels, bias, n):
 @torch.library.register_fake("attnmask::packed_step", lib=_LIBRARY)
 def _(x, cos, signed_sin, layer_rope, norms, eps, products, kinds, activation, k_pools, v_pools, tables, layer_group,
       windows, row_seq, row_pos, logit_rows, heads, kv_heads, scale):  # fmt: skip
-    first = _first_tensors(kinds)[-2]  # the head's panels and bias (V, ...), or its codes (V, ...)
-    head = products[first + 1] if kinds[-1] == DENSE else products[first]
-    return x.new_empty(logit_rows.shape[0], head.shape[0])
+    return x.new_empty(logit_rows.shape[0], _outputs(products, kinds, len(kinds) - 1))
 
 
 @torch.library.register_fake("attnmask::seq2seq_step", lib=_LIBRARY)
 def _(x, cos, signed_sin, norms, eps, pre, rms, products, kinds, activation, k_pools, v_pools, tables, layer_group,
       windows, memory_k, memory_v, memory_tables, row_seq, row_pos, row_src, src_last, src_real, logit_rows, heads,
       kv_heads, scale):  # fmt: skip
-    first = _first_tensors(kinds)[-2]
-    head = products[first + 1] if kinds[-1] == DENSE else products[first]
-    return x.new_empty(logit_rows.shape[0], head.shape[0])
+    return x.new_empty(logit_rows.shape[0], _outputs(products, kinds, len(kinds) - 1))
 
 
 @torch.library.register_fake("attnmask::paged_attend", lib=_LIBRARY)

@@ -37,6 +37,8 @@ OPERATORS = {
     "block_matmul": blocks,
     "block_matmul_i8": blocks,
     "block_dequantize": blocks,
+    "pack_block_panels": blocks,
+    "block_panels_matmul": blocks,
     "rms_norm": decoding,
     "add_rms_norm": decoding,
     "silu_mul": decoding,

@@ -4,7 +4,8 @@
 function the file defines, and reads all 4 bytes of every weight in every decoding step.
 :class:`BlockLinear` keeps the file's codes instead (repacked once into the layout the kernel reads;
 the values are unchanged) and multiplies by them through the operator
-:func:`attnmask.ops.blocks.block_matmul`: each block's sum regrouped, activations float32 and never
+:func:`attnmask.ops.blocks.block_panels_matmul`, from a copy packed once into panels (:meth:`BlockLinear.panels`;
+``block_matmul``'s product, the same bits): each block's sum regrouped, activations float32 and never
 quantized, so the result equals the float32 product with the dequantized matrix up to rounding
 order (tested against a float64 reference), while a one-token step reads 0.75 bytes per Q4_1 weight
 instead of 4.
@@ -41,8 +42,9 @@ from attnmask.ops.blocks import (
     BLOCK_WEIGHTS,
     LAYOUT,
     block_dequantize,
-    block_matmul,
     block_matmul_i8,
+    block_panels_matmul,
+    pack_block_panels,
     repack,
     unpack,
 )
@@ -96,6 +98,7 @@ class BlockLinear(nn.Module):
         self.kind, self.in_features, self.out_features = kind, in_features, packed["codes"].shape[0]
         self.activations = activations
         self._dense: Tensor | None = None  # the float32 weight, kept only when there is no kernel
+        self._panels: tuple[tuple, Tensor, Tensor] | None = None  # (key, panels, empty (N, 0)): see panels()
         for name in ("codes", "d", "m"):
             self.register_buffer(name, packed.get(name))
 
@@ -158,8 +161,20 @@ class BlockLinear(nn.Module):
             device = fn(torch.empty(0, device=self.codes.device)).device  # where fn sends a float tensor
             for name, t in scales.items():
                 self._buffers[name] = t.to(device=device, dtype=torch.float32)
-        self._dense = None
+        self._dense = self._panels = None
         return self
+
+    def panels(self) -> tuple[Tensor, Tensor]:
+        """The weight in panels (:func:`attnmask.ops.blocks.pack_block_panels`) and an empty ``(N, 0)``
+        tensor giving N: what the float32 product reads, packed on first use and kept while the buffers
+        stay the same (packed again after a load or an in-place change). A second copy of the codes and
+        scales (about as large as they are), the price of the panels' speed."""
+        b = self._buffers
+        key = tuple((t.data_ptr(), t._version) for t in (b["codes"], b["d"], b["m"]) if t is not None)
+        if self._panels is None or self._panels[0] != key:
+            panels = pack_block_panels(b["codes"], b["d"], b["m"], self.kind, self.in_features)
+            self._panels = (key, panels, b["d"].new_empty(self.out_features, 0))
+        return self._panels[1], self._panels[2]
 
     def dequantize(self) -> Tensor:
         """The float32 weight ``(out, in)``, as ``gguf.dequantize`` gives it."""
@@ -183,7 +198,7 @@ class BlockLinear(nn.Module):
         if x.requires_grad or x.dtype != torch.float32:
             return F.linear(x, self.dequantize().to(x.dtype))  # other dtypes compute in their own
         xs = x.reshape(rows, self.in_features).contiguous()  # (rows, K)
-        out = block_matmul(self.codes, self.d, self.m, xs, self.kind, self.in_features)  # (rows, N), checked in C++
+        out = block_panels_matmul(self.panels()[0], xs, self.out_features)  # (rows, N), checked in C++
         return out.view(*x.shape[:-1], self.out_features)
 
     def matmul_rows(self, x: Tensor) -> Tensor:
@@ -193,25 +208,26 @@ class BlockLinear(nn.Module):
         else goes through :meth:`forward`."""
         fits = x.dim() == 2 and x.is_cpu and x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad
         if fits and ops.available():
-            b = self._buffers  # not self.codes...: nn.Module's __getattr__ costs ~0.6 us a lookup
-            product = block_matmul_i8 if self._activations == "int8" else block_matmul
-            return product(b["codes"], b["d"], b["m"], x, self.kind, self.in_features)
+            if self._activations == "int8":
+                b = self._buffers  # not self.codes...: nn.Module's __getattr__ costs ~0.6 us a lookup
+                return block_matmul_i8(b["codes"], b["d"], b["m"], x, self.kind, self.in_features)
+            return block_panels_matmul(self.panels()[0], x, self.out_features)
         return self(x)
 
     def decoder_operands(self) -> tuple[int, list[Tensor]] | None:
-        """This layer as :func:`attnmask.ops.decoding.packed_step` multiplies by it: ``(kind, [codes,
-        d(, m)])``, kind 1 for the 4-bit layout (Q4_1, and Q4_K repacked into it), 2 for the 8-bit one
-        (Q8_0, Q5_0) and 3 for the 8-bit one with a scale per 16 weights (Q6_K), 3 more with int8
-        activations (4, 5, 6); None where the kernels are not built (the layer then multiplies by its
-        weight itself, which the step leaves to the module)."""
+        """This layer as :func:`attnmask.ops.decoding.packed_step` multiplies by it: kind 1 for the 4-bit
+        layout (Q4_1, and Q4_K repacked into it), 2 for the 8-bit one (Q8_0, Q5_0) and 3 for the 8-bit one
+        with a scale per 16 weights (Q6_K), with ``[panels, empty (N, 0)]`` (:meth:`panels`); 3 more with
+        int8 activations (4, 5, 6), with ``[codes, d(, m)]``; None where the kernels are not built (the
+        layer then multiplies by its weight itself, which the step leaves to the module)."""
         b = self._buffers  # not self.codes...: nn.Module's __getattr__ costs ~0.6 us a lookup
         layout = LAYOUT[self.kind]
         if not ops.available() or not b["codes"].is_cpu:
             return None
-        int8 = 3 if self._activations == "int8" else 0
-        if layout == "4-bit":
-            return 1 + int8, [b["codes"], b["d"], b["m"]]
-        return (2 if layout == "8-bit" else 3) + int8, [b["codes"], b["d"]]
+        kind = 1 if layout == "4-bit" else 2 if layout == "8-bit" else 3
+        if self._activations != "int8":
+            return kind, list(self.panels())
+        return kind + 3, [b["codes"], b["d"]] + ([b["m"]] if layout == "4-bit" else [])
 
     def extra_repr(self) -> str:
         extra = ", activations=int8" if self._activations == "int8" else ""

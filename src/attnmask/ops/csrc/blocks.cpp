@@ -1,6 +1,7 @@
 // The block-weight operators' CPU implementations (attnmask.ops.blocks): attnmask::block_matmul (and
-// block_matmul_i8, its int8-activation arithmetic), attnmask::block_dequantize over blocks_kernel.c, and
-// attnmask::kernel_simd.
+// block_matmul_i8, its int8-activation arithmetic), attnmask::block_dequantize, attnmask::pack_block_panels
+// and attnmask::block_panels_matmul (the float32 product from a weight packed once into panels) over
+// blocks_kernel.c, and attnmask::kernel_simd.
 //
 // The schemas, the shape rules for torch.compile and the PyTorch definitions (what runs on other
 // devices, and everywhere when this library is not built) are registered from Python; this file adds
@@ -26,13 +27,13 @@ int attnmask_blocks_simd(void);
 void attnmask_q4_1_dequantize(const uint32_t *codes, const float *d, const float *m, float *out, int64_t N, int64_t K,
                               int threads);
 void attnmask_q8_0_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads);
-int attnmask_q4_1_matmul(const uint32_t *codes, const float *d, const float *m, const float *x, float *y, int64_t M,
-                         int64_t N, int64_t K, int threads);
-int attnmask_q8_0_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
-                         int64_t K, int threads);
 void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads);
-int attnmask_q6_k_matmul(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
-                         int64_t K, int threads);
+int64_t attnmask_panel_unit(int layout);
+int64_t attnmask_panel_block(int layout);
+void attnmask_pack_block_panels(int layout, const uint32_t *codes, const float *d, const float *m, uint8_t *out,
+                                int64_t N, int64_t K, int threads);
+int attnmask_panel_matmul(int layout, const uint8_t *panels, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                          int threads);
 int attnmask_q4_1_matmul_i8(const uint32_t *codes, const float *d, const float *m, const float *x, float *y, int64_t M,
                             int64_t N, int64_t K, int threads);
 int attnmask_q8_0_matmul_i8(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
@@ -44,6 +45,7 @@ int attnmask_q6_k_matmul_i8(const uint32_t *codes, const float *d, const float *
 namespace {
 
 constexpr int64_t QK = 32;
+constexpr int64_t PANEL_COLS = 16;  // weight rows a panel group (blocks_kernel.c)
 
 std::string py_dtype(c10::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
 
@@ -114,21 +116,60 @@ at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std:
     const bool n_known = n >= 0;
     const int64_t rows = x.dim() == 2 ? x.size(0) : -1;
     check(x, "x", at::kFloat, {rows, in_features}, kind, n_known);
+    if (!int8_activations)  // packed for the call: the bits of block_panels_matmul with the weight's panels
+        return block_panels_matmul(pack_block_panels(codes, d, m, kind, in_features), x, n);
     at::Tensor out = at::empty({rows, n}, x.options());
     const int threads = at::get_num_threads();
     const auto *c = static_cast<const uint32_t *>(codes.const_data_ptr());
     const float *dp = d.const_data_ptr<float>(), *xp = x.const_data_ptr<float>();
     float *yp = out.mutable_data_ptr<float>();
     int status = 0;
-    const auto q4 = int8_activations ? attnmask_q4_1_matmul_i8 : attnmask_q4_1_matmul;
-    const auto q8 = int8_activations ? attnmask_q8_0_matmul_i8 : attnmask_q8_0_matmul;
-    const auto q6 = int8_activations ? attnmask_q6_k_matmul_i8 : attnmask_q6_k_matmul;
     switch (f.layout) {
-        case Layout::four_bit: status = q4(c, dp, m->const_data_ptr<float>(), xp, yp, rows, n, in_features, threads); break;
-        case Layout::eight_bit: status = q8(c, dp, xp, yp, rows, n, in_features, threads); break;
-        case Layout::eight_bit_16: status = q6(c, dp, xp, yp, rows, n, in_features, threads); break;
+        case Layout::four_bit:
+            status = attnmask_q4_1_matmul_i8(c, dp, m->const_data_ptr<float>(), xp, yp, rows, n, in_features, threads);
+            break;
+        case Layout::eight_bit: status = attnmask_q8_0_matmul_i8(c, dp, xp, yp, rows, n, in_features, threads); break;
+        case Layout::eight_bit_16: status = attnmask_q6_k_matmul_i8(c, dp, xp, yp, rows, n, in_features, threads); break;
     }
     if (status) throw std::bad_alloc();  // -> MemoryError: the kernel's scratch buffer
+    return out;
+}
+
+at::Tensor pack_block_panels(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
+                             c10::string_view kind_view, int64_t in_features) {
+    const std::string kind(kind_view);
+    const Format f = format_of(kind);
+    const int64_t n = check_blocks(codes, d, m, kind, in_features, f.layout, f.block);
+    const int layout = static_cast<int>(f.layout);
+    const int64_t groups = (n + PANEL_COLS - 1) / PANEL_COLS, blocks = in_features / attnmask_panel_block(layout);
+    at::Tensor out = at::empty({groups, blocks, attnmask_panel_unit(layout)}, codes.options());
+    attnmask_pack_block_panels(layout, static_cast<const uint32_t *>(codes.const_data_ptr()), d.const_data_ptr<float>(),
+                               m ? m->const_data_ptr<float>() : nullptr, out.mutable_data_ptr<uint8_t>(), n,
+                               in_features, at::get_num_threads());
+    return out;
+}
+
+at::Tensor block_panels_matmul(const at::Tensor &panels, const at::Tensor &x, int64_t out_features) {
+    TORCH_CHECK_VALUE(panels.device().is_cpu() && panels.scalar_type() == at::kByte && panels.dim() == 3 &&
+                          panels.is_contiguous(),
+                      "block_panels_matmul: panels must be contiguous uint8 (groups, blocks, unit) on the CPU, from "
+                      "pack_block_panels; got ", py_dtype(panels.scalar_type()), " ", py_shape(panels.sizes()), " on ",
+                      panels.device().str());
+    int layout = -1;
+    for (int l = 0; l < 3; l++)
+        if (panels.size(2) == attnmask_panel_unit(l)) layout = l;
+    TORCH_CHECK_VALUE(layout >= 0 && out_features > 0 && panels.size(0) == (out_features + PANEL_COLS - 1) / PANEL_COLS,
+                      "block_panels_matmul: panels of shape ", py_shape(panels.sizes()), " do not hold ", out_features,
+                      " outputs; expected (ceil(out_features / ", PANEL_COLS, "), blocks, 384 | 576 | 320)");
+    const int64_t K = panels.size(1) * attnmask_panel_block(layout);
+    TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K &&
+                          x.is_contiguous(),
+                      "block_panels_matmul: x must be contiguous float32 (rows, ", K, ") on the CPU; got ",
+                      py_dtype(x.scalar_type()), " ", py_shape(x.sizes()), " on ", x.device().str());
+    at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+    if (attnmask_panel_matmul(layout, panels.const_data_ptr<uint8_t>(), x.const_data_ptr<float>(),
+                              out.mutable_data_ptr<float>(), x.size(0), out_features, K, at::get_num_threads()))
+        throw std::bad_alloc();  // -> MemoryError: the activations' copy
     return out;
 }
 
@@ -169,4 +210,6 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
         return attnmask::block_matmul(codes, d, m, x, kind, in_features, true);
     });
     lib.impl("block_dequantize", &attnmask::block_dequantize);
+    lib.impl("pack_block_panels", &attnmask::pack_block_panels);
+    lib.impl("block_panels_matmul", &attnmask::block_panels_matmul);
 }

@@ -1,5 +1,5 @@
 // What other native code of attnmask may call of blocks.cpp: the declared dependency of
-// decoding.cpp's packed_step on the block-weight product (the same function the operator
+// decoding.cpp's packed_step on the block-weight products (the same function the operator
 // attnmask::block_matmul runs on the CPU, called directly rather than looked up by name).
 #pragma once
 
@@ -17,6 +17,14 @@ namespace attnmask {
 // dot products) instead of block_matmul's exact float32 one.
 at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
                         const at::Tensor &x, c10::string_view kind, int64_t in_features, bool int8_activations);
+
+// The weight in panels, uint8 (ceil(out / 16), blocks, unit): what block_panels_matmul reads (blocks_kernel.c).
+at::Tensor pack_block_panels(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
+                             c10::string_view kind, int64_t in_features);
+
+// x (rows, K) float32 @ W^T for W (out_features, K) in panels: block_matmul's float32 product, the same bits,
+// without packing the weight for the call.
+at::Tensor block_panels_matmul(const at::Tensor &panels, const at::Tensor &x, int64_t out_features);
 
 // The float32 (out, in_features) weight the blocks hold, d * q (+ m).
 at::Tensor block_dequantize(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,

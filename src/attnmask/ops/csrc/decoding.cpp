@@ -814,24 +814,25 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
 }
 
 // One product of packed_step, by kind: DENSE is a float32 weight in panels and its bias (N,) or, for none,
-// an empty (N, 0) tensor that gives N, through linear_panels; the others are a block layer's buffers in one of the kernel's layouts, through
-// attnmask::block_matmul (blocks.h: the function the operator runs, declared, not looked up): Q4_1 the
-// 4-bit layout (codes, d, m: Q4_1, and Q4_K repacked into it), Q8_0 the 8-bit one (codes, d: Q8_0, Q5_0),
-// Q6_K the 8-bit one with a scale per 16 weights (codes, d); INT8 + each of those: the same buffers with
-// int8 activations (the operator block_matmul_i8's arithmetic). NONE: no product in this slot.
+// an empty (N, 0) tensor that gives N, through linear_panels. Q4_1, Q8_0 and Q6_K are a block layer's
+// weight in one of the kernel's layouts (Q4_1 the 4-bit one: Q4_1, and Q4_K repacked into it; Q8_0 the
+// 8-bit one: Q8_0, Q5_0; Q6_K the 8-bit one with a scale per 16 weights): its panels and an empty (N, 0)
+// tensor, through attnmask::block_panels_matmul; INT8 + each of those: the layer's buffers (codes, d, and
+// m for the 4-bit layout) with int8 activations, through attnmask::block_matmul (blocks.h: the functions
+// the operators run, declared, not looked up). NONE: no product in this slot.
 constexpr int64_t NONE = -1, DENSE = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3, INT8 = 3;
 
 at::Tensor product(int64_t kind, const at::Tensor *t, const at::Tensor &x) {
     if (kind == DENSE)
         return linear_panels(x, t[0], t[1].dim() == 1 ? std::optional<at::Tensor>(t[1]) : std::nullopt, t[1].size(0));
-    const bool int8 = kind > Q6_K;
-    const int64_t layout = int8 ? kind - INT8 : kind;
+    if (kind <= Q6_K) return attnmask::block_panels_matmul(t[0], x, t[1].size(0));
+    const int64_t layout = kind - INT8;
     const char *name = layout == Q4_1 ? "Q4_1" : layout == Q8_0 ? "Q8_0" : "Q6_K";
     return attnmask::block_matmul(t[0], t[1], layout == Q4_1 ? std::optional<at::Tensor>(t[2]) : std::nullopt, x,
-                                  name, x.size(1), int8);
+                                  name, x.size(1), true);
 }
 
-int64_t product_tensors(int64_t kind) { return kind == NONE ? 0 : (kind == Q4_1 || kind == Q4_1 + INT8) ? 3 : 2; }
+int64_t product_tensors(int64_t kind) { return kind == NONE ? 0 : kind == Q4_1 + INT8 ? 3 : 2; }
 
 // The slots of a layer's lists: norms (NORMS a layer, then the final norm's), products (PRODUCTS a layer,
 // then the head). A missing optional norm is an empty tensor; a missing product has kind NONE: k and v
