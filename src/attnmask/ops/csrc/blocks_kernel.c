@@ -241,7 +241,8 @@ void attnmask_pack_block_panels(int layout, const uint32_t *codes, const float *
 static void p4_prepare_row(const float *__restrict x, float *__restrict xq, float *__restrict xsum, int64_t K) {
     static const float scale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
     const int64_t nb = K / QK;
-    for (int64_t j = 0; j < K; j++) xq[j] = x[j] * scale[j % 8];
+    for (int64_t j = 0; j < K; j += 8) /* K is whole blocks */
+        for (int i = 0; i < 8; i++) xq[j + i] = x[j + i] * scale[i];
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
         float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -303,14 +304,20 @@ static inline __attribute__((always_inline)) void panel_tile(const int layout, c
     const int64_t blk = panel_block(layout), unit = panel_unit(layout), cb = panel_codes(layout);
     const int64_t gbytes = nblk * unit, next = ((U + HALVES - 1) / HALVES) * gbytes; /* the next tile's groups */
     const uint8_t *base[TILE];
-    vf acc[TILE], s[TILE];
-#pragma GCC unroll 8
+    const int in_out = R * U > TILE; /* the accumulators in `out` (L1) rather than in registers */
+    vf acc[TILE], s[2 * TILE];
+#pragma GCC unroll 16
     for (int u = 0; u < U; u++) base[u] = panels + ((v0 + u) / HALVES) * gbytes;
-#pragma GCC unroll 8
-    for (int t = 0; t < R * U; t++) acc[t] = V_ZERO();
+#pragma GCC unroll 16
+    for (int t = 0; t < R * U; t++) {
+        if (in_out)
+            V_STOREF(out + (t / U) * TILE * VL + (t % U) * VL, V_ZERO());
+        else
+            acc[t] = V_ZERO();
+    }
     for (int64_t b = 0; b < nblk; b++) {
         const float *xb = x + b * blk;
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int u = 0; u < U; u++)
             if (HALVES == 1 || (v0 + u) % HALVES == 0 || u == 0)
                 for (int64_t line = 0; line < unit; line += 64) ahead(base[u] + b * unit + line, next);
@@ -318,14 +325,14 @@ static inline __attribute__((always_inline)) void panel_tile(const int layout, c
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 vi raw[TILE];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
                 for (int u = 0; u < U; u++) raw[u] = V_LOADI(base[u] + b * unit + 64 * j + 4 * VL * ((v0 + u) % HALVES));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
                 for (int i = 0; i < 8; i++)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
                     for (int u = 0; u < U; u++) {
                         const vf v = V_PLANE(raw[u], i);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
                         for (int r = 0; r < R; r++) {
                             const vf xv = V_SET1(xb + r * xs + 8 * j + i);
                             s[r * U + u] = (j | i) ? V_FMA(v, xv, s[r * U + u]) : V_MUL(v, xv);
@@ -335,33 +342,38 @@ static inline __attribute__((always_inline)) void panel_tile(const int layout, c
         } else {
 #pragma GCC unroll 32
             for (int k = 0; k < blk; k++)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
                 for (int u = 0; u < U; u++) {
                     const vf v = V_BYTES(base[u] + b * unit + PANEL_COLS * k + VL * ((v0 + u) % HALVES));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
                     for (int r = 0; r < R; r++) {
                         const vf xv = V_SET1(xb + r * xs + k);
                         s[r * U + u] = k ? V_FMA(v, xv, s[r * U + u]) : V_MUL(v, xv);
                     }
                 }
         }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int u = 0; u < U; u++) {
             const uint8_t *scales = base[u] + b * unit + cb + 4 * VL * ((v0 + u) % HALVES);
             const vf dv = V_LOADF(scales);
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++) acc[r * U + u] = V_FMA(dv, s[r * U + u], acc[r * U + u]);
-            if (layout == P4) {
-                const vf mv = V_LOADF(scales + 64);
-#pragma GCC unroll 8
-                for (int r = 0; r < R; r++) acc[r * U + u] = V_FMA(mv, V_SET1(sums + r * nblk + b), acc[r * U + u]);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                float *o = out + r * TILE * VL + u * VL;
+                vf a = in_out ? V_LOADF(o) : acc[r * U + u];
+                a = V_FMA(dv, s[r * U + u], a);
+                if (layout == P4) a = V_FMA(V_LOADF(scales + 64), V_SET1(sums + r * nblk + b), a);
+                if (in_out)
+                    V_STOREF(o, a);
+                else
+                    acc[r * U + u] = a;
             }
         }
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-        for (int u = 0; u < U; u++) V_STOREF(out + r * TILE * VL + u * VL, acc[r * U + u]);
+    if (!in_out)
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 16
+            for (int u = 0; u < U; u++) V_STOREF(out + r * TILE * VL + u * VL, acc[r * U + u]);
 }
 
 /* Each (layout, R, U) tile its own function: inlined into one, the thirty of them left GCC's register
@@ -376,37 +388,39 @@ typedef void (*panel_tile_fn)(const uint8_t *, int64_t, int64_t, const float *, 
     }
 #if BLOCKS_AVX512
 #define PANEL_TILES(layout)                                                                                   \
-    PANEL_TILE_FN(layout, 8, 1) PANEL_TILE_FN(layout, 4, 2) PANEL_TILE_FN(layout, 4, 1)                      \
+    PANEL_TILE_FN(layout, 16, 1) PANEL_TILE_FN(layout, 8, 1) PANEL_TILE_FN(layout, 4, 2) PANEL_TILE_FN(layout, 4, 1)                      \
     PANEL_TILE_FN(layout, 2, 4) PANEL_TILE_FN(layout, 2, 2) PANEL_TILE_FN(layout, 2, 1)                      \
     PANEL_TILE_FN(layout, 1, 8) PANEL_TILE_FN(layout, 1, 4) PANEL_TILE_FN(layout, 1, 2) PANEL_TILE_FN(layout, 1, 1)
 #define PANEL_TABLE(layout)                                                                                   \
     {{panel_tile_##layout##_1_1, panel_tile_##layout##_1_2, panel_tile_##layout##_1_4, panel_tile_##layout##_1_8}, \
      {panel_tile_##layout##_2_1, panel_tile_##layout##_2_2, panel_tile_##layout##_2_4, NULL},                \
      {panel_tile_##layout##_4_1, panel_tile_##layout##_4_2, NULL, NULL},                                     \
-     {panel_tile_##layout##_8_1, NULL, NULL, NULL}}
+     {panel_tile_##layout##_8_1, NULL, NULL, NULL},                                                          \
+     {panel_tile_##layout##_16_1, NULL, NULL, NULL}}
 #else
 #define PANEL_TILES(layout)                                                                                   \
-    PANEL_TILE_FN(layout, 4, 1) PANEL_TILE_FN(layout, 2, 2) PANEL_TILE_FN(layout, 2, 1)                      \
+    PANEL_TILE_FN(layout, 8, 1) PANEL_TILE_FN(layout, 4, 1) PANEL_TILE_FN(layout, 2, 2) PANEL_TILE_FN(layout, 2, 1)                      \
     PANEL_TILE_FN(layout, 1, 4) PANEL_TILE_FN(layout, 1, 2) PANEL_TILE_FN(layout, 1, 1)
 #define PANEL_TABLE(layout)                                                                                   \
     {{panel_tile_##layout##_1_1, panel_tile_##layout##_1_2, panel_tile_##layout##_1_4, NULL},                \
      {panel_tile_##layout##_2_1, panel_tile_##layout##_2_2, NULL, NULL},                                     \
      {panel_tile_##layout##_4_1, NULL, NULL, NULL},                                                          \
+     {panel_tile_##layout##_8_1, NULL, NULL, NULL},                                                          \
      {NULL, NULL, NULL, NULL}}
 #endif
 PANEL_TILES(0)
 PANEL_TILES(1)
 PANEL_TILES(2)
 /* [layout][log2 R][log2 U] */
-static const panel_tile_fn PANEL_TILE_TABLE[3][4][4] = {PANEL_TABLE(0), PANEL_TABLE(1), PANEL_TABLE(2)};
-static inline int log2_small(int v) { return v >= 8 ? 3 : v >= 4 ? 2 : v >= 2 ? 1 : 0; }
+static const panel_tile_fn PANEL_TILE_TABLE[3][5][4] = {PANEL_TABLE(0), PANEL_TABLE(1), PANEL_TABLE(2)};
+static inline int log2_small(int v) { return v >= 16 ? 4 : v >= 8 ? 3 : v >= 4 ? 2 : v >= 2 ? 1 : 0; }
 #endif
 
 /* Activation rows a product takes through its lanes before the next: as many as 512 KiB of float32
  * activations hold, so that with a long prompt's chunk they stay in L2 while the weight's lanes pass. */
 static inline int64_t panel_row_block(int64_t K) {
-    const int64_t fit = (int64_t)(512 * 1024 / sizeof(float)) / K / 8 * 8;
-    return fit > 8 ? fit : 8;
+    const int64_t fit = (int64_t)(512 * 1024 / sizeof(float)) / K / 16 * 16;
+    return fit > 16 ? fit : 16;
 }
 
 /* y (M, N) = x (M, K) W^T, W in panels. Returns 0, or -1 if the 4-bit activations' copy cannot be allocated. */
@@ -431,16 +445,16 @@ static inline __attribute__((always_inline)) int panel_matmul(const int layout, 
         const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
 #if BLOCKS_AVX2
         const int64_t vectors = groups * HALVES, v_first = vectors * t / T, v_end = vectors * (t + 1) / T;
-        float out[TILE * TILE * VL] __attribute__((aligned(64)));
+        float out[2 * TILE * TILE * VL] __attribute__((aligned(64)));
         for (int64_t m0 = 0; m0 < M; m0 += panel_row_block(K)) {
             const int64_t m1 = min64(m0 + panel_row_block(K), M);
             for (int64_t c0 = v_first; c0 < v_end; c0 += TILE) {
                 const int64_t width = min64(TILE, v_end - c0);
                 for (int64_t r0 = m0; r0 < m1;) {
-                    int R = TILE;
+                    int R = 2 * TILE;
                     while (R > m1 - r0) R /= 2;
                     for (int64_t u0 = 0; u0 < width;) {
-                        int U = TILE / R;
+                        int U = R > TILE ? 1 : TILE / R;
                         while (U > width - u0) U /= 2;
                         PANEL_TILE_TABLE[layout][log2_small(R)][log2_small(U)](panels, c0 + u0, nblk, xs + r0 * K, K,
                                                                                 sums ? sums + r0 * nblk : NULL, out);
