@@ -7,6 +7,9 @@
   budget (chunks of 1 included), the block size, and a cache small enough to force preemption;
   greedy and sampled (temperature 0.8, top-p 0.9, a seed per request); 1 or 2 threads; and without
   the native kernels (a subprocess with ``ATTNMASK_KERNELS=0``).
+- Log-probabilities: the top tokens' and the prompt's (``echo``) are the model's own (float64
+  reference), and bitwise the same alone and in any batch, over any chunking and preemption (in the
+  properties above); a request of ``max_tokens`` 0 scores its prompt only.
 - Cancellation, stop ids, stop strings, ``max_tokens``, ``ignore_eos``, ``stats()``, and the
   requests the engine refuses.
 - ``slow``: the real SmolLM2 in GGUF blocks, alone and together, and against ``decode.greedy``.
@@ -14,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 
@@ -22,10 +26,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnmask import decode
+from attnmask import decode, masks
 from attnmask.data.tokenizer import EOS_ID
 from attnmask.decode.sampling import GREEDY, Sampling
-from attnmask.engine import BlockPool, Engine, Paging, RequestParams, layer_groups
+from attnmask.engine import BlockPool, Engine, Logprob, Paging, RequestParams, layer_groups
 from attnmask.errors import UserError
 from tests.conftest import run_python, tiny_model
 from tests.engine.test_step import MODELS, model_of
@@ -51,10 +55,11 @@ def engine_of(variant: str, **kw) -> Engine:
     return Engine(model(variant), **kw)
 
 
-def run(engine: Engine, requests, arrivals=None, order=None, cancel=None) -> tuple[dict, int]:
+def run(engine: Engine, requests, arrivals=None, order=None, cancel=None, scores=None) -> tuple[dict, int]:
     """Feed ``requests`` (``(prompt, params)``; id = its index) into ``engine``, request ``i`` before
     step ``arrivals[i]``, those of one step in ``order``; ``cancel``: ``{step: [ids]}``. Steps until
-    done; returns ``({id: (tokens, logprobs, finish_reason)}, the most preemptions stats() showed)``."""
+    done; returns ``({id: (tokens, logprobs, finish_reason)}, the most preemptions stats() showed)``;
+    ``scores`` (a dict) gets ``{id: (each token's top log-probabilities, the prompt's)}``."""
     arrivals = arrivals or [0] * len(requests)
     order = order or list(range(len(requests)))
     queue = sorted(order, key=lambda i: arrivals[i])  # stable: `order` within a step
@@ -64,6 +69,8 @@ def run(engine: Engine, requests, arrivals=None, order=None, cancel=None) -> tup
             i = queue.pop(0)
             engine.add_request(requests[i][0], requests[i][1], request_id=i)
             out[str(i)] = ([], [], None)
+            if scores is not None:
+                scores[str(i)] = ([], None)
         for rid in (cancel or {}).get(step, []):
             engine.cancel(rid)
         for event in engine.step():
@@ -73,6 +80,12 @@ def run(engine: Engine, requests, arrivals=None, order=None, cancel=None) -> tup
                 assert event.index == len(tokens)
                 tokens.append(event.token)
                 logprobs.append(event.logprob)
+            if scores is not None:
+                tops, prompt = scores[event.request_id]
+                assert event.prompt_logprobs is None or (prompt is None and not tokens[:-1]), "prompt scores twice"
+                if event.token is not None:
+                    tops.append(event.top)
+                scores[event.request_id] = (tops, event.prompt_logprobs if prompt is None else prompt)
             out[event.request_id] = (tokens, logprobs, event.finish_reason)
         most = max(most, engine.stats().preemptions)
         step += 1
@@ -81,11 +94,19 @@ def run(engine: Engine, requests, arrivals=None, order=None, cancel=None) -> tup
     return out, most
 
 
+def params_of(max_tokens: int, sampled: bool, seed: int, scored: bool = False) -> RequestParams:
+    """Log-probabilities always; ``scored``: the 2 top tokens' at each position and the prompt's too."""
+    sampling = SAMPLED if sampled else GREEDY
+    scores = dict(top_logprobs=2, prompt_logprobs=True) if scored else {}
+    return RequestParams(max_tokens=max_tokens, sampling=sampling, seed=seed, logprobs=True, **scores)
+
+
 @functools.cache
-def solo(variant: str, prompt: tuple, max_tokens: int, sampled: bool, seed: int):
-    """A request alone in a roomy engine: its prompt in one chunk."""
-    params = RequestParams(max_tokens=max_tokens, sampling=SAMPLED if sampled else GREEDY, seed=seed, logprobs=True)
-    return run(engine_of(variant), [(list(prompt), params)])[0]["0"]
+def solo(variant: str, prompt: tuple, max_tokens: int, sampled: bool, seed: int, scored: bool = False):
+    """A request alone in a roomy engine: its prompt in one chunk. ``scored``: its scores after the rest."""
+    scores = {}
+    got = run(engine_of(variant), [(list(prompt), params_of(max_tokens, sampled, seed, scored))], scores=scores)[0]
+    return got["0"] + ((scores["0"],) if scored else ())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +141,7 @@ def workloads(draw, sampled: bool):
     n = draw(st.integers(1, 5))
     prompts = draw(st.lists(st.lists(st.integers(3, 23), min_size=1, max_size=12), min_size=n, max_size=n))
     max_tokens = draw(st.lists(st.integers(1, 10), min_size=n, max_size=n))
+    scored = draw(st.lists(st.booleans(), min_size=n, max_size=n))  # top and prompt log-probabilities too
     block_size = draw(st.sampled_from([1, 2, 3, 4, 8]))
     max_batch_tokens = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 64]))
     # the blocks of the largest request at its peak, in every layer group of the engine's cache
@@ -127,7 +149,7 @@ def workloads(draw, sampled: bool):
     need = max(paging.peak(len(p) + m, max_batch_tokens) for p, m in zip(prompts, max_tokens))
     return dict(
         variant=variant,
-        requests=[(tuple(p), m, sampled, 100 + i) for i, (p, m) in enumerate(zip(prompts, max_tokens))],
+        requests=[(tuple(p), m, sampled, 100 + i, c) for i, (p, m, c) in enumerate(zip(prompts, max_tokens, scored))],
         arrivals=draw(st.lists(st.sampled_from([0, 0, 1, 2, 5]), min_size=n, max_size=n)),
         order=draw(st.permutations(range(n))),
         max_batch_tokens=max_batch_tokens,
@@ -139,20 +161,19 @@ def workloads(draw, sampled: bool):
 def invariant_results(w, threads: int = 1) -> tuple[list, list, int]:
     """Run workload ``w`` in one engine: each request's ``(tokens, logprobs, finish reason)`` there, the
     same of its solo run, and the most preemptions seen."""
-    requests = [
-        (list(p), RequestParams(max_tokens=m, sampling=SAMPLED if s else GREEDY, seed=seed, logprobs=True))
-        for p, m, s, seed in w["requests"]
-    ]
+    requests = [(list(r[0]), params_of(*r[1:])) for r in w["requests"]]
     engine = engine_of(
         w["variant"], num_blocks=w["num_blocks"], block_size=w["block_size"], max_batch_tokens=w["max_batch_tokens"]
     )
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got, preempted = run(engine, requests, w["arrivals"], w["order"])
+        scores = {}
+        got, preempted = run(engine, requests, w["arrivals"], w["order"], scores=scores)
     finally:
         torch.set_num_threads(before)
-    together = [tuple(got[str(i)]) for i in range(len(w["requests"]))]
+    scored = [r[4:] == (True,) for r in w["requests"]]
+    together = [tuple(got[str(i)]) + ((scores[str(i)],) if c else ()) for i, c in enumerate(scored)]
     alone = [tuple(solo(w["variant"], *r)) for r in w["requests"]]
     return together, alone, preempted
 
@@ -197,6 +218,18 @@ PREEMPTING = dict(
 
 def test_preempted_requests_are_bitwise_their_solo_runs():
     assert check_invariant(PREEMPTING) > 0, "this workload is meant to preempt"
+
+
+def test_preempted_requests_score_their_prompts_once_and_bitwise_as_alone():
+    """Every request scores its prompt and its tokens' top 2 too: a preempted prompt is computed again,
+    its scores are not (``run`` checks they come once, with the first event)."""
+    w = {**PREEMPTING, "requests": [r + (True,) for r in PREEMPTING["requests"]]}
+    together, alone, preempted = invariant_results(w)
+    assert preempted > 0 and together == alone
+    for (prompt, *_), got in zip(w["requests"], together):
+        tops, scores = got[3]
+        assert [s.token for s in scores] == list(prompt[1:]) and all(len(s.top) == 2 for s in scores)
+        assert len(tops) == len(got[0]) and all(len(t) == 2 for t in tops)
 
 
 def test_preempted_requests_with_window_groups_are_bitwise_their_solo_runs():
@@ -265,6 +298,72 @@ def test_without_native_kernels_requests_are_still_bitwise_their_solo_runs():
         want = solo(PREEMPTING["variant"], *r)
         assert (tokens, reason) == (want[0], want[2])
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want[1]), atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probabilities: the top tokens' and the prompt's
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["rotary-gqa-fused", "rotary-windows", "learned-layernorm-gelu"])
+def test_prompt_and_top_logprobs_are_the_models_own(variant):
+    """A 20-token prompt scored in chunks of 3 (windows of 3 in ``rotary-windows``): each prompt token
+    after the first gets log_softmax(the model's full-forward logits at the position before), within
+    float32's rounding of a float64 evaluation; the top 5 are that row's 5 largest, most likely first;
+    each generated token's log-probability and top 5 likewise at its own position."""
+    m = model(variant)
+    prompt = [int(t) for t in torch.randint(3, 24, (20,), generator=torch.Generator().manual_seed(7))]
+    engine = engine_of(variant, max_batch_tokens=3, eos_ids=[])
+    params = RequestParams(max_tokens=4, logprobs=True, top_logprobs=5, prompt_logprobs=True)
+    got = engine.generate([prompt], params)[0]
+    whole = prompt + got.tokens
+    with torch.no_grad():
+        want = torch.log_softmax(copy.deepcopy(m).double().decode(torch.tensor([whole]), mask=masks.causal())[0], -1)
+    assert [p.token for p in got.prompt_logprobs] == prompt[1:]
+    scores = [(p.logprob, p.top) for p in got.prompt_logprobs] + list(zip(got.logprobs, got.top))
+    assert len(scores) == len(whole) - 1  # positions 0 .. the one before the last token
+    for position, (logprob, top) in enumerate(scores):
+        row = want[position]
+        assert logprob == pytest.approx(float(row[whole[position + 1]]), abs=5e-5)
+        values, ids = row.topk(5)
+        assert [i for i, _ in top] == ids.tolist(), f"position {position}: the top 5 in order"
+        assert [lp for _, lp in top] == pytest.approx(values.tolist(), abs=5e-5)
+    # the generated tokens' own top 1 (greedy): the token itself
+    assert [t[0][0] for t in got.top] == got.tokens
+
+
+def test_a_request_of_no_tokens_scores_its_prompt_only():
+    variant = "rotary-gqa"
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    engine = engine_of(variant, block_size=2, max_batch_tokens=3)
+    scored = engine.generate([prompt], RequestParams(max_tokens=6, prompt_logprobs=True))[0]
+    only = engine.generate([prompt], RequestParams(max_tokens=0, prompt_logprobs=True))[0]
+    assert (only.tokens, only.logprobs, only.finish_reason) == ([], [], "length")
+    assert only.prompt_logprobs == scored.prompt_logprobs and len(only.prompt_logprobs) == len(prompt) - 1
+    assert all(p.top == () for p in only.prompt_logprobs)  # none asked
+    assert scored.logprobs == [] and scored.top == []  # the generated tokens': not asked either
+    assert engine.stats().blocks_used == 0
+    # a one-token prompt has nothing to score
+    single = engine.generate([[5]], RequestParams(max_tokens=0, prompt_logprobs=True))[0]
+    assert single.prompt_logprobs == [] and single.finish_reason == "length"
+
+
+def test_top_logprobs_break_ties_by_the_lower_id():
+    from attnmask.engine.engine import _logprob
+
+    row = torch.tensor([0.0, 2.0, 1.0, 2.0, 2.0, -1.0])
+    got = _logprob(row, 5, 3)
+    assert [i for i, _ in got.top] == [1, 3, 4] and got.token == 5
+    assert isinstance(got, Logprob) and got.logprob == pytest.approx(float(torch.log_softmax(row, 0)[5]))
+    assert [i for i, _ in _logprob(row, 0, 4).top] == [1, 3, 4, 2]
+
+
+def test_request_params_check_their_log_probability_settings():
+    with pytest.raises(UserError, match="max_tokens must be an int >= 1"):
+        RequestParams(max_tokens=0)
+    with pytest.raises(UserError, match="top_logprobs must be an int from 0 to 20"):
+        RequestParams(top_logprobs=21)
+    with pytest.raises(UserError, match="top_logprobs"):
+        RequestParams(top_logprobs=True)
+    assert RequestParams(max_tokens=0, prompt_logprobs=True).max_tokens == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,13 @@ A request's tokens and log-probabilities are bitwise the same whether it runs al
 other requests, wherever it sits in the packed row and however its prompt is chunked or preempted:
 the step computes each row independently of the others, sampling reads only the row's own logits
 and the request's own generator.
+
+Log-probabilities (``RequestParams.logprobs``) are the model's own, ``log_softmax`` of a row's logits
+before temperature or top-k/top-p; ``top_logprobs`` adds the most likely tokens' at each position;
+``prompt_logprobs`` scores the prompt: the log-probability of each prompt token after the first,
+given the ones before it (OpenAI's ``echo``, what evaluation harnesses read), computed from the same
+rows as the prompt's prefill, so scoring costs the head's product on those rows and nothing more.
+With ``prompt_logprobs``, ``max_tokens`` may be 0: the request scores its prompt and generates nothing.
 """
 
 from __future__ import annotations
@@ -35,9 +42,12 @@ from attnmask.engine.scheduler import Sequence as SeqState
 from attnmask.engine.step import check_servable, fused_plan, packed_forward
 from attnmask.errors import UserError
 
-__all__ = ["Completion", "Engine", "EngineStats", "RequestParams", "TokenEvent"]
+__all__ = ["Completion", "Engine", "EngineStats", "Logprob", "RequestParams", "TokenEvent"]
 
 TAIL_MARGIN = 8  # characters a stop-string search's window holds beyond the stop string and the newest token
+MAX_TOP_LOGPROBS = 20  # most likely tokens a request may ask for at each position (OpenAI's chat limit)
+
+Top = tuple[tuple[int, float], ...]  # (token, log-probability) pairs, the most likely first
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,11 @@ class RequestParams:
     ``sampling``: temperature / top-k / top-p (default greedy); ``seed``: the request's own generator
     (None: drawn from the operating system, so not reproducible); ``stop_ids``: tokens that end the
     request (besides the engine's end-of-sequence ids, unless ``ignore_eos``); ``stop``: strings that
-    end it (needs the engine's ``detokenize``); ``logprobs``: report each token's log-probability."""
+    end it (needs the engine's ``detokenize``); ``logprobs``: report each token's log-probability;
+    ``top_logprobs``: and the log-probabilities of the that many most likely tokens at its position (0 to
+    :data:`MAX_TOP_LOGPROBS`); ``prompt_logprobs``: score the prompt too (each of its tokens after the
+    first, with its ``top_logprobs``), delivered with the request's first event. ``max_tokens`` >= 1, or
+    0 with ``prompt_logprobs`` (score the prompt only)."""
 
     max_tokens: int = 16
     sampling: Sampling = GREEDY
@@ -56,10 +70,19 @@ class RequestParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise UserError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        least = 0 if self.prompt_logprobs else 1
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < least:
+            raise UserError(
+                f"max_tokens must be an int >= 1 (or 0 with prompt_logprobs: score the prompt only), got "
+                f"{self.max_tokens!r}"
+            )
+        top = self.top_logprobs
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise UserError(f"top_logprobs must be an int from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
         if not isinstance(self.sampling, Sampling):
             raise UserError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -67,16 +90,31 @@ class RequestParams:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability at one position, and the ``top`` most likely tokens' there (as many as
+    the request's ``top_logprobs``)."""
+
+    token: int
+    logprob: float
+    top: Top = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One new token of one request. ``finish_reason``: None while it goes on, else ``"stop"`` (an
     end-of-sequence id, a stop id or a stop string), ``"length"`` (``max_tokens`` or the model's
-    context) or ``"cancelled"`` (then ``token`` is None)."""
+    context) or ``"cancelled"`` (then ``token`` is None; also None when a request of ``max_tokens`` 0
+    has scored its prompt). ``logprob`` and ``top``: when the request asked (``logprobs``,
+    ``top_logprobs``); ``prompt_logprobs``: with a request's first event, when it asked, one
+    :class:`Logprob` for each prompt token after the first."""
 
     request_id: str
     token: int | None
     index: int  # of the token among the request's generated tokens
     logprob: float | None = None
     finish_reason: str | None = None
+    top: Top | None = None
+    prompt_logprobs: tuple[Logprob, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -92,6 +130,8 @@ class Completion:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    top: list[Top] = field(default_factory=list)  # each token's most likely tokens, when asked
+    prompt_logprobs: list[Logprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +153,8 @@ class _Request:
     generator: torch.Generator
     stops: frozenset[int]
     tail: int = 0  # tokens of the last stop-string search's window (see Engine._tail_text)
+    scored: list[Logprob] | None = None  # prompt_logprobs: prompt tokens 1.. scored so far (kept over preemption)
+    delivered: bool = False  # an event has gone out (the prompt's scores go with the first)
 
 
 class Engine:
@@ -218,7 +260,8 @@ class Engine:
                 generator.manual_seed(params.seed)
             stops = frozenset(params.stop_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
             seq = SeqState(rid, list(prompt), len(prompt), params.max_tokens)
-            self._inbox.append(("add", _Request(seq, params, generator, stops)))
+            scored = [] if params.prompt_logprobs else None
+            self._inbox.append(("add", _Request(seq, params, generator, stops, scored=scored)))
         return rid
 
     def cancel(self, request_id: str) -> None:
@@ -260,8 +303,12 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return events
-        logits = self._forward(chunks)  # (M, V): one row per sampling chunk, in chunk order
+        logits, scoring = self._forward(chunks)  # (M, V): the prompt rows to score, then one row a sampling chunk
         sampling = [c for c in chunks if c.sample]
+        for (c, position), row in zip(scoring, logits):  # a chunk's rows in order: the scores in order
+            request = self._requests[c.seq.request_id]
+            request.scored.append(_logprob(row, c.seq.tokens[position + 1], request.params.top_logprobs))
+        logits = logits[len(scoring) :]
         for c in chunks:
             c.seq.computed += c.n
             self._tokens_in += c.n if c.start < c.seq.prompt_len else 0
@@ -275,15 +322,23 @@ class Engine:
         self._steps += 1
         return events
 
-    def _forward(self, chunks: list[Chunk]) -> Tensor:
+    def _forward(self, chunks: list[Chunk]) -> tuple[Tensor, list[tuple[Chunk, int]]]:
+        """The step over ``chunks``: logits of the prompt rows to score (``(chunk, position)`` each, returned
+        too), then of each sampling chunk's last row."""
         device = self.cache.k[0].device
-        tokens, positions, row_seq, logit_rows = [], [], [], []
+        tokens, positions, row_seq, logit_rows, scoring, sample_rows = [], [], [], [], [], []
         for i, c in enumerate(chunks):
+            scored = self._requests[c.seq.request_id].scored
+            if scored is not None:  # prompt rows not scored yet (after a preemption, the rest only)
+                for position in range(max(c.start, len(scored)), min(c.start + c.n, c.seq.prompt_len - 1)):
+                    logit_rows.append(len(tokens) + position - c.start)
+                    scoring.append((c, position))
             tokens += c.seq.tokens[c.start : c.start + c.n]
             positions += range(c.start, c.start + c.n)
             row_seq += [i] * c.n
             if c.sample:
-                logit_rows.append(len(tokens) - 1)
+                sample_rows.append(len(tokens) - 1)
+        logit_rows += sample_rows
         tables = []  # one (Q, W) tensor a layer group
         for g in range(len(self.cache.groups)):
             width = max(len(c.seq.tables[g]) for c in chunks)
@@ -293,16 +348,24 @@ class Engine:
             tables.append(table.to(device))
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         with torch.inference_mode():
-            return packed_forward(
+            logits = packed_forward(
                 self.model, self.cache, as_long(tokens), as_long(positions), as_long(row_seq), tables,
                 as_long(logit_rows), self.plan,
             )  # fmt: skip
+        return logits, scoring
 
     def _sample(self, seq: SeqState, row: Tensor, best: int | None = None) -> TokenEvent:
         """The next token of ``seq`` from its logits ``row (V,)``; ``best``: the row's arg-max, where the
         caller has it already (greedy requests take it)."""
         request = self._requests[seq.request_id]
         params = request.params
+        prompt = None
+        if not request.delivered:
+            request.delivered = True
+            prompt = tuple(request.scored) if request.scored is not None else None
+        if params.max_tokens == 0:  # the prompt scored (prompt_logprobs), nothing to generate
+            self._finish(request)
+            return TokenEvent(seq.request_id, None, 0, finish_reason="length", prompt_logprobs=prompt)
         s = params.sampling
         if s.greedy and best is not None:
             token = best
@@ -310,7 +373,10 @@ class Engine:
             token = int(
                 sample(row[None].cpu(), Sampling(s.temperature, s.top_k, s.top_p, generator=request.generator))[0]
             )
-        logprob = float(torch.log_softmax(row.float(), dim=-1)[token]) if params.logprobs else None
+        logprob = top = None
+        if params.logprobs or params.top_logprobs:
+            scored = _logprob(row, token, params.top_logprobs)
+            logprob, top = scored.logprob, scored.top if params.top_logprobs else None
         seq.tokens.append(token)
         self._tokens_out += 1
         reason = None
@@ -319,9 +385,12 @@ class Engine:
         elif seq.generated >= params.max_tokens or (self.max_len is not None and len(seq.tokens) >= self.max_len):
             reason = "length"
         if reason is not None:
-            self.scheduler.finish(seq)
-            del self._requests[seq.request_id]
-        return TokenEvent(seq.request_id, token, seq.generated - 1, logprob, reason)
+            self._finish(request)
+        return TokenEvent(seq.request_id, token, seq.generated - 1, logprob, reason, top, prompt)
+
+    def _finish(self, request: _Request) -> None:
+        self.scheduler.finish(request.seq)
+        del self._requests[request.seq.request_id]
 
     def _tail_text(self, request: _Request) -> str:
         """The text of the request's last tokens, where a stop string that the newest token completes
@@ -363,13 +432,31 @@ class Engine:
             c = done.get(event.request_id)
             if c is None:
                 continue
+            if event.prompt_logprobs is not None:
+                c.prompt_logprobs = list(event.prompt_logprobs)
             if event.token is not None:
                 c.tokens.append(event.token)
                 if event.logprob is not None:
                     c.logprobs.append(event.logprob)
+                if event.top is not None:
+                    c.top.append(event.top)
             if event.finished:
                 c.finish_reason = event.finish_reason
         return [done[rid] for rid in ids]
+
+
+def _logprob(row: Tensor, token: int, k: int) -> Logprob:
+    """``token``'s log-probability under the logits ``row (V,)``, and the ``k`` most likely tokens' (ties: the
+    lower id first). From the row alone, so the same bits whatever else was in the step."""
+    logp = torch.log_softmax(row.float(), dim=-1)
+    top: Top = ()
+    if k:
+        values = logp.topk(min(k, logp.numel())).values
+        # every token at least as likely as the k-th, ordered by (log-probability down, id up)
+        ids = torch.nonzero(logp >= values[-1]).flatten()
+        order = sorted(zip(logp[ids].tolist(), ids.tolist()), key=lambda pair: (-pair[0], pair[1]))[:k]
+        top = tuple((i, lp) for lp, i in order)
+    return Logprob(token, float(logp[token]), top)
 
 
 def _holds_any(text: str, strings: tuple[str, ...]) -> bool:
