@@ -89,6 +89,74 @@ def test_completion_logprobs_are_the_engines(client, model, tokenizer):
     assert lp.text_offset == list(range(8)) and all(x <= 0 for x in lp.token_logprobs)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_read_it(client, model, tokenizer):
+    """lm-evaluation-harness's loglikelihood request: token ids (context + continuation), ``echo``,
+    ``logprobs`` 1, ``max_tokens`` 1, greedy. It reads ``token_logprobs[ctxlen:-1]`` (their sum: the
+    continuation's log-likelihood) and ``top_logprobs[ctxlen:-1]`` (greedy where each token's logprob is
+    its position's largest). Both are the engine's own, bit for bit."""
+    context, continuation = tokenizer.encode("The cat sat on"), tokenizer.encode(" the mat")
+    ids = context + continuation
+    r = client.completions.create(model=MODEL, prompt=[ids], echo=True, logprobs=1, max_tokens=1, temperature=0)
+    want = direct(model, tokenizer, ids, max_tokens=1, sampling=GREEDY, logprobs=True, top_logprobs=1,
+                  prompt_logprobs=True)  # fmt: skip
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.text == tokenizer.decode(ids) + tokenizer.decode(want.tokens)
+    assert lp.tokens == [tokenizer.decode([t], skip_special=False) for t in ids + want.tokens]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    assert lp.token_logprobs[1:] == [s.logprob for s in want.prompt_logprobs] + want.logprobs  # the same floats
+    ctx = len(context)
+    loglikelihood = sum(lp.token_logprobs[ctx:-1])
+    greedy = all(tok == max(top.values()) for tok, top in zip(lp.token_logprobs[ctx:-1], lp.top_logprobs[ctx:-1]))
+    assert loglikelihood == sum(s.logprob for s in want.prompt_logprobs[ctx - 1 :]) < 0
+    assert greedy == all(s.top[0][0] == s.token for s in want.prompt_logprobs[ctx - 1 :])
+    for entry, score in zip(lp.top_logprobs[1:], want.prompt_logprobs):  # the top token and the prompt's own
+        top_text = tokenizer.decode([score.top[0][0]], skip_special=False)
+        assert entry[top_text] == score.top[0][1] and entry[tokenizer.decode([score.token])] == score.logprob
+    assert lp.text_offset == list(range(len(ids) + 1))  # one character a token
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 1
+
+
+def test_echo_with_no_tokens_scores_the_prompt_only_streamed_or_not(client, model, tokenizer):
+    prompt = "Score this prompt"
+    ids = tokenizer.encode(prompt)
+    r = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    want = direct(model, tokenizer, ids, max_tokens=0, logprobs=True, top_logprobs=2, prompt_logprobs=True)
+    choice = r.choices[0]
+    assert (choice.text, choice.finish_reason, r.usage.completion_tokens) == (prompt, "length", 0)
+    assert choice.logprobs.token_logprobs == [None] + [s.logprob for s in want.prompt_logprobs]
+    assert all(len(top) in (2, 3) for top in choice.logprobs.top_logprobs[1:])  # the 2 most likely, the prompt's
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0,
+                                            stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == prompt and chunks[-1].choices[0].finish_reason == "length"
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == choice.logprobs.token_logprobs
+    # echo without logprobs: the prompt, then the completion
+    r = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=5, temperature=0)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    assert r.choices[0].text == prompt + plain.choices[0].text and r.choices[0].logprobs is None
+
+
+def test_top_logprobs_of_a_completion_and_of_a_chat(client, model, tokenizer):
+    r = client.completions.create(model=MODEL, prompt="The dog", max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    want = direct(model, tokenizer, tokenizer.encode("The dog"), max_tokens=6, sampling=GREEDY, ignore_eos=True,
+                  logprobs=True, top_logprobs=3)  # fmt: skip
+    lp = r.choices[0].logprobs
+    for entry, top, chosen in zip(lp.top_logprobs, want.top, want.logprobs):
+        assert list(entry.values())[:3] == [x for _, x in top] and max(entry.values()) == chosen  # greedy
+    messages = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=4)  # fmt: skip
+    want = direct(model, tokenizer, tokenizer.encode(TEMPLATE(messages)), max_tokens=5, sampling=GREEDY,
+                  logprobs=True, top_logprobs=4)  # fmt: skip
+    for entry, top in zip(r.choices[0].logprobs.content, want.top):
+        assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
+            (tokenizer.decode([i], skip_special=False), x) for i, x in top
+        ]
+        assert entry.top_logprobs[0].bytes == list(entry.top_logprobs[0].token.encode())
+
+
 def test_sampling_with_a_seed_is_reproducible(client):
     def ask():
         extra = {"ignore_eos": True, "top_k": 8}  # top_k: an extension

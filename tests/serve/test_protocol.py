@@ -59,6 +59,25 @@ def test_chat_renders_messages_and_text_parts():
     assert g.prompt == encode("[system]s[user]hi[assistant]") and g.logprobs and g.params.max_tokens == 4
 
 
+def test_logprobs_top_logprobs_and_echo():
+    """A completion's ``logprobs`` N: the chosen tokens' and the N most likely; ``echo`` with them scores
+    the prompt (lm-evaluation-harness's request: echo, logprobs 1, max_tokens 1), with ``max_tokens`` 0
+    the prompt only; a chat's ``top_logprobs`` goes with ``logprobs: true``."""
+    g = completion(prompt="abc", echo=True, logprobs=1, max_tokens=1, temperature=0)
+    assert g.echo and g.logprobs and g.top_logprobs == 1 and g.prompt_text == "abc"
+    p = g.params
+    assert (p.prompt_logprobs, p.top_logprobs, p.logprobs, p.max_tokens) == (True, 1, True, 1)
+    g = completion(prompt=[[5, 6, 7]], echo=True, max_tokens=0)
+    assert g.prompt_text is None and not g.logprobs and g.params.max_tokens == 0 and g.params.prompt_logprobs
+    g = completion(prompt="abc", echo=True)  # echoed, not scored
+    assert not g.params.prompt_logprobs and g.params.max_tokens == 16
+    g = completion(prompt="abc", logprobs=0)
+    assert g.logprobs and g.top_logprobs == 0 and not g.echo and not g.params.prompt_logprobs
+    assert completion(prompt="abc", logprobs=20).params.top_logprobs == 20
+    g = chat(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=3)
+    assert g.logprobs and g.top_logprobs == 3 and g.params.top_logprobs == 3 and not g.echo
+
+
 # ---- mistakes: status and the field named --------------------------------------------------------
 BAD_COMPLETIONS = [
     ({}, "prompt"),
@@ -90,9 +109,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "a", "n": 2}, "n"),
     ({"prompt": "a", "n": 0}, "n"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "logprobs": 6}, "logprobs"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs"),
     ({"prompt": "a", "logprobs": True}, "logprobs"),
-    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "a", "suffix": "b"}, "suffix"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
@@ -117,7 +139,8 @@ BAD_CHATS = [
     ({"messages": ["hi"]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x" * 64}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),

@@ -121,7 +121,7 @@ class _Service:
             return self._reject(ApiError(400, str(err)))
         except ServerClosed as err:
             return self._reject(ApiError(503, str(err), type="server_unavailable"))
-        shape = Shape(chat=chat, model=self.model_name, logprobs=gen.logprobs)
+        shape = Shape(chat=chat, model=self.model_name, logprobs=gen.logprobs, top_logprobs=gen.top_logprobs)
         if gen.stream:
             return _EventStream(self._sse(stream, gen, shape), stream, self._count_cancelled)
         async with stream:
@@ -159,21 +159,27 @@ class _Service:
         return JSONResponse(err.body(), status_code=err.status)
 
     async def _pieces(self, stream: RequestStream, gen: Generation) -> AsyncIterator[Piece]:
-        """The request's answer, one :class:`Piece` per engine event; latencies observed."""
+        """The request's answer, one :class:`Piece` per engine event (with ``echo``, the prompt's before
+        the first); latencies observed."""
         text = TextStream(self.tokenizer.decode, gen.params.stop)
-        last = None
+        last, echo, base = None, gen.echo, 0  # base: characters before the completion's (the echoed prompt)
         async for timed in stream:
             event = timed.event
+            if echo:  # the first event brings the prompt's scores
+                echo, prompt = False, self._echo(gen, event.prompt_logprobs)
+                base = len(prompt.text)
+                yield prompt
             if event.token is not None:
                 latency = self.metrics.ttft if last is None else self.metrics.itl
                 latency.observe(timed.time - (stream.created if last is None else last))
                 last = timed.time
             piece = Piece("", generated=int(event.token is not None))
             if event.token is not None:
-                offset = len(text.text)
+                offset = base + len(text.text)
                 piece.text = text.push(event.token)
                 if gen.logprobs:
-                    piece.tokens.append((self._token_text(event.token), event.logprob, offset))
+                    top = self._top_texts(event.top)
+                    piece.tokens.append((self._token_text(event.token), event.logprob, offset, top))
             if event.finished:
                 piece.text += text.finish()
                 piece.finish_reason = "stop" if text.stopped else event.finish_reason
@@ -182,6 +188,23 @@ class _Service:
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special=False)
+
+    def _top_texts(self, top) -> list[tuple[str, float]] | None:
+        return None if top is None else [(self._token_text(t), lp) for t, lp in top]
+
+    def _echo(self, gen: Generation, scores) -> Piece:
+        """The prompt as the answer's start: its text (as sent, or its ids decoded) and, with logprobs, its
+        tokens (the first unscored), their offsets those of the tokens' own texts."""
+        piece = Piece(gen.prompt_text if gen.prompt_text is not None else self.tokenizer.decode(gen.prompt))
+        if gen.logprobs:
+            offset, scores = 0, list(scores or ())
+            for i, token in enumerate(gen.prompt):
+                s = scores[i - 1] if 0 < i <= len(scores) else None
+                token_text = self._token_text(token)
+                top = self._top_texts(s.top) if s is not None and gen.top_logprobs else None
+                piece.tokens.append((token_text, None if s is None else s.logprob, offset, top))
+                offset += len(token_text)
+        return piece
 
     async def _collect(self, stream: RequestStream, gen: Generation) -> list[Piece]:
         return [piece async for piece in self._pieces(stream, gen)]

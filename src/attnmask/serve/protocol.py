@@ -6,7 +6,13 @@ ids, :class:`~attnmask.engine.RequestParams`, streaming options), or raise :clas
 the app answers with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` and
 a 4xx status. Every field a client can get wrong is checked here, with the field's name in
 ``param``; fields this server does not implement are refused when they would change the answer
-(``n`` > 1, penalties, ``logit_bias``, ``echo``) rather than silently ignored.
+(``n`` > 1, penalties, ``logit_bias``, ``suffix``) rather than silently ignored.
+
+Log-probabilities: a completion's ``logprobs`` N (0 to 20) reports each token's and, for N >= 1, the N
+most likely tokens' at its position; ``echo`` sends the prompt back before the completion and, with
+``logprobs``, scores it (each prompt token after the first, given the ones before it: what evaluation
+harnesses such as lm-evaluation-harness read, usually with ``max_tokens`` 1, or 0: the prompt only).
+A chat's ``logprobs: true`` with ``top_logprobs`` N (0 to 20) likewise.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 
 from attnmask.decode.sampling import Sampling
 from attnmask.engine import RequestParams
+from attnmask.engine.engine import MAX_TOP_LOGPROBS
 from attnmask.errors import UserError
 
 __all__ = ["ApiError", "Generation", "check_model", "parse_chat", "parse_completion"]
@@ -54,6 +61,9 @@ class Generation:
     stream: bool
     include_usage: bool  # streaming: a last chunk with ``usage`` (``stream_options.include_usage``)
     logprobs: bool  # report each chosen token's log-probability
+    top_logprobs: int = 0  # and the that many most likely tokens' at each position
+    echo: bool = False  # a completion: the prompt first (scored too, with logprobs)
+    prompt_text: str | None = None  # the prompt as the client sent it, when it sent text
 
 
 # ---- fields -------------------------------------------------------------------------------------
@@ -183,7 +193,7 @@ def check_model(body: dict, served: str) -> None:
         )
 
 
-def _params(body: dict, max_tokens: int, logprobs: bool) -> RequestParams:
+def _params(body: dict, max_tokens: int, logprobs: bool, top: int = 0, score_prompt: bool = False) -> RequestParams:
     try:
         return RequestParams(
             max_tokens=max_tokens,
@@ -192,6 +202,8 @@ def _params(body: dict, max_tokens: int, logprobs: bool) -> RequestParams:
             stop=_stop(body),
             ignore_eos=_bool(body, "ignore_eos"),  # an extension (vLLM's)
             logprobs=logprobs,
+            top_logprobs=top,
+            prompt_logprobs=score_prompt,
         )
     except UserError as err:
         raise ApiError(400, str(err)) from err
@@ -212,11 +224,11 @@ def _prompt_ids(value: Any, encode: Callable[[str], list[int]]) -> list[int]:
 
 
 def parse_completion(body: dict, *, encode: Callable[[str], list[int]], capacity: int) -> Generation:
-    """``POST /v1/completions``: ``prompt``, ``max_tokens`` (default 16), sampling, ``stop``,
-    ``seed``, ``logprobs`` (an int: the chosen tokens' log-probabilities), ``stream``."""
+    """``POST /v1/completions``: ``prompt``, ``max_tokens`` (default 16; 0 with ``echo``: score the
+    prompt only), sampling, ``stop``, ``seed``, ``logprobs`` (an int N: the chosen tokens'
+    log-probabilities and the N most likely tokens'), ``echo``, ``stream``."""
     _unsupported(body)
-    if _bool(body, "echo"):
-        raise ApiError(400, "'echo' is not supported by this server", param="echo")
+    echo = _bool(body, "echo")
     if body.get("suffix"):
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
     if "prompt" not in body:
@@ -224,9 +236,10 @@ def parse_completion(body: dict, *, encode: Callable[[str], list[int]], capacity
     prompt = _prompt_ids(body["prompt"], encode)
     if not prompt:
         raise ApiError(400, "'prompt' is empty; expected at least one token", param="prompt")
-    logprobs = _int(body, "logprobs", minimum=0, maximum=5) is not None  # any number: the chosen tokens' only
+    top = _int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    logprobs = top is not None
     max_tokens = _max_tokens(
-        _int(body, "max_tokens", minimum=1),
+        _int(body, "max_tokens", minimum=0 if echo else 1),
         len(prompt),
         capacity,
         default=DEFAULT_COMPLETION_TOKENS,
@@ -234,8 +247,19 @@ def parse_completion(body: dict, *, encode: Callable[[str], list[int]], capacity
         prompt_param="prompt",
     )
     stream = _bool(body, "stream")
-    params = _params(body, max_tokens, logprobs)
-    return Generation(prompt, params, stream=stream, include_usage=_stream_options(body, stream), logprobs=logprobs)
+    # echo scores the prompt when log-probabilities are asked for (and with max_tokens 0, the whole request)
+    params = _params(body, max_tokens, logprobs, top or 0, score_prompt=echo and (logprobs or max_tokens == 0))
+    text = _prompt_text(body["prompt"])
+    return Generation(
+        prompt, params, stream=stream, include_usage=_stream_options(body, stream), logprobs=logprobs,
+        top_logprobs=top or 0, echo=echo, prompt_text=text,
+    )  # fmt: skip
+
+
+def _prompt_text(value: Any) -> str | None:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return value if isinstance(value, str) else None
 
 
 def _content(message: dict, i: int) -> str:
@@ -268,7 +292,7 @@ def messages_of(body: dict) -> list[dict[str, str]]:
 def parse_chat(body: dict, *, encode: Callable[[str], list[int]], render, capacity: int) -> Generation:
     """``POST /v1/chat/completions``: ``messages`` rendered by ``render`` (the model's chat template,
     or None when it has none), ``max_tokens`` / ``max_completion_tokens`` (default: what fits),
-    sampling, ``stop``, ``seed``, ``logprobs`` (true / false), ``stream``."""
+    sampling, ``stop``, ``seed``, ``logprobs`` (true / false), ``top_logprobs``, ``stream``."""
     _unsupported(body)
     messages = messages_of(body)
     if render is None:
@@ -282,16 +306,16 @@ def parse_chat(body: dict, *, encode: Callable[[str], list[int]], render, capaci
     if not prompt:
         raise ApiError(400, "the rendered conversation is empty", param="messages")
     logprobs = _bool(body, "logprobs")
-    if (top := _int(body, "top_logprobs", minimum=0, maximum=20)) not in (None, 0):
-        raise ApiError(
-            400,
-            f"'top_logprobs' {top} is not supported: this server reports the chosen tokens' log-probabilities only",
-            param="top_logprobs",
-        )
+    top = _int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS) or 0
+    if top and not logprobs:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(
         _int(body, name, minimum=1), len(prompt), capacity, default=None, param=name, prompt_param="messages"
     )
     stream = _bool(body, "stream")
-    params = _params(body, max_tokens, logprobs)
-    return Generation(prompt, params, stream=stream, include_usage=_stream_options(body, stream), logprobs=logprobs)
+    params = _params(body, max_tokens, logprobs, top)
+    return Generation(
+        prompt, params, stream=stream, include_usage=_stream_options(body, stream), logprobs=logprobs,
+        top_logprobs=top,
+    )  # fmt: skip

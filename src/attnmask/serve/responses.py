@@ -3,9 +3,11 @@ r"""OpenAI's response objects: a whole answer, the chunks of a streamed one, usa
 An answer is built from :class:`Piece`\ s, what each engine event adds (text, a token's
 log-probability, the end); :class:`Shape` writes them as a completion (``text_completion``) or a
 chat completion (``chat.completion`` / ``chat.completion.chunk``), with ids ``cmpl-...`` /
-``chatcmpl-...``. Log-probabilities are the chosen tokens' only: in a completion OpenAI's legacy
-``{tokens, token_logprobs, top_logprobs: null, text_offset}``, in a chat ``{content: [{token,
-logprob, bytes, top_logprobs: []}]}``.
+``chatcmpl-...``. Log-probabilities: in a completion OpenAI's legacy ``{tokens, token_logprobs,
+top_logprobs, text_offset}``, ``top_logprobs`` a ``{token: logprob}`` object a token holding the N most
+likely tokens and the chosen one (null for N = 0, and for an echoed prompt's first token, which
+nothing predicts); in a chat ``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob,
+bytes}]}]}``.
 """
 
 from __future__ import annotations
@@ -17,14 +19,28 @@ from dataclasses import dataclass, field
 __all__ = ["Piece", "Shape", "usage"]
 
 
+TopTexts = list[tuple[str, float]]  # the most likely tokens at a position, as (text, logprob)
+
+
 @dataclass
 class Piece:
     """What one engine event adds to an answer: new text, the token (for logprobs), the end."""
 
     text: str
-    generated: int = 0  # 1 when the event carries a token (0: a cancellation)
-    tokens: list[tuple[str, float | None, int]] = field(default_factory=list)  # logprobs: (token text, logprob, offset)
+    generated: int = 0  # 1 when the event carries a token (0: a cancellation, an echoed prompt)
+    # logprobs: (token text, logprob, offset, the most likely tokens there); logprob None: nothing predicts it
+    tokens: list[tuple[str, float | None, int, TopTexts | None]] = field(default_factory=list)
     finish_reason: str | None = None
+
+
+def _top_object(token: str, logprob: float, top: TopTexts | None) -> dict[str, float]:
+    """``{text: logprob}`` of the most likely tokens, then the chosen one; where two tokens have one text
+    (bytes of a split character), the more likely one's stays."""
+    out: dict[str, float] = {}
+    for text, lp in top or ():
+        out.setdefault(text, lp)
+    out.setdefault(token, logprob)
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -42,6 +58,7 @@ class Shape:
     chat: bool
     model: str
     logprobs: bool
+    top_logprobs: int = 0
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -53,19 +70,21 @@ class Shape:
         prefix = "chatcmpl" if self.chat else "cmpl"
         return {"id": f"{prefix}-{self.id}", "object": object_, "created": self.created, "model": self.model}
 
-    def _logprobs(self, tokens: list[tuple[str, float | None, int]]) -> dict | None:
+    def _logprobs(self, tokens: list[tuple[str, float | None, int, TopTexts | None]]) -> dict | None:
         if not self.logprobs:
             return None
         if self.chat:
-            content = [
-                {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []} for t, lp, _ in tokens
-            ]
+            entry = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}  # noqa: E731
+            content = [{**entry(t, lp), "top_logprobs": [entry(*x) for x in top or ()]} for t, lp, _, top in tokens]
             return {"content": content, "refusal": None}
+        tops = None
+        if self.top_logprobs:  # the N most likely and the chosen token (OpenAI: up to N + 1 entries)
+            tops = [None if lp is None else _top_object(t, lp, top) for t, lp, _, top in tokens]
         return {
-            "tokens": [t for t, _, _ in tokens],
-            "token_logprobs": [lp for _, lp, _ in tokens],
-            "top_logprobs": None,  # the engine reports the chosen token's log-probability only
-            "text_offset": [offset for _, _, offset in tokens],
+            "tokens": [t for t, _, _, _ in tokens],
+            "token_logprobs": [lp for _, lp, _, _ in tokens],
+            "top_logprobs": tops,
+            "text_offset": [offset for _, _, offset, _ in tokens],
         }
 
     def response(self, pieces: list[Piece], *, prompt_tokens: int) -> dict:
