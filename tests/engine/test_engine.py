@@ -346,14 +346,23 @@ def test_a_request_of_no_tokens_scores_its_prompt_only():
     assert single.prompt_logprobs == [] and single.finish_reason == "length"
 
 
-def test_top_logprobs_break_ties_by_the_lower_id():
-    from attnmask.engine.engine import _logprob
+def test_top_logprobs_break_ties_by_the_lower_id_and_a_row_is_the_same_alone():
+    from attnmask.engine.engine import _logprobs
 
     row = torch.tensor([0.0, 2.0, 1.0, 2.0, 2.0, -1.0])
-    got = _logprob(row, 5, 3)
+    (got,) = _logprobs(row[None], [5], [3])
     assert [i for i, _ in got.top] == [1, 3, 4] and got.token == 5
     assert isinstance(got, Logprob) and got.logprob == pytest.approx(float(torch.log_softmax(row, 0)[5]))
-    assert [i for i, _ in _logprob(row, 0, 4).top] == [1, 3, 4, 2]
+    (got,) = _logprobs(row[None], [0], [2])  # the tie crosses the cut: the lower ids
+    assert [i for i, _ in got.top] == [1, 3]
+    rows = torch.stack([row, row.flip(0), torch.zeros(6)])
+    together = _logprobs(rows, [0, 1, 2], [4, 0, 2])
+    assert [i for i, _ in together[0].top] == [1, 3, 4, 2] and together[1].top == ()
+    assert [i for i, _ in together[2].top] == [0, 1]  # all equal: the lowest ids
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(37, 1000, generator=g) * 4
+    together = _logprobs(rows, list(range(37)), [i % 6 for i in range(37)])
+    assert together == [_logprobs(r[None], [i], [i % 6])[0] for i, r in enumerate(rows)]  # bit for bit
 
 
 def test_request_params_check_their_log_probability_settings():

@@ -305,9 +305,12 @@ class Engine:
             return events
         logits, scoring = self._forward(chunks)  # (M, V): the prompt rows to score, then one row a sampling chunk
         sampling = [c for c in chunks if c.sample]
-        for (c, position), row in zip(scoring, logits):  # a chunk's rows in order: the scores in order
-            request = self._requests[c.seq.request_id]
-            request.scored.append(_logprob(row, c.seq.tokens[position + 1], request.params.top_logprobs))
+        if scoring:  # a chunk's rows in order: the scores in order
+            requests = [self._requests[c.seq.request_id] for c, _ in scoring]
+            next_tokens = [c.seq.tokens[position + 1] for c, position in scoring]
+            ks = [r.params.top_logprobs for r in requests]
+            for request, scored in zip(requests, _logprobs(logits[: len(scoring)], next_tokens, ks)):
+                request.scored.append(scored)
         logits = logits[len(scoring) :]
         for c in chunks:
             c.seq.computed += c.n
@@ -375,7 +378,7 @@ class Engine:
             )
         logprob = top = None
         if params.logprobs or params.top_logprobs:
-            scored = _logprob(row, token, params.top_logprobs)
+            (scored,) = _logprobs(row[None], [token], [params.top_logprobs])
             logprob, top = scored.logprob, scored.top if params.top_logprobs else None
         seq.tokens.append(token)
         self._tokens_out += 1
@@ -445,18 +448,28 @@ class Engine:
         return [done[rid] for rid in ids]
 
 
-def _logprob(row: Tensor, token: int, k: int) -> Logprob:
-    """``token``'s log-probability under the logits ``row (V,)``, and the ``k`` most likely tokens' (ties: the
-    lower id first). From the row alone, so the same bits whatever else was in the step."""
-    logp = torch.log_softmax(row.float(), dim=-1)
-    top: Top = ()
-    if k:
-        values = logp.topk(min(k, logp.numel())).values
-        # every token at least as likely as the k-th, ordered by (log-probability down, id up)
-        ids = torch.nonzero(logp >= values[-1]).flatten()
-        order = sorted(zip(logp[ids].tolist(), ids.tolist()), key=lambda pair: (-pair[0], pair[1]))[:k]
-        top = tuple((i, lp) for lp, i in order)
-    return Logprob(token, float(logp[token]), top)
+def _logprobs(rows: Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[Logprob]:
+    """For each logits row of ``rows (R, V)``: its token's log-probability and its ``k`` most likely tokens'
+    (ties: the lower id first). ``log_softmax`` reduces each row on its own, and a selection copies
+    values exactly, so a row's result is the same bits whatever rows are beside it."""
+    logp = torch.log_softmax(rows.float(), dim=-1)  # (R, V)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    most, V = min(max(ks), logp.shape[1]), logp.shape[1]
+    tops: list[Top] = [()] * len(tokens)
+    if most:
+        # one more than asked: where the extra one is as likely as the last, a tie crosses the cut
+        values, ids = logp.topk(min(most + 1, V), dim=-1)  # (R, most + 1), in no particular order among ties
+        values, ids = values.tolist(), ids.tolist()
+        for r, k in enumerate(ks):
+            if not k:
+                continue
+            pairs = list(zip(values[r][:most], ids[r][:most]))
+            if most < V and values[r][most] == values[r][most - 1]:  # every candidate; the order decides
+                where = torch.nonzero(logp[r] >= values[r][most - 1]).flatten()
+                pairs = list(zip(logp[r, where].tolist(), where.tolist()))
+            pairs.sort(key=lambda pair: (-pair[0], pair[1]))
+            tops[r] = tuple((i, lp) for lp, i in pairs[:k])
+    return [Logprob(t, lp, top) for t, lp, top in zip(tokens, chosen, tops)]
 
 
 def _holds_any(text: str, strings: tuple[str, ...]) -> bool:
