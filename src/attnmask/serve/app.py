@@ -29,7 +29,7 @@ from starlette.routing import Route
 from attnmask.errors import UserError
 from attnmask.serve.loop import EngineFailed, EngineLoop, RequestStream, ServerClosed
 from attnmask.serve.metrics import CONTENT_TYPE, ServerMetrics
-from attnmask.serve.protocol import ApiError, Generation, check_model, parse_chat, parse_completion
+from attnmask.serve.protocol import ApiError, Generation, check_model, parse_chat, parse_completions
 from attnmask.serve.responses import Piece, Shape
 from attnmask.serve.text import TextStream
 
@@ -39,21 +39,27 @@ log = logging.getLogger("attnmask.serve")
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events whose request is cancelled however the response ends (the client gone
-    mid-stream, or before the first byte)."""
+    """Server-sent events whose requests (one a prompt) are cancelled however the response ends (the
+    client gone mid-stream, or before the first byte)."""
 
-    def __init__(self, content: AsyncIterator[str], stream: RequestStream, on_cancel):
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream], on_cancel):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.stream, self.on_cancel = stream, on_cancel
+        self.streams, self.on_cancel = streams, on_cancel
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
-            if not self.stream.finished:
-                self.on_cancel()
-            self.stream.close()
+            _close(self.streams, self.on_cancel)
+
+
+def _close(streams: list[RequestStream], on_cancel) -> None:
+    """Stop listening to ``streams``; those not finished are cancelled (and counted)."""
+    for stream in streams:
+        if not stream.finished:
+            on_cancel()
+        stream.close()
 
 
 async def _disconnected(request: Request) -> None:
@@ -111,35 +117,50 @@ class _Service:
             check_model(body, self.model_name)
             capacity = self.loop.engine.capacity
             if chat:
-                gen = parse_chat(body, encode=self.tokenizer.encode, render=self.render, capacity=capacity)
+                gens = [parse_chat(body, encode=self.tokenizer.encode, render=self.render, capacity=capacity)]
             else:
-                gen = parse_completion(body, encode=self.tokenizer.encode, capacity=capacity)
-            stream = self.loop.submit(gen.prompt, gen.params)
+                gens = parse_completions(body, encode=self.tokenizer.encode, capacity=capacity)
+            streams = self._submit(gens)
         except ApiError as err:
             return self._reject(err)
         except UserError as err:  # the engine's own checks (token ids, what can never fit)
             return self._reject(ApiError(400, str(err)))
         except ServerClosed as err:
             return self._reject(ApiError(503, str(err), type="server_unavailable"))
+        gen = gens[0]  # the fields besides the prompt are every prompt's
         shape = Shape(chat=chat, model=self.model_name, logprobs=gen.logprobs, top_logprobs=gen.top_logprobs)
         if gen.stream:
-            return _EventStream(self._sse(stream, gen, shape), stream, self._count_cancelled)
-        async with stream:
-            pieces = asyncio.ensure_future(self._collect(stream, gen))
+            return _EventStream(self._sse(streams, gens, shape), streams, self._count_cancelled)
+        try:
+            answers = asyncio.gather(*(self._collect(s, g) for s, g in zip(streams, gens)))
             gone = asyncio.ensure_future(_disconnected(request))
             try:
-                await asyncio.wait({pieces, gone}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({answers, gone}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 gone.cancel()
-                pieces.cancel()
-            if not pieces.done() or pieces.cancelled():  # the client went away: nobody to answer
-                self._count_cancelled()
+                answers.cancel()
+            if not answers.done() or answers.cancelled():  # the client went away: nobody to answer
                 return Response(status_code=499)
             try:
-                collected = pieces.result()
+                collected = answers.result()
             except EngineFailed as err:
                 return JSONResponse(ApiError(500, str(err), type="server_error").body(), status_code=500)
-        return JSONResponse(shape.response(collected, prompt_tokens=len(gen.prompt)))
+        finally:
+            _close(streams, self._count_cancelled)
+        prompt_tokens = sum(len(g.prompt) for g in gens)
+        return JSONResponse(shape.response(collected, prompt_tokens=prompt_tokens))
+
+    def _submit(self, gens: list[Generation]) -> list[RequestStream]:
+        """Every prompt to the engine, or none (a refused one cancels those already queued)."""
+        streams: list[RequestStream] = []
+        try:
+            for gen in gens:
+                streams.append(self.loop.submit(gen.prompt, gen.params))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
 
     async def _json(self, request: Request) -> dict:
         raw = await request.body()
@@ -209,20 +230,52 @@ class _Service:
     async def _collect(self, stream: RequestStream, gen: Generation) -> list[Piece]:
         return [piece async for piece in self._pieces(stream, gen)]
 
-    async def _sse(self, stream: RequestStream, gen: Generation, shape: Shape) -> AsyncIterator[str]:
+    async def _merged(self, streams: list[RequestStream], gens: list[Generation]) -> AsyncIterator[tuple[int, Piece]]:
+        """The pieces of every prompt's answer as they come, each with its choice's index."""
+        if len(streams) == 1:
+            async for piece in self._pieces(streams[0], gens[0]):
+                yield 0, piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for piece in self._pieces(streams[i], gens[i]):
+                    queue.put_nowait((i, piece, None))
+            except Exception as err:  # EngineFailed: the consumer raises it
+                queue.put_nowait((i, None, err))
+                return
+            queue.put_nowait((i, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+        try:
+            left = len(tasks)
+            while left:
+                i, piece, err = await queue.get()
+                if err is not None:
+                    raise err
+                if piece is None:
+                    left -= 1
+                else:
+                    yield i, piece
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _sse(self, streams: list[RequestStream], gens: list[Generation], shape: Shape) -> AsyncIterator[str]:
         completion_tokens = 0
         try:
             if shape.chat:
                 yield _sse(shape.chunk(Piece(""), role=True))
-            async for piece in self._pieces(stream, gen):
+            async for index, piece in self._merged(streams, gens):
                 completion_tokens += piece.generated
                 if piece.text or piece.tokens or piece.finish_reason:
-                    yield _sse(shape.chunk(piece))
+                    yield _sse(shape.chunk(piece, index=index))
         except EngineFailed as err:
             self.metrics.finished.labels("error").inc()
             yield _sse(ApiError(500, str(err), type="server_error").body())
-        if gen.include_usage:
-            yield _sse(shape.usage_chunk(len(gen.prompt), completion_tokens))
+        if gens[0].include_usage:
+            yield _sse(shape.usage_chunk(sum(len(g.prompt) for g in gens), completion_tokens))
         yield "data: [DONE]\n\n"
 
 

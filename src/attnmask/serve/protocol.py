@@ -1,6 +1,7 @@
 """OpenAI's wire format: request bodies checked and turned into engine requests, errors as JSON.
 
-:func:`parse_completion` (``POST /v1/completions``) and :func:`parse_chat`
+:func:`parse_completions` (``POST /v1/completions``, one :class:`Generation` a prompt: ``prompt`` may
+hold several, each answered as its own choice) and :func:`parse_chat`
 (``POST /v1/chat/completions``) read a decoded JSON body and return a :class:`Generation` (prompt
 ids, :class:`~attnmask.engine.RequestParams`, streaming options), or raise :class:`ApiError`, which
 the app answers with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` and
@@ -27,7 +28,7 @@ from attnmask.engine import RequestParams
 from attnmask.engine.engine import MAX_TOP_LOGPROBS
 from attnmask.errors import UserError
 
-__all__ = ["ApiError", "Generation", "check_model", "parse_chat", "parse_completion"]
+__all__ = ["ApiError", "Generation", "check_model", "parse_chat", "parse_completion", "parse_completions"]
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -254,6 +255,23 @@ def parse_completion(body: dict, *, encode: Callable[[str], list[int]], capacity
         prompt, params, stream=stream, include_usage=_stream_options(body, stream), logprobs=logprobs,
         top_logprobs=top or 0, echo=echo, prompt_text=text,
     )  # fmt: skip
+
+
+def parse_completions(body: dict, *, encode: Callable[[str], list[int]], capacity: int) -> list[Generation]:
+    """``POST /v1/completions`` whose ``prompt`` may be a list of prompts (strings or token-id lists, as
+    OpenAI's API and evaluation harnesses batch them): one :class:`Generation` each, with the request's
+    other fields, answered as choices 0, 1, ... in order. A mistake in any prompt refuses the request."""
+    prompts = body.get("prompt")
+    if not (isinstance(prompts, list) and len(prompts) > 1 and all(isinstance(p, (str, list)) for p in prompts)):
+        return [parse_completion(body, encode=encode, capacity=capacity)]
+    out = []
+    for i, prompt in enumerate(prompts):
+        try:
+            out.append(parse_completion({**body, "prompt": prompt}, encode=encode, capacity=capacity))
+        except ApiError as err:
+            raise ApiError(err.status, f"prompt {i} of {len(prompts)}: {err.message}", param=err.param,
+                           code=err.code) from err  # fmt: skip
+    return out
 
 
 def _prompt_text(value: Any) -> str | None:

@@ -87,26 +87,30 @@ class Shape:
             "text_offset": [offset for _, _, offset, _ in tokens],
         }
 
-    def response(self, pieces: list[Piece], *, prompt_tokens: int) -> dict:
-        text = "".join(p.text for p in pieces)
-        tokens = [t for p in pieces for t in p.tokens]
-        generated = sum(p.generated for p in pieces)
-        finish = pieces[-1].finish_reason if pieces else None
-        if self.chat:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": self._logprobs(tokens), "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finish}
-        return {**self._head(self.object), "choices": [choice], "usage": usage(prompt_tokens, generated)}
+    def response(self, choices: list[list[Piece]], *, prompt_tokens: int) -> dict:
+        """The whole answer: one choice a prompt, from its pieces; ``prompt_tokens`` of all prompts."""
+        out, generated = [], 0
+        for index, pieces in enumerate(choices):
+            text = "".join(p.text for p in pieces)
+            tokens = [t for p in pieces for t in p.tokens]
+            generated += sum(p.generated for p in pieces)
+            finish = pieces[-1].finish_reason if pieces else None
+            logprobs = self._logprobs(tokens)
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            else:
+                out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        return {**self._head(self.object), "choices": out, "usage": usage(prompt_tokens, generated)}
 
-    def chunk(self, piece: Piece, *, role: bool = False) -> dict:
+    def chunk(self, piece: Piece, *, role: bool = False, index: int = 0) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": piece.text} if piece.text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": piece.finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": piece.finish_reason}
             if piece.tokens:
                 choice["logprobs"] = self._logprobs(piece.tokens)
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": piece.text, "logprobs": None, "finish_reason": piece.finish_reason}
+        choice = {"index": index, "text": piece.text, "logprobs": None, "finish_reason": piece.finish_reason}
         if piece.tokens:
             choice["logprobs"] = self._logprobs(piece.tokens)
         return {**self._head("text_completion"), "choices": [choice]}
