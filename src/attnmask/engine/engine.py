@@ -58,7 +58,7 @@ class RequestParams:
     (None: drawn from the operating system, so not reproducible); ``stop_ids``: tokens that end the
     request (besides the engine's end-of-sequence ids, unless ``ignore_eos``); ``stop``: strings that
     end it (needs the engine's ``detokenize``); ``logprobs``: report each token's log-probability;
-    ``top_logprobs``: and the log-probabilities of the that many most likely tokens at its position (0 to
+    ``top_logprobs``: and those of that many most likely tokens at its position (0 to
     :data:`MAX_TOP_LOGPROBS`); ``prompt_logprobs``: score the prompt too (each of its tokens after the
     first, with its ``top_logprobs``), delivered with the request's first event. ``max_tokens`` >= 1, or
     0 with ``prompt_logprobs`` (score the prompt only)."""

@@ -62,7 +62,7 @@ class Generation:
     stream: bool
     include_usage: bool  # streaming: a last chunk with ``usage`` (``stream_options.include_usage``)
     logprobs: bool  # report each chosen token's log-probability
-    top_logprobs: int = 0  # and the that many most likely tokens' at each position
+    top_logprobs: int = 0  # and that many most likely tokens' at each position
     echo: bool = False  # a completion: the prompt first (scored too, with logprobs)
     prompt_text: str | None = None  # the prompt as the client sent it, when it sent text
 
