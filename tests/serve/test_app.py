@@ -175,6 +175,25 @@ def test_a_batch_of_prompts_is_answered_as_choices_each_its_solo_answer(client):
     assert texts == [a.choices[0].text for a in alone] and chunks[-1].usage.completion_tokens == 18
 
 
+def test_n_answers_each_prompt_with_seeds_that_repeat(client):
+    """``n`` sampled answers: answer j draws from seed + j, so answer 0 is the request's with n = 1 and
+    the others differ; several prompts number their answers prompt by prompt; a prompt's tokens count once."""
+    kw = dict(model=MODEL, max_tokens=12, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    one = client.completions.create(prompt="Tell", **kw)
+    r = client.completions.create(prompt="Tell", n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.choices[0].text == one.choices[0].text
+    assert len({c.text for c in r.choices}) == 3
+    assert r.choices[1].text == client.completions.create(prompt="Tell", **{**kw, "seed": 8}).choices[0].text
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens and r.usage.completion_tokens == 36
+    r = client.completions.create(prompt=["Tell", "Ask me"], n=2, **kw)
+    assert [c.text for c in r.choices][::2] == [one.choices[0].text, client.completions.create(
+        prompt="Ask me", **kw).choices[0].text]  # fmt: skip
+    assert r.usage.prompt_tokens == len("Tell") + len("Ask me")
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, n=2, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message == chat.choices[1].message
+
+
 def test_a_refused_prompt_in_a_batch_refuses_the_request_and_runs_nothing(client, http):
     with pytest.raises(openai.BadRequestError, match="prompt 1 of 2"):
         client.completions.create(model=MODEL, prompt=["fine", "x" * CAPACITY], max_tokens=4)
@@ -297,7 +316,7 @@ ERRORS = [
     ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "a" * CAPACITY}, 400, "prompt"),
     ({"model": MODEL, "prompt": "a" * 100, "max_tokens": CAPACITY}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "a", "n": 33}, 400, "n"),
     ({"model": MODEL, "prompt": [10_000]}, 400, None),  # a token id outside the vocabulary
     ({"model": MODEL, "prompt": {"text": "a"}}, 400, "prompt"),
     ({"model": MODEL, "prompt": "a", "temperature": "warm"}, 400, "temperature"),
@@ -317,7 +336,7 @@ def test_completion_mistakes(http, body, status, param):
     [
         ({"model": MODEL}, 400, "messages"),
         ({"model": MODEL, "messages": "hi"}, 400, "messages"),
-        ({"model": MODEL, "messages": [{"role": "user"}], "n": 2}, 400, "n"),
+        ({"model": MODEL, "messages": [{"role": "user"}], "n": 0}, 400, "n"),
         ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi" * CAPACITY}]}, 400, "messages"),
     ],
@@ -332,8 +351,8 @@ def test_mistakes_through_the_openai_client(client):
         client.completions.create(model="gpt-4", prompt="a")
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="a", max_tokens=-1)
-    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="'n' must be an integer >= 1 and <= 32"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], n=33)
 
 
 def test_routes_and_methods_answer_json(http):

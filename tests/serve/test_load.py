@@ -1,6 +1,8 @@
 """A bounded load test on 127.0.0.1: 64 concurrent streaming requests through a cache that holds a
-few of them at a time, every 8th client leaving mid-way. Each surviving answer must be its solo
-answer exactly, and the server must end with no request running and no cache block used."""
+few of them at a time, every 8th client leaving mid-way, every 8th other one scoring its prompt
+(``echo`` with the top 2 log-probabilities, as evaluation harnesses ask). Each surviving answer must
+be its solo answer exactly (text and log-probabilities), and the server must end with no request
+running and no cache block used."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 N = 64  # concurrent requests
 DROP_EVERY = 8  # these clients leave after a few chunks
 DROP_AFTER = 3  # chunks
+SCORED = 3  # requests i with i % DROP_EVERY == SCORED echo and score their prompts
 MAX_TOKENS = 24
 DROPPED_MAX_TOKENS = 96  # what the leaving clients ask for: still running when they leave
 LOAD_TIMEOUT = 60.0  # seconds for the whole concurrent phase
@@ -35,14 +38,24 @@ def served(tokenizer):
         yield s
 
 
-def request(prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
-    return dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+def request(prompt: str, max_tokens: int = MAX_TOKENS, scored: bool = False) -> dict:
+    scores = dict(echo=True, logprobs=2) if scored else {}
+    return dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True},
+                **scores)  # fmt: skip
+
+
+def answer(choice) -> tuple[str, list | None]:
+    return choice.text, choice.logprobs.token_logprobs if choice.logprobs else None
 
 
 def test_concurrent_streams_equal_their_solo_runs(served):
     with openai.OpenAI(base_url=served.base_url, api_key="-", timeout=TIMEOUT, max_retries=0) as client:
-        solo = [client.completions.create(**request(p)).choices[0].text for p in PROMPTS]
-    assert len(set(solo)) > N // 4  # the prompts give different answers: a mix-up would show
+        solo = [
+            answer(client.completions.create(**request(p, scored=i % DROP_EVERY == SCORED)).choices[0])
+            for i, p in enumerate(PROMPTS)
+        ]
+    assert len({text for text, _ in solo}) > N // 4  # the prompts give different answers: a mix-up would show
+    assert all(lp[0] is None and len(lp) > 10 for i, (_, lp) in enumerate(solo) if i % DROP_EVERY == SCORED)
     before = served.metrics()
 
     most_waiting = 0
@@ -53,17 +66,19 @@ def test_concurrent_streams_equal_their_solo_runs(served):
         while not done.wait(0.005):
             most_waiting = max(most_waiting, served.loop.stats().waiting)
 
-    async def one(client, i: int) -> str | None:
-        leaves = i % DROP_EVERY == 0
-        stream = await client.completions.create(**request(PROMPTS[i], DROPPED_MAX_TOKENS if leaves else MAX_TOKENS),
-                                                 stream=True)  # fmt: skip
-        pieces = []
+    async def one(client, i: int) -> tuple[str, list | None] | None:
+        leaves, scored = i % DROP_EVERY == 0, i % DROP_EVERY == SCORED
+        max_tokens = DROPPED_MAX_TOKENS if leaves else MAX_TOKENS
+        stream = await client.completions.create(**request(PROMPTS[i], max_tokens, scored), stream=True)
+        pieces, logprobs = [], [] if scored else None
         async for chunk in stream:
             pieces.append(chunk.choices[0].text)
+            if scored and chunk.choices[0].logprobs:
+                logprobs += chunk.choices[0].logprobs.token_logprobs
             if leaves and len(pieces) == DROP_AFTER:
                 await stream.close()  # the client goes away mid-answer
                 return None
-        return "".join(pieces)
+        return "".join(pieces), logprobs
 
     async def load() -> list[str | None]:
         async with openai.AsyncOpenAI(base_url=served.base_url, api_key="-", timeout=TIMEOUT, max_retries=0) as client:

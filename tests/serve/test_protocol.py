@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from attnmask.decode.sampling import Sampling
-from attnmask.serve.protocol import ApiError, check_model, parse_chat, parse_completion, parse_completions
+from attnmask.serve.protocol import (
+    ApiError,
+    check_model,
+    parse_chat,
+    parse_completion,
+    parse_completions,
+    with_choices,
+)
 
 
 def encode(text: str) -> list[int]:
@@ -91,6 +98,17 @@ def test_a_batch_of_prompts_is_one_generation_each():
     assert err.value.status == 400 and err.value.param == "prompt"
 
 
+def test_n_answers_a_prompt_that_many_times_each_with_its_own_seed():
+    body = {"prompt": ["ab", "c"], "n": 3, "seed": 2**64 - 2, "temperature": 1.0}
+    gens = with_choices(parse_completions(body, encode=encode, capacity=64), body)
+    assert [(g.prompt, g.copy) for g in gens] == [([97, 98], 0), ([97, 98], 1), ([97, 98], 2), ([99], 0), ([99], 1),
+                                                   ([99], 2)]  # fmt: skip
+    assert [g.params.seed for g in gens[:3]] == [2**64 - 2, 2**64 - 1, 0]  # wrapped, as a generator takes it
+    assert [g.params.seed for g in with_choices(gens[:1], {"n": 2})] == [2**64 - 2, 2**64 - 1]
+    assert [g.params.seed for g in with_choices([completion(prompt="a")], {"n": 2})] == [None, None]
+    assert len(with_choices([chat(messages=[{"role": "user", "content": "hi"}])], {})) == 1
+
+
 # ---- mistakes: status and the field named --------------------------------------------------------
 BAD_COMPLETIONS = [
     ({}, "prompt"),
@@ -119,7 +137,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "a", "stop": ""}, "stop"),
     ({"prompt": "a", "stop": ["a", 1]}, "stop"),
     ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "n": 33}, "n"),
     ({"prompt": "a", "n": 0}, "n"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),

@@ -29,7 +29,7 @@ from starlette.routing import Route
 from attnmask.errors import UserError
 from attnmask.serve.loop import EngineFailed, EngineLoop, RequestStream, ServerClosed
 from attnmask.serve.metrics import CONTENT_TYPE, ServerMetrics
-from attnmask.serve.protocol import ApiError, Generation, check_model, parse_chat, parse_completions
+from attnmask.serve.protocol import ApiError, Generation, check_model, parse_chat, parse_completions, with_choices
 from attnmask.serve.responses import Piece, Shape
 from attnmask.serve.text import TextStream
 
@@ -120,6 +120,7 @@ class _Service:
                 gens = [parse_chat(body, encode=self.tokenizer.encode, render=self.render, capacity=capacity)]
             else:
                 gens = parse_completions(body, encode=self.tokenizer.encode, capacity=capacity)
+            gens = with_choices(gens, body)
             streams = self._submit(gens)
         except ApiError as err:
             return self._reject(err)
@@ -147,7 +148,7 @@ class _Service:
                 return JSONResponse(ApiError(500, str(err), type="server_error").body(), status_code=500)
         finally:
             _close(streams, self._count_cancelled)
-        prompt_tokens = sum(len(g.prompt) for g in gens)
+        prompt_tokens = sum(len(g.prompt) for g in gens if g.copy == 0)  # a prompt counts once, whatever n
         return JSONResponse(shape.response(collected, prompt_tokens=prompt_tokens))
 
     def _submit(self, gens: list[Generation]) -> list[RequestStream]:
@@ -275,7 +276,7 @@ class _Service:
             self.metrics.finished.labels("error").inc()
             yield _sse(ApiError(500, str(err), type="server_error").body())
         if gens[0].include_usage:
-            yield _sse(shape.usage_chunk(sum(len(g.prompt) for g in gens), completion_tokens))
+            yield _sse(shape.usage_chunk(sum(len(g.prompt) for g in gens if g.copy == 0), completion_tokens))
         yield "data: [DONE]\n\n"
 
 

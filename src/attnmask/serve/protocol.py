@@ -7,7 +7,8 @@ ids, :class:`~attnmask.engine.RequestParams`, streaming options), or raise :clas
 the app answers with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` and
 a 4xx status. Every field a client can get wrong is checked here, with the field's name in
 ``param``; fields this server does not implement are refused when they would change the answer
-(``n`` > 1, penalties, ``logit_bias``, ``suffix``) rather than silently ignored.
+(``best_of`` > 1, penalties, ``logit_bias``, ``suffix``) rather than silently ignored. A request's
+``n`` answers to each prompt are ``n`` engine requests (:func:`with_choices`).
 
 Log-probabilities: a completion's ``logprobs`` N (0 to 20) reports each token's and, for N >= 1, the N
 most likely tokens' at its position; ``echo`` sends the prompt back before the completion and, with
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from attnmask.decode.sampling import Sampling
@@ -28,10 +29,19 @@ from attnmask.engine import RequestParams
 from attnmask.engine.engine import MAX_TOP_LOGPROBS
 from attnmask.errors import UserError
 
-__all__ = ["ApiError", "Generation", "check_model", "parse_chat", "parse_completion", "parse_completions"]
+__all__ = [
+    "ApiError",
+    "Generation",
+    "check_model",
+    "parse_chat",
+    "parse_completion",
+    "parse_completions",
+    "with_choices",
+]
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_CHOICES = 32  # ``n``: answers to one prompt at most
 
 
 class ApiError(Exception):
@@ -65,6 +75,7 @@ class Generation:
     top_logprobs: int = 0  # and that many most likely tokens' at each position
     echo: bool = False  # a completion: the prompt first (scored too, with logprobs)
     prompt_text: str | None = None  # the prompt as the client sent it, when it sent text
+    copy: int = 0  # which of the prompt's ``n`` answers (:func:`with_choices`)
 
 
 # ---- fields -------------------------------------------------------------------------------------
@@ -117,8 +128,7 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 def _unsupported(body: dict) -> None:
     """Fields that would change the answer in ways this server does not compute."""
-    if (n := _int(body, "n", minimum=1)) not in (None, 1):
-        raise ApiError(400, f"'n' must be 1 (one choice per request); got {n}", param="n")
+    _int(body, "n", minimum=1, maximum=MAX_CHOICES)  # checked here, applied by with_choices
     if (best_of := _int(body, "best_of", minimum=1)) not in (None, 1):
         raise ApiError(400, f"'best_of' must be 1; got {best_of}", param="best_of")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -271,6 +281,21 @@ def parse_completions(body: dict, *, encode: Callable[[str], list[int]], capacit
         except ApiError as err:
             raise ApiError(err.status, f"prompt {i} of {len(prompts)}: {err.message}", param=err.param,
                            code=err.code) from err  # fmt: skip
+    return out
+
+
+def with_choices(gens: list[Generation], body: dict) -> list[Generation]:
+    """Each generation ``n`` times (the body's ``n``, default 1), as OpenAI numbers the choices: prompt by
+    prompt, then answer by answer. Answer ``j`` of a request with a ``seed`` draws from ``seed + j``
+    (wrapping within what a generator takes), so answers differ when sampled and repeat with the seed."""
+    n = _int(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
+    out = []
+    for gen in gens:
+        for j in range(n):
+            seed = gen.params.seed
+            if seed is not None and j:
+                seed = seed + j if seed + j < 2**64 else seed + j - 2**64
+            out.append(replace(gen, params=replace(gen.params, seed=seed), copy=j))
     return out
 
 
