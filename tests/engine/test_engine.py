@@ -90,6 +90,9 @@ def run(engine: Engine, requests, arrivals=None, order=None, cancel=None, scores
         most = max(most, engine.stats().preemptions)
         step += 1
         assert step < 5000, "the engine does not finish"
+    assert engine.stats().blocks_used == 0, "blocks leaked"
+    if engine.scheduler.prefix is not None:  # what it keeps, it gives back
+        engine.scheduler.prefix.clear()
     assert engine.cache.pool.used == 0, "blocks leaked"
     return out, most
 
@@ -136,10 +139,13 @@ def windows(variant: str) -> tuple[int, ...]:
 
 
 @st.composite
-def workloads(draw, sampled: bool):
-    variant = draw(st.sampled_from(VARIANTS))
+def workloads(draw, sampled: bool, cached: bool = False):
+    """``cached``: prefix caching on, requests arriving apart (so later ones find earlier ones' blocks)."""
+    variant = draw(st.sampled_from([v for v in VARIANTS if windows(v) == (0,)] if cached else VARIANTS))
     n = draw(st.integers(1, 5))
-    prompts = draw(st.lists(st.lists(st.integers(3, 23), min_size=1, max_size=12), min_size=n, max_size=n))
+    common = draw(st.lists(st.integers(3, 23), min_size=4, max_size=12))  # a shared start, for the prefix cache
+    tails = draw(st.lists(st.lists(st.integers(3, 23), min_size=1, max_size=12), min_size=n, max_size=n))
+    prompts = [common + t if draw(st.sampled_from([True, True, False])) else t for t in tails]
     max_tokens = draw(st.lists(st.integers(1, 10), min_size=n, max_size=n))
     scored = draw(st.lists(st.booleans(), min_size=n, max_size=n))  # top and prompt log-probabilities too
     block_size = draw(st.sampled_from([1, 2, 3, 4, 8]))
@@ -150,21 +156,27 @@ def workloads(draw, sampled: bool):
     return dict(
         variant=variant,
         requests=[(tuple(p), m, sampled, 100 + i, c) for i, (p, m, c) in enumerate(zip(prompts, max_tokens, scored))],
-        arrivals=draw(st.lists(st.sampled_from([0, 0, 1, 2, 5]), min_size=n, max_size=n)),
+        arrivals=draw(
+            st.lists(st.sampled_from([0, 3, 6, 12] if cached else [0, 0, 1, 2, 5, 12]), min_size=n, max_size=n)
+        ),  # fmt: skip
         order=draw(st.permutations(range(n))),
         max_batch_tokens=max_batch_tokens,
         block_size=block_size,
         num_blocks=1 + need + draw(st.sampled_from([0, 0, 1, 3, 100])),  # 0: one request fills the cache
+        prefix_caching=cached or (windows(variant) == (0,) and draw(st.booleans())),  # (the solo runs: without)
     )
 
 
-def invariant_results(w, threads: int = 1) -> tuple[list, list, int]:
+def invariant_results(w, threads: int = 1, engines: list | None = None) -> tuple[list, list, int]:
     """Run workload ``w`` in one engine: each request's ``(tokens, logprobs, finish reason)`` there, the
     same of its solo run, and the most preemptions seen."""
     requests = [(list(r[0]), params_of(*r[1:])) for r in w["requests"]]
     engine = engine_of(
-        w["variant"], num_blocks=w["num_blocks"], block_size=w["block_size"], max_batch_tokens=w["max_batch_tokens"]
-    )
+        w["variant"], num_blocks=w["num_blocks"], block_size=w["block_size"], max_batch_tokens=w["max_batch_tokens"],
+        prefix_caching=w.get("prefix_caching", False),
+    )  # fmt: skip
+    if engines is not None:  # the caller's, for its statistics
+        engines.append(engine)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -204,6 +216,13 @@ def test_sampled_requests_are_bitwise_their_solo_runs(w):
     assert together == alone  # tokens, logprobs (bitwise) and finish reasons
 
 
+@settings(max_examples=30, deadline=None)
+@given(workloads(sampled=True, cached=True))
+def test_prefix_cached_requests_are_bitwise_their_solo_runs(w):
+    together, alone, _ = invariant_results(w)
+    assert together == alone
+
+
 PREEMPTING = dict(
     variant="rotary-gqa-fused",
     requests=[((5, 6, 7, 8, 9, 10, 11), 10, False, 1), ((12, 13), 10, True, 2), ((4, 5, 6, 7), 9, False, 3),
@@ -218,6 +237,43 @@ PREEMPTING = dict(
 
 def test_preempted_requests_are_bitwise_their_solo_runs():
     assert check_invariant(PREEMPTING) > 0, "this workload is meant to preempt"
+
+
+def test_prefix_cached_requests_are_bitwise_their_solo_runs_through_preemption():
+    """Requests that begin alike (a shared 6-token start, then the same prompt again later) in a cache
+    small enough to preempt and to evict kept blocks: each result is its solo run's (computed whole),
+    and the kept blocks did save work."""
+    start = (5, 6, 7, 8, 9, 10)
+    requests = [(start + p[6:], m, smp, seed) for p, m, smp, seed in PREEMPTING["requests"]]
+    requests += [requests[0], requests[2]]
+    w = {**PREEMPTING, "requests": requests, "arrivals": [0, 0, 1, 3, 3, 9, 12], "order": list(range(7)),
+         "prefix_caching": True, "num_blocks": 14}  # fmt: skip
+    engines = []
+    together, alone, preempted = invariant_results(w, engines=engines)
+    assert together == alone and preempted > 0
+    assert engines[0].stats().tokens_cached > 0, "nothing was found in the prefix cache"
+
+
+def test_the_prefix_cache_keeps_full_blocks_and_evicts_the_least_recently_used():
+    engine = engine_of("rotary-gqa", block_size=2, num_blocks=12, prefix_caching=True, eos_ids=[])
+    prefix = engine.scheduler.prefix
+    a = engine.generate([[3, 4, 5, 6, 7]], RequestParams(max_tokens=2))[0]
+    # positions 0..5 computed (the last token is not): blocks (3, 4), (5, 6), (7, t0) kept
+    assert len(prefix) == 3 and engine.stats().blocks_cached == 3 and engine.stats().blocks_used == 0
+    b = engine.generate([[3, 4, 5, 6, 9, 9]], RequestParams(max_tokens=2))[0]
+    assert engine.stats().tokens_cached == 4  # (3, 4), (5, 6)
+    alone = engine_of("rotary-gqa", block_size=2, num_blocks=12, eos_ids=[])
+    assert b.tokens == alone.generate([[3, 4, 5, 6, 9, 9]], RequestParams(max_tokens=2))[0].tokens
+    # a request needing every block evicts what nobody holds, least recently used first, and runs
+    c = engine.generate([[20, 21] * 10], RequestParams(max_tokens=2))[0]
+    assert c.finish_reason == "length" and engine.stats().blocks_used == 0
+    assert len(prefix) <= 11 and a.tokens
+    # a request that scores its prompt computes every row, whatever is kept
+    before = engine.stats().tokens_cached
+    engine.generate([[20, 21] * 10], RequestParams(max_tokens=1, prompt_logprobs=True))
+    assert engine.stats().tokens_cached == before
+    with pytest.raises(UserError, match="prefix caching needs a model without sliding windows"):
+        engine_of("rotary-windows", prefix_caching=True)
 
 
 def test_preempted_requests_score_their_prompts_once_and_bitwise_as_alone():

@@ -370,6 +370,28 @@ def test_chat_without_a_template_is_400(model, tokenizer):
         assert h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
+def test_prefix_caching_serves_the_same_answers_and_says_what_it_saved(model, tokenizer):
+    """Two chats with one long system prompt, through an engine with prefix caching: the second finds
+    the first's blocks (``/metrics``), and both answers are those of an engine without."""
+    system = {"role": "system", "content": "You are a terse assistant. Answer in one short line. " * 3}
+    asks = [[system, {"role": "user", "content": q}] for q in ("Name a colour.", "Name a fruit.")]
+    answers = {}
+    for caching in (False, True):
+        engine = Engine(model, kv_cache_mib=2, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode,
+                        prefix_caching=caching)  # fmt: skip
+        with serve(engine, tokenizer) as s, openai.OpenAI(base_url=s.base_url, api_key="-", timeout=TIMEOUT) as c:
+            answers[caching] = [
+                c.chat.completions.create(model=MODEL, messages=m, max_tokens=8, temperature=0, logprobs=True)
+                for m in asks
+            ]
+            metrics = s.metrics()
+        saved = metrics.get("attnmask_prefix_cache_tokens_total", 0)
+        assert (saved >= 16 * (len(TEMPLATE(asks[0][:1])) // 16)) if caching else saved == 0
+    for a, b in zip(answers[False], answers[True]):
+        assert a.choices[0].message.content == b.choices[0].message.content
+        assert [t.logprob for t in a.choices[0].logprobs.content] == [t.logprob for t in b.choices[0].logprobs.content]
+
+
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 8) | st.integers() | st.floats() | st.text(max_size=4),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),

@@ -74,6 +74,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--max-seqs", type=int, default=DEFAULTS["max_seqs"], help="requests decoded at once at most")
     p.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="positions per KV cache block")
+    p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="keep the KV cache blocks of computed tokens after requests end and start requests that begin "
+        "the same way from them (a shared system prompt, few-shot examples, the turns of a chat): less to "
+        "compute, the same answers bit for bit; not for models with sliding windows (Gemma 3)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads; none given: torch's own choice")
     p.add_argument(
         "--device",
@@ -206,6 +213,7 @@ def serve(args, sock: socket.socket) -> int:
         max_seqs=args.max_seqs,
         eos_ids=getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,),
         detokenize=tokenizer.decode,
+        prefix_caching=args.prefix_caching,
     )
     ops.available()  # build the native kernels now (once, about a minute) rather than in the first request
     loop = EngineLoop(engine)  # stepped on this thread below (run_here)

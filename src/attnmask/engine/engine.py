@@ -144,6 +144,8 @@ class EngineStats:
     tokens_in: int  # prompt tokens computed (recomputations after preemption included)
     tokens_out: int
     preemptions: int
+    tokens_cached: int = 0  # prompt positions not computed: found in the prefix cache
+    blocks_cached: int = 0  # blocks the prefix cache keeps that no request holds (free for the asking)
 
 
 @dataclass(eq=False)
@@ -172,6 +174,9 @@ class Engine:
         max_seqs: requests running at once at most.
         eos_ids: tokens that end every request (a tokenizer's ``stop_ids``).
         detokenize: ids -> text, for stop strings.
+        prefix_caching: keep the cache blocks of computed tokens after their requests end, and start a
+            request whose tokens begin the same way from them (:class:`~attnmask.engine.scheduler.PrefixCache`;
+            the same answers, bit for bit). Models whose layers have windows (Gemma 3) cannot.
     """
 
     def __init__(
@@ -185,6 +190,7 @@ class Engine:
         max_seqs: int = 64,
         eos_ids: Sequence[int] = (),
         detokenize: Callable[[list[int]], str] | None = None,
+        prefix_caching: bool = False,
     ):
         check_servable(model)
         if model.is_encoder_decoder:  # a request is a prompt: there is no source to encode
@@ -207,9 +213,11 @@ class Engine:
         if num_blocks < 2:
             raise UserError(f"--kv-cache-mib {kv_cache_mib} holds {num_blocks} blocks of {block_size}; need >= 2")
         self.cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=block_size, by_window=True)
+        if prefix_caching and tuple(self.cache.windows) != (0,):
+            raise UserError("prefix caching needs a model without sliding windows (their layers give blocks back)")
         self.scheduler = Scheduler(
             self.cache.pool, block_size, windows=self.cache.windows, max_batch_tokens=max_batch_tokens,
-            max_seqs=max_seqs,
+            max_seqs=max_seqs, prefix_caching=prefix_caching,
         )  # fmt: skip
         self.plan = fused_plan(self.model)  # the whole step in one native call, where the model allows
         self.eos_ids = frozenset(int(i) for i in eos_ids)
@@ -259,7 +267,7 @@ class Engine:
             else:
                 generator.manual_seed(params.seed)
             stops = frozenset(params.stop_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-            seq = SeqState(rid, list(prompt), len(prompt), params.max_tokens)
+            seq = SeqState(rid, list(prompt), len(prompt), params.max_tokens, reuse=not params.prompt_logprobs)
             scored = [] if params.prompt_logprobs else None
             self._inbox.append(("add", _Request(seq, params, generator, stops, scored=scored)))
         return rid
@@ -275,11 +283,13 @@ class Engine:
     def stats(self) -> EngineStats:
         """Counts of now (running, waiting, blocks) and since the start (steps, tokens, preemptions).
         Reads the scheduler's state: call it on the thread that steps (a server snapshots it there)."""
-        pool = self.cache.pool
+        pool, prefix = self.cache.pool, self.scheduler.prefix
         preempted = self.scheduler.preemptions
+        idle = prefix.idle() if prefix is not None else 0
         return EngineStats(
-            len(self.scheduler.running), len(self.scheduler.waiting) + len(self._inbox), pool.used, pool.capacity,
-            self._steps, self._tokens_in, self._tokens_out, preempted,
+            len(self.scheduler.running), len(self.scheduler.waiting) + len(self._inbox), pool.used - idle,
+            pool.capacity, self._steps, self._tokens_in, self._tokens_out, preempted,
+            prefix.reused if prefix is not None else 0, idle,
         )  # fmt: skip
 
     # ---- the step ----------------------------------------------------------------------------
@@ -312,10 +322,13 @@ class Engine:
             for request, scored in zip(requests, _logprobs(logits[: len(scoring)], next_tokens, ks)):
                 request.scored.append(scored)
         logits = logits[len(scoring) :]
+        prefix = self.scheduler.prefix
         for c in chunks:
             c.seq.computed += c.n
             self._tokens_in += c.n if c.start < c.seq.prompt_len else 0
             self.scheduler.forget(c.seq)  # window groups: blocks the next chunk will not read go back now
+            if prefix is not None:
+                prefix.keep(c.seq)  # its full blocks, for requests that begin the same way
         # every row's arg-max in one call (greedy requests take it; off the CPU, read back once rather
         # than a device sync per request). An arg-max is exact: a row's is the same alone or in the batch.
         # max's indices are argmax's (the first largest), its CPU reduction about 2.5x faster.

@@ -18,16 +18,25 @@ computed), so a sequence holds at most ``ceil((window + max_batch_tokens) / S) +
 waits for the blocks of everything a request has in the full groups plus that many (or fewer, for a
 short request) in each window group, and allocates those of the full groups and of its first chunk; a
 later chunk that finds no block free preempts, as a decode token does.
+
+Prefix caching (``prefix_caching=True``, models of one full layer group): the full blocks of tokens
+a sequence has computed are kept after it ends (:class:`PrefixCache`), and a sequence admitted with
+nothing computed starts from the longest run of kept blocks its tokens begin with, computing only
+the rest (at least its last token, whose logits it samples from). A block is found by its parent
+block and its own tokens, compared whole, never by a hash alone. Kept blocks nobody else holds are
+given back, least recently used first, whenever blocks are wanted. Since every row of a step is
+computed as it would be alone, a kept block holds the bits the sequence would compute itself: reuse
+never changes an answer. A sequence that scores its prompt (``reuse=False``) computes every row.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from attnmask.engine.cache import BlockPool, Paging
 
-__all__ = ["Chunk", "Scheduler", "Sequence"]
+__all__ = ["Chunk", "PrefixCache", "Scheduler", "Sequence"]
 
 
 @dataclass(eq=False)
@@ -42,6 +51,9 @@ class Sequence:
     computed: int = 0  # leading tokens whose keys and values are in the cache
     admitted: int = -1  # admission order, for preemption (latest first)
     preemptions: int = 0
+    reuse: bool = True  # may start from kept prefix blocks (False: it needs every row's logits)
+    kept: int = 0  # its leading blocks handed to the prefix cache so far
+    kept_parent: int = 0  # the cache's block for its last kept one (the next one's parent)
 
     @property
     def blocks(self) -> list[int]:
@@ -72,6 +84,81 @@ class Chunk:
         return self.start + self.n == len(self.seq.tokens)
 
 
+class PrefixCache:
+    """Full blocks of computed tokens kept for later sequences that begin with the same tokens.
+
+    Each kept block is held once by the cache (:meth:`BlockPool.share`) and found by ``(parent,
+    tokens)``: the kept block before it (0 for a sequence's first) and its own tokens, exact. Blocks
+    only the cache holds are evicted least recently used first, each with the blocks kept after it."""
+
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool, self.block_size = pool, block_size
+        self._block: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent, tokens) -> block
+        self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> its (parent, tokens)
+        self._children: dict[int, set[int]] = {}  # block -> kept blocks whose parent it is
+        self._recent: OrderedDict[int, None] = OrderedDict()  # kept blocks, least recently used first
+        self.reused = 0  # positions sequences did not compute, thanks to kept blocks
+
+    def __len__(self) -> int:
+        return len(self._key)
+
+    def idle(self) -> int:
+        """Kept blocks no sequence holds (free for the asking)."""
+        return sum(1 for b in self._key if self.pool.refs(b) == 1)
+
+    def match(self, tokens: list[int], most: int) -> list[int]:
+        """The kept blocks holding ``tokens[:k * block_size]`` for the largest ``k`` with ``k * block_size
+        <= most``; each now also held by the caller."""
+        S, blocks, parent = self.block_size, [], 0
+        for i in range(most // S):
+            block = self._block.get((parent, tuple(tokens[i * S : (i + 1) * S])))
+            if block is None:
+                break
+            self._recent.move_to_end(block)
+            blocks.append(block)
+            parent = block
+        self.pool.share(blocks)
+        return blocks
+
+    def keep(self, seq: Sequence) -> None:
+        """Keep the blocks of ``seq`` whose positions are all computed (those not kept yet)."""
+        S, table = self.block_size, seq.tables[0]
+        for i in range(seq.kept, seq.computed // S):
+            key = (seq.kept_parent, tuple(seq.tokens[i * S : (i + 1) * S]))
+            block = self._block.get(key)
+            if block is None:  # new: the cache holds it too
+                block = table[i]
+                self._block[key], self._key[block] = block, key
+                self._children.setdefault(key[0], set()).add(block)
+                self.pool.share([block])
+            self._recent[block] = None
+            self._recent.move_to_end(block)
+            seq.kept, seq.kept_parent = i + 1, block  # (another block may hold the same tokens: go on from it)
+
+    def make_room(self, need: int) -> None:
+        """Evict kept blocks only the cache holds, least recently used first, until ``need`` blocks are free
+        or none is left to evict."""
+        while self.pool.free < need:
+            idle = next((b for b in self._recent if self.pool.refs(b) == 1), None)
+            if idle is None:
+                return
+            self._evict(idle)
+
+    def _evict(self, block: int) -> None:
+        for child in list(self._children.pop(block, ())):
+            self._evict(child)
+        parent, tokens = self._key.pop(block)
+        del self._block[(parent, tokens)]
+        self._children.get(parent, set()).discard(block)
+        del self._recent[block]
+        self.pool.release([block])
+
+    def clear(self) -> None:
+        """Let every kept block go (those sequences hold stay theirs)."""
+        for block in [b for b in self._recent if self._key[b][0] == 0]:  # the first blocks, with those after
+            self._evict(block)
+
+
 class Scheduler:
     """Continuous batching over one :class:`BlockPool` of ``block_size``-position blocks.
 
@@ -79,6 +166,8 @@ class Scheduler:
         windows: the window of each layer group of the cache (0: full), one block table per group.
         max_batch_tokens: tokens computed per step at most (decode tokens and prefill chunks).
         max_seqs: sequences running at once at most.
+        prefix_caching: keep computed blocks for later sequences that begin the same way
+            (:class:`PrefixCache`; one full layer group only).
     """
 
     def __init__(
@@ -89,7 +178,11 @@ class Scheduler:
         windows: tuple[int, ...] = (0,),
         max_batch_tokens: int = 256,
         max_seqs: int = 64,
+        prefix_caching: bool = False,
     ):
+        if prefix_caching and tuple(windows) != (0,):
+            raise ValueError(f"prefix caching keeps one full layer group's blocks; this cache has windows {windows}")
+        self.prefix = PrefixCache(pool, block_size) if prefix_caching else None
         self.pool, self.block_size = pool, block_size
         self.paging = Paging(pool, block_size, tuple(windows))
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
@@ -117,6 +210,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.paging.release(seq.tables)
+        seq.kept = seq.kept_parent = 0
 
     def forget(self, seq: Sequence) -> None:
         """Give back the window groups' blocks that ``seq`` no longer reads (from ``seq.computed`` on)."""
@@ -126,6 +220,7 @@ class Scheduler:
         self.running.remove(seq)
         self.paging.release(seq.tables)
         seq.computed, seq.preemptions = 0, seq.preemptions + 1
+        seq.kept = seq.kept_parent = 0
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -134,6 +229,8 @@ class Scheduler:
         preempting later sequences if needed; False if ``seq`` itself had to go."""
         self.forget(seq)
         need = self.paging.missing(seq.tables, positions, seq.computed)
+        if self.prefix is not None:
+            self.prefix.make_room(need)
         while need > self.pool.free:
             victim = max(self.running, key=lambda s: s.admitted)
             self._preempt(victim)
@@ -160,8 +257,20 @@ class Scheduler:
         budget = self.max_batch_tokens - sum(c.n for c in chunks)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            if self.most_blocks(len(seq.tokens)) > self.pool.free:
+            reused = []  # kept blocks its tokens begin with (held from here on: never evicted for it)
+            if self.prefix is not None and seq.reuse and seq.computed == 0:
+                reused = self.prefix.match(seq.tokens, len(seq.tokens) - 1)  # its last token computed anyway
+            need = self.most_blocks(len(seq.tokens)) - len(reused)
+            if self.prefix is not None:
+                self.prefix.make_room(need)
+            if need > self.pool.free:
+                self.pool.release(reused)
                 break  # first come, first served: the head of the queue waits for blocks
+            if reused:
+                seq.tables[0] = list(reused)
+                seq.kept, seq.kept_parent = len(reused), reused[-1]
+                seq.computed = len(reused) * self.block_size
+                self.prefix.reused += seq.computed
             self.waiting.popleft()
             n = min(seq.pending, budget)
             # the full groups: everything it has; the window groups: its first chunk

@@ -37,8 +37,9 @@ class _EngineCollector:
         gauges = [
             ("attnmask_requests_running", "Requests being decoded (holding cache blocks)", s.running),
             ("attnmask_requests_waiting", "Requests queued for admission (waiting for cache blocks)", s.waiting),
-            ("attnmask_cache_blocks_used", "KV cache blocks in use", s.blocks_used),
+            ("attnmask_cache_blocks_used", "KV cache blocks in use by requests", s.blocks_used),
             ("attnmask_cache_blocks_total", "KV cache blocks in the pool", s.blocks_total),
+            ("attnmask_cache_blocks_cached", "Blocks the prefix cache keeps that no request holds", s.blocks_cached),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -47,6 +48,7 @@ class _EngineCollector:
             ("attnmask_generation_tokens", "Tokens generated", s.tokens_out),
             ("attnmask_engine_steps", "Engine steps run", s.steps),
             ("attnmask_preemptions", "Requests preempted (blocks freed, recomputed later)", s.preemptions),
+            ("attnmask_prefix_cache_tokens", "Prompt tokens found in the prefix cache (not computed)", s.tokens_cached),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
