@@ -195,3 +195,31 @@ def test_nothing_to_do_is_an_empty_step():
     assert sched.schedule() == []
     sched.add(seq("big", 5))  # 3 blocks, 2 exist: never admissible (the engine refuses it up front)
     assert sched.schedule() == [] and list(sched.waiting)[0].request_id == "big"
+
+
+def test_a_prefix_chain_never_runs_through_a_block_given_to_other_tokens():
+    """Two sequences compute the same first block at once: the first keeps it, the second keeps nothing
+    more. Were the second to go on from the first's block, that block could be evicted and handed to other
+    tokens, and the second's next block found after them: keys and values of the wrong prefix."""
+    from attnmask.engine import PrefixCache
+
+    pool = BlockPool(8)
+    cache = PrefixCache(pool, 2)
+    a = Sequence("a", [1, 2, 3, 4], 4, 0)
+    a.tables, a.computed = [pool.allocate(2)], 4
+    cache.keep(a)
+    b = Sequence("b", [1, 2, 3, 4, 5, 6], 6, 0)
+    b.tables, b.computed = [pool.allocate(3)], 2
+    cache.keep(b)  # its first block holds a's first block's tokens: a's is kept, b keeps nothing more
+    assert len(cache) == 2 and b.kept_parent == -1
+    pool.release(a.tables[0])  # a ends; its blocks are the cache's alone
+    cache.make_room(pool.free + 2)  # both evicted (the first with the one after it)
+    assert len(cache) == 0
+    c = Sequence("c", [7, 8], 2, 0)
+    c.tables, c.computed = [pool.allocate(1)], 2
+    assert c.tables[0] == [a.tables[0][0]]  # the free list hands a's first block back, for other tokens
+    cache.keep(c)
+    b.computed = 6
+    cache.keep(b)
+    assert cache.match([7, 8, 3, 4, 9], 4) == c.tables[0]  # c's block, and nothing of b's after it
+    assert cache.match([1, 2, 3, 4, 9], 4) == []

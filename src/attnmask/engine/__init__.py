@@ -12,5 +12,5 @@
 
 from attnmask.engine.cache import BlockPool, LayerGroup, PagedKVCache, Paging, blocks_for_memory, layer_groups  # noqa: F401
 from attnmask.engine.engine import Completion, Engine, EngineStats, Logprob, RequestParams, TokenEvent  # noqa: F401
-from attnmask.engine.scheduler import Chunk, Scheduler, Sequence  # noqa: F401
+from attnmask.engine.scheduler import Chunk, PrefixCache, Scheduler, Sequence  # noqa: F401
 from attnmask.engine.step import packed_forward, packed_mask  # noqa: F401

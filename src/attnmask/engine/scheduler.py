@@ -53,7 +53,7 @@ class Sequence:
     preemptions: int = 0
     reuse: bool = True  # may start from kept prefix blocks (False: it needs every row's logits)
     kept: int = 0  # its leading blocks handed to the prefix cache so far
-    kept_parent: int = 0  # the cache's block for its last kept one (the next one's parent)
+    kept_parent: int = 0  # its last kept block (the next one's parent); -1: it keeps no more
 
     @property
     def blocks(self) -> list[int]:
@@ -121,9 +121,14 @@ class PrefixCache:
         return blocks
 
     def keep(self, seq: Sequence) -> None:
-        """Keep the blocks of ``seq`` whose positions are all computed (those not kept yet)."""
+        """Keep the blocks of ``seq`` whose positions are all computed (those not kept yet). Each kept block's
+        parent is a block ``seq`` holds, so no parent is evicted while a sequence holds its child: where
+        another block already holds the same tokens (two sequences computed them at once), ``seq`` keeps
+        nothing more."""
         S, table = self.block_size, seq.tables[0]
         for i in range(seq.kept, seq.computed // S):
+            if seq.kept_parent < 0:
+                return
             key = (seq.kept_parent, tuple(seq.tokens[i * S : (i + 1) * S]))
             block = self._block.get(key)
             if block is None:  # new: the cache holds it too
@@ -133,7 +138,7 @@ class PrefixCache:
                 self.pool.share([block])
             self._recent[block] = None
             self._recent.move_to_end(block)
-            seq.kept, seq.kept_parent = i + 1, block  # (another block may hold the same tokens: go on from it)
+            seq.kept, seq.kept_parent = i + 1, block if block == table[i] else -1
 
     def make_room(self, need: int) -> None:
         """Evict kept blocks only the cache holds, least recently used first, until ``need`` blocks are free
