@@ -10,6 +10,8 @@
 - Log-probabilities: the top tokens' and the prompt's (``echo``) are the model's own (float64
   reference), and bitwise the same alone and in any batch, over any chunking and preemption (in the
   properties above); a request of ``max_tokens`` 0 scores its prompt only.
+- Penalties (presence, frequency, repetition), a logit bias and ``min_tokens`` choose what a float64
+  reference of them chooses, and keep the requests bitwise their solo runs (in the properties above).
 - Cancellation, stop ids, stop strings, ``max_tokens``, ``ignore_eos``, ``stats()``, and the
   requests the engine refuses.
 - ``slow``: the real SmolLM2 in GGUF blocks, alone and together, and against ``decode.greedy``.
@@ -29,7 +31,7 @@ from hypothesis import strategies as st
 from attnmask import decode, masks
 from attnmask.data.tokenizer import EOS_ID
 from attnmask.decode.sampling import GREEDY, Sampling
-from attnmask.engine import BlockPool, Engine, Logprob, Paging, RequestParams, layer_groups
+from attnmask.engine import BlockPool, Engine, Logprob, Paging, Penalties, RequestParams, layer_groups
 from attnmask.errors import UserError
 from tests.conftest import run_python, tiny_model
 from tests.engine.test_step import MODELS, model_of
@@ -97,18 +99,34 @@ def run(engine: Engine, requests, arrivals=None, order=None, cancel=None, scores
     return out, most
 
 
-def params_of(max_tokens: int, sampled: bool, seed: int, scored: bool = False) -> RequestParams:
-    """Log-probabilities always; ``scored``: the 2 top tokens' at each position and the prompt's too."""
+# every penalty, a bias towards a token and against <eos>, and <eos> ruled out for 2 tokens
+PENALIZED = dict(
+    penalties=Penalties(presence=0.4, frequency=0.3, repetition=1.3, logit_bias=((5, 1.5), (EOS_ID, -0.5))),
+    min_tokens=2,
+)
+
+
+def params_of(
+    max_tokens: int, sampled: bool, seed: int, scored: bool = False, penalized: bool = False
+) -> RequestParams:
+    """Log-probabilities always; ``scored``: the 2 top tokens' at each position and the prompt's too;
+    ``penalized``: :data:`PENALIZED`'s penalties, bias and ``min_tokens``."""
     sampling = SAMPLED if sampled else GREEDY
-    scores = dict(top_logprobs=2, prompt_logprobs=True) if scored else {}
-    return RequestParams(max_tokens=max_tokens, sampling=sampling, seed=seed, logprobs=True, **scores)
+    extra = dict(top_logprobs=2, prompt_logprobs=True) if scored else {}
+    if penalized:
+        extra |= dict(PENALIZED, min_tokens=min(max_tokens, PENALIZED["min_tokens"]))
+    return RequestParams(max_tokens=max_tokens, sampling=sampling, seed=seed, logprobs=True, **extra)
 
 
 @functools.cache
-def solo(variant: str, prompt: tuple, max_tokens: int, sampled: bool, seed: int, scored: bool = False):
+def solo(
+    variant: str, prompt: tuple, max_tokens: int, sampled: bool, seed: int, scored: bool = False,
+    penalized: bool = False,
+):  # fmt: skip
     """A request alone in a roomy engine: its prompt in one chunk. ``scored``: its scores after the rest."""
     scores = {}
-    got = run(engine_of(variant), [(list(prompt), params_of(max_tokens, sampled, seed, scored))], scores=scores)[0]
+    params = params_of(max_tokens, sampled, seed, scored, penalized)
+    got = run(engine_of(variant), [(list(prompt), params)], scores=scores)[0]
     return got["0"] + ((scores["0"],) if scored else ())
 
 
@@ -148,6 +166,7 @@ def workloads(draw, sampled: bool, cached: bool = False):
     prompts = [common + t if draw(st.sampled_from([True, True, False])) else t for t in tails]
     max_tokens = draw(st.lists(st.integers(1, 10), min_size=n, max_size=n))
     scored = draw(st.lists(st.booleans(), min_size=n, max_size=n))  # top and prompt log-probabilities too
+    penalized = draw(st.lists(st.booleans(), min_size=n, max_size=n))  # penalties, a logit bias, min_tokens
     block_size = draw(st.sampled_from([1, 2, 3, 4, 8]))
     max_batch_tokens = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 64]))
     # the blocks of the largest request at its peak, in every layer group of the engine's cache
@@ -155,7 +174,10 @@ def workloads(draw, sampled: bool, cached: bool = False):
     need = max(paging.peak(len(p) + m, max_batch_tokens) for p, m in zip(prompts, max_tokens))
     return dict(
         variant=variant,
-        requests=[(tuple(p), m, sampled, 100 + i, c) for i, (p, m, c) in enumerate(zip(prompts, max_tokens, scored))],
+        requests=[
+            (tuple(p), m, sampled, 100 + i, c, z)
+            for i, (p, m, c, z) in enumerate(zip(prompts, max_tokens, scored, penalized))
+        ],
         arrivals=draw(
             st.lists(st.sampled_from([0, 3, 6, 12] if cached else [0, 0, 1, 2, 5, 12]), min_size=n, max_size=n)
         ),  # fmt: skip
@@ -184,7 +206,7 @@ def invariant_results(w, threads: int = 1, engines: list | None = None) -> tuple
         got, preempted = run(engine, requests, w["arrivals"], w["order"], scores=scores)
     finally:
         torch.set_num_threads(before)
-    scored = [r[4:] == (True,) for r in w["requests"]]
+    scored = [len(r) > 4 and r[4] for r in w["requests"]]
     together = [tuple(got[str(i)]) + ((scores[str(i)],) if c else ()) for i, c in enumerate(scored)]
     alone = [tuple(solo(w["variant"], *r)) for r in w["requests"]]
     return together, alone, preempted
@@ -429,6 +451,92 @@ def test_request_params_check_their_log_probability_settings():
     with pytest.raises(UserError, match="top_logprobs"):
         RequestParams(top_logprobs=True)
     assert RequestParams(max_tokens=0, prompt_logprobs=True).max_tokens == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Penalties, a logit bias, min_tokens
+# ---------------------------------------------------------------------------------------------
+def reference_penalized(row, prompt: list[int], generated: list[int], penalties: Penalties):
+    """The penalties on ``row`` in float64, token by token as their definitions read."""
+    row = row.double().clone()
+    for token, bias in penalties.logit_bias:
+        row[token] += bias
+    for token in set(prompt) | set(generated):
+        x = float(row[token])
+        row[token] = x / penalties.repetition if x > 0 else x * penalties.repetition
+    for token in set(generated):
+        row[token] -= penalties.frequency * generated.count(token) + penalties.presence
+    return row
+
+
+@pytest.mark.parametrize("variant", ["rotary-gqa-fused", "learned-post-norm"])
+def test_penalized_greedy_requests_choose_what_a_float64_reference_chooses(variant):
+    """Each generated token is the arg-max of the float64 reference of the penalties applied to the model's
+    full-forward logits (within float32's rounding of a near tie), and the penalties change the answer."""
+    m = model(variant)
+    penalties = Penalties(presence=0.5, frequency=0.7, repetition=1.4, logit_bias=((7, 0.8), (9, -0.6)))
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8]
+    engine = engine_of(variant, max_batch_tokens=3, eos_ids=[])
+    plain = engine.generate([prompt], RequestParams(max_tokens=12))[0]
+    got = engine.generate([prompt], RequestParams(max_tokens=12, penalties=penalties))[0]
+    assert got.tokens != plain.tokens, "the penalties should change this answer"
+    whole = prompt + got.tokens
+    with torch.no_grad():
+        rows = copy.deepcopy(m).double().decode(torch.tensor([whole]), mask=masks.causal())[0]
+    for i, token in enumerate(got.tokens):
+        want = reference_penalized(rows[len(prompt) + i - 1], prompt, got.tokens[:i], penalties)
+        assert float(want[token]) >= float(want.max()) - 1e-5, f"token {i}: {token} is not the reference's arg-max"
+    assert max(got.tokens.count(t) for t in set(got.tokens)) < max(plain.tokens.count(t) for t in set(plain.tokens))
+
+
+def test_a_logit_bias_forces_or_bans_a_token_and_logprobs_stay_the_models():
+    variant = "rotary-gqa"
+    engine = engine_of(variant, eos_ids=[])
+    prompt = [5, 6, 7]
+    plain = engine.generate([prompt], RequestParams(max_tokens=6, logprobs=True))[0]
+    forced = engine.generate([prompt], RequestParams(max_tokens=6, logprobs=True, penalties=Penalties(
+        logit_bias=((11, 100.0),))))[0]  # fmt: skip
+    assert forced.tokens == [11] * 6
+    banned = plain.tokens[0]
+    other = engine.generate([prompt], RequestParams(max_tokens=6, penalties=Penalties(
+        logit_bias=((banned, -100.0),))))[0]  # fmt: skip
+    assert banned not in other.tokens
+    # the reported log-probabilities are the model's own (before the bias): the first token's row is plain's
+    with torch.no_grad():
+        row = model(variant).decode(torch.tensor([prompt]), mask=masks.causal())[0, -1]
+    assert forced.logprobs[0] == pytest.approx(float(torch.log_softmax(row.double(), -1)[11]), abs=5e-5)
+    assert forced.logprobs[0] < plain.logprobs[0]
+
+
+def test_min_tokens_rules_out_the_stop_ids_until_enough_tokens_came():
+    engine = engine_of("rotary-gqa")
+    eager = Penalties(logit_bias=((EOS_ID, 100.0),))  # <eos> first whenever it may come
+    plain = engine.generate(INPUTS, RequestParams(max_tokens=10, penalties=eager))
+    assert all(c.tokens == [EOS_ID] for c in plain)
+    got = engine.generate(INPUTS, RequestParams(max_tokens=10, penalties=eager, min_tokens=5))
+    assert all(len(c.tokens) == 6 and c.tokens[5] == EOS_ID and EOS_ID not in c.tokens[:5] for c in got)
+    assert {c.finish_reason for c in got} == {"stop"}
+    # a stop id likewise, and min_tokens == max_tokens runs to the end
+    stop = Penalties(logit_bias=((9, 100.0),))
+    got = engine.generate(INPUTS, RequestParams(max_tokens=4, penalties=stop, stop_ids=(9,), min_tokens=4))
+    assert all(9 not in c.tokens and c.finish_reason == "length" for c in got)
+
+
+def test_request_params_check_their_penalties():
+    with pytest.raises(UserError, match=r"presence penalty must be a number in \[-2, 2\]"):
+        Penalties(presence=2.5)
+    with pytest.raises(UserError, match="repetition penalty must be a number > 0"):
+        Penalties(repetition=0.0)
+    with pytest.raises(UserError, match=r"logit bias must be a number in \[-100, 100\]"):
+        Penalties(logit_bias=((3, 101.0),))
+    with pytest.raises(UserError, match="names a token twice"):
+        Penalties(logit_bias=((3, 1.0), (3, 2.0)))
+    with pytest.raises(UserError, match="min_tokens must be an int from 0 to max_tokens"):
+        RequestParams(max_tokens=3, min_tokens=4)
+    assert not Penalties().active and Penalties(repetition=1.1).active
+    engine = engine_of("rotary-gqa")
+    with pytest.raises(UserError, match=r"logit_bias token ids must be in \[0, "):
+        engine.add_request([3], RequestParams(penalties=Penalties(logit_bias=((10**6, 1.0),))))
 
 
 # ---------------------------------------------------------------------------------------------

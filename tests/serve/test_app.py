@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnmask.decode.sampling import GREEDY
-from attnmask.engine import Engine, RequestParams
+from attnmask.engine import Engine, Penalties, RequestParams
 from tests.serve.conftest import MODEL, TEMPLATE, TIMEOUT, PacedEngine, serve, tiny_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -192,6 +192,49 @@ def test_n_answers_each_prompt_with_seeds_that_repeat(client):
     messages = [{"role": "user", "content": "Hi"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, n=2, temperature=0)
     assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message == chat.choices[1].message
+
+
+def test_penalties_and_logit_bias_are_the_engines(client, model, tokenizer):
+    """OpenAI's penalties and ``logit_bias``, vLLM's ``repetition_penalty``: the engine's own answer with
+    the same settings, and not the plain one."""
+    prompt = tokenizer.encode("the the the cat")
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw, presence_penalty=0.6, frequency_penalty=0.8, logit_bias={"40": 3.0},
+                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.3})  # fmt: skip
+    penalties = Penalties(presence=0.6, frequency=0.8, repetition=1.3, logit_bias=((40, 3.0),))
+    want = direct(model, tokenizer, prompt, max_tokens=16, ignore_eos=True, penalties=penalties)
+    assert r.choices[0].text == tokenizer.decode(want.tokens) != plain.choices[0].text
+    # a bias of 100 forces a token, in a chat too
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, logit_bias={"65": 100})
+    assert chat.choices[0].message.content == tokenizer.decode([65] * 5)
+
+
+def test_min_tokens_holds_back_the_end(client, tokenizer):
+    bias = {str(tokenizer.eos_id): 100}  # <eos> at once, unless held back
+    kw = dict(model=MODEL, prompt="abc", max_tokens=10, temperature=0, logit_bias=bias)
+    assert client.completions.create(**kw).usage.completion_tokens == 1
+    r = client.completions.create(**kw, extra_body={"min_tokens": 4})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "stop"
+
+
+def test_best_of_returns_the_most_likely_of_its_answers(client):
+    """``best_of`` 4: the 4 answers are those of seeds 7..10; the one returned has the highest mean
+    log-probability per token; usage counts every token computed; ``n`` 2 returns the two best in order."""
+    kw = dict(model=MODEL, prompt="Tell", max_tokens=8, temperature=1.5, extra_body={"ignore_eos": True})
+    each = [client.completions.create(**kw, seed=7 + j, logprobs=0).choices[0] for j in range(4)]
+    means = [sum(c.logprobs.token_logprobs) / 8 for c in each]
+    ranked = [each[j].text for j in sorted(range(4), key=lambda j: -means[j])]
+    assert len(set(ranked)) == 4, "the seeds should give different answers"
+    r = client.completions.create(**kw, seed=7, best_of=4)
+    assert [c.text for c in r.choices] == ranked[:1] and r.usage.completion_tokens == 32
+    assert r.choices[0].logprobs is None  # not asked for
+    r = client.completions.create(**kw, seed=7, best_of=4, n=2, logprobs=1)
+    assert [c.text for c in r.choices] == ranked[:2] and [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].logprobs.token_logprobs is not None
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
+        client.completions.create(**kw, best_of=2, stream=True)
 
 
 def test_a_refused_prompt_in_a_batch_refuses_the_request_and_runs_nothing(client, http):

@@ -20,6 +20,7 @@ N = 64  # concurrent requests
 DROP_EVERY = 8  # these clients leave after a few chunks
 DROP_AFTER = 3  # chunks
 SCORED = 3  # requests i with i % DROP_EVERY == SCORED echo and score their prompts
+PENALIZED = 5  # requests i with i % DROP_EVERY == PENALIZED have penalties and a logit bias
 MAX_TOKENS = 24
 DROPPED_MAX_TOKENS = 96  # what the leaving clients ask for: still running when they leave
 LOAD_TIMEOUT = 60.0  # seconds for the whole concurrent phase
@@ -38,9 +39,13 @@ def served(tokenizer):
         yield s
 
 
-def request(prompt: str, max_tokens: int = MAX_TOKENS, scored: bool = False) -> dict:
-    scores = dict(echo=True, logprobs=2) if scored else {}
-    return dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True},
+def request(i: int, max_tokens: int = MAX_TOKENS) -> dict:
+    scores = dict(echo=True, logprobs=2) if i % DROP_EVERY == SCORED else {}
+    extra = {"ignore_eos": True}
+    if i % DROP_EVERY == PENALIZED:
+        scores |= dict(frequency_penalty=0.5, presence_penalty=0.2, logit_bias={"40": 1.0})
+        extra |= {"repetition_penalty": 1.2}
+    return dict(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0, extra_body=extra,
                 **scores)  # fmt: skip
 
 
@@ -50,10 +55,7 @@ def answer(choice) -> tuple[str, list | None]:
 
 def test_concurrent_streams_equal_their_solo_runs(served):
     with openai.OpenAI(base_url=served.base_url, api_key="-", timeout=TIMEOUT, max_retries=0) as client:
-        solo = [
-            answer(client.completions.create(**request(p, scored=i % DROP_EVERY == SCORED)).choices[0])
-            for i, p in enumerate(PROMPTS)
-        ]
+        solo = [answer(client.completions.create(**request(i)).choices[0]) for i in range(N)]
     assert len({text for text, _ in solo}) > N // 4  # the prompts give different answers: a mix-up would show
     assert all(lp[0] is None and len(lp) > 10 for i, (_, lp) in enumerate(solo) if i % DROP_EVERY == SCORED)
     before = served.metrics()
@@ -69,7 +71,7 @@ def test_concurrent_streams_equal_their_solo_runs(served):
     async def one(client, i: int) -> tuple[str, list | None] | None:
         leaves, scored = i % DROP_EVERY == 0, i % DROP_EVERY == SCORED
         max_tokens = DROPPED_MAX_TOKENS if leaves else MAX_TOKENS
-        stream = await client.completions.create(**request(PROMPTS[i], max_tokens, scored), stream=True)
+        stream = await client.completions.create(**request(i, max_tokens), stream=True)
         pieces, logprobs = [], [] if scored else None
         async for chunk in stream:
             pieces.append(chunk.choices[0].text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from attnmask.decode.sampling import Sampling
+from attnmask.decode.sampling import Penalties, Sampling
 from attnmask.serve.protocol import (
     ApiError,
     check_model,
@@ -109,6 +109,29 @@ def test_n_answers_a_prompt_that_many_times_each_with_its_own_seed():
     assert len(with_choices([chat(messages=[{"role": "user", "content": "hi"}])], {})) == 1
 
 
+def test_penalties_logit_bias_and_min_tokens():
+    """OpenAI's penalties and ``logit_bias`` (keys are strings in JSON), vLLM's ``repetition_penalty``
+    and ``min_tokens``; absent, nothing changes."""
+    g = completion(prompt="a", presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2,
+                   logit_bias={"7": -100, "3": 2.5}, min_tokens=4)  # fmt: skip
+    assert g.params.penalties == Penalties(0.5, -1.0, 1.2, ((3, 2.5), (7, -100.0)))
+    assert g.params.min_tokens == 4
+    plain = completion(prompt="a", presence_penalty=0, logit_bias={})
+    assert not plain.params.penalties.active and plain.params.min_tokens == 0
+    g = chat(messages=[{"role": "user", "content": "hi"}], frequency_penalty=0.3, logit_bias={"5": 1})
+    assert g.params.penalties == Penalties(frequency=0.3, logit_bias=((5, 1.0),))
+
+
+def test_best_of_computes_more_answers_and_asks_for_their_logprobs():
+    body = {"prompt": "ab", "n": 2, "best_of": 4, "temperature": 1.0, "seed": 5}
+    gens = with_choices(parse_completions(body, encode=encode, capacity=64), body)
+    assert [(g.copy, g.best_of, g.params.seed) for g in gens] == [(0, 4, 5), (1, 4, 6), (2, 4, 7), (3, 4, 8)]
+    assert all(g.params.logprobs and not g.logprobs for g in gens)  # computed for the ranking, not reported
+    body = {"prompt": "ab", "n": 2, "best_of": 2}
+    gens = with_choices(parse_completions(body, encode=encode, capacity=64), body)
+    assert [g.best_of for g in gens] == [2, 2] and not gens[0].params.logprobs  # nothing to rank
+
+
 # ---- mistakes: status and the field named --------------------------------------------------------
 BAD_COMPLETIONS = [
     ({}, "prompt"),
@@ -139,7 +162,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "a", "n": 33}, "n"),
     ({"prompt": "a", "n": 0}, "n"),
-    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "n": 3, "best_of": 2}, "best_of"),
+    ({"prompt": "a", "best_of": 3, "stream": True}, "best_of"),
+    ({"prompt": "a", "best_of": 33}, "best_of"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "logprobs": -1}, "logprobs"),
     ({"prompt": "a", "logprobs": True}, "logprobs"),
@@ -148,8 +173,17 @@ BAD_COMPLETIONS = [
     ({"prompt": "a", "suffix": "b"}, "suffix"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "a", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "a", "frequency_penalty": "high"}, "frequency_penalty"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "a", "logit_bias": {"1": 101}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"1": True}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": [1, 2]}, "logit_bias"),
+    ({"prompt": "a", "min_tokens": 17}, "min_tokens"),  # > max_tokens (16)
+    ({"prompt": "a", "min_tokens": -1}, "min_tokens"),
     ({"prompt": "a", "ignore_eos": 1}, "ignore_eos"),
 ]
 
@@ -175,6 +209,8 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x" * 64}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of"),  # a completions field
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": -101}}, "logit_bias"),
 ]
 
 

@@ -6,7 +6,8 @@
   ``packed_step`` call for Llama-style and Gemma 3 decoders;
 - :mod:`.steps`: start (encode / prefill), one decode step, the loop, greedy and sampled ids;
 - :mod:`.sampling`: the frozen :class:`Sampling` settings; arg-max or a draw with temperature,
-  top-k, top-p and an explicit generator;
+  top-k, top-p and an explicit generator; :class:`Penalties` (presence, frequency, repetition, logit
+  bias) applied to a row before the choice;
 - :mod:`.beam`: beam search on the same steps, beams sharing their prefix's cache blocks;
 - :mod:`.text`: text in, text out (``translate``, ``generate``).
 """
@@ -19,9 +20,13 @@ from attnmask.decode.beam import (  # noqa: F401
 from attnmask.decode.sampling import (  # noqa: F401
     DEFAULT_TEMPERATURE,
     GREEDY,
+    NO_PENALTIES,
+    Penalties,
     Sampling,
+    TokenHistory,
     check_sampling,
     filter_logits,
+    penalize,
     sample,
 )
 from attnmask.decode.steps import (  # noqa: F401

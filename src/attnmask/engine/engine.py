@@ -17,10 +17,11 @@ the step computes each row independently of the others, sampling reads only the 
 and the request's own generator.
 
 Log-probabilities (``RequestParams.logprobs``) are the model's own, ``log_softmax`` of a row's logits
-before temperature or top-k/top-p; ``top_logprobs`` adds the most likely tokens' at each position;
-``prompt_logprobs`` scores the prompt: the log-probability of each prompt token after the first,
-given the ones before it (OpenAI's ``echo``, what evaluation harnesses read), computed from the same
-rows as the prompt's prefill, so scoring costs the head's product on those rows and nothing more.
+before penalties, biases, temperature or top-k/top-p (vLLM's default, "raw" log-probabilities);
+``top_logprobs`` adds the most likely tokens' at each position; ``prompt_logprobs`` scores the prompt:
+the log-probability of each prompt token after the first, given the ones before it (OpenAI's ``echo``,
+what evaluation harnesses read), computed from the same rows as the prompt's prefill, so scoring costs
+the head's product on those rows and nothing more.
 With ``prompt_logprobs``, ``max_tokens`` may be 0: the request scores its prompt and generates nothing.
 """
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from attnmask.decode.sampling import GREEDY, Sampling, sample
+from attnmask.decode.sampling import GREEDY, NO_PENALTIES, Penalties, Sampling, TokenHistory, penalize, sample
 from attnmask.engine.cache import PagedKVCache, blocks_for_memory, layer_groups
 from attnmask.engine.scheduler import Chunk, Scheduler
 from attnmask.engine.scheduler import Sequence as SeqState
@@ -61,7 +62,10 @@ class RequestParams:
     ``top_logprobs``: and those of that many most likely tokens at its position (0 to
     :data:`MAX_TOP_LOGPROBS`); ``prompt_logprobs``: score the prompt too (each of its tokens after the
     first, with its ``top_logprobs``), delivered with the request's first event. ``max_tokens`` >= 1, or
-    0 with ``prompt_logprobs`` (score the prompt only)."""
+    0 with ``prompt_logprobs`` (score the prompt only). ``penalties``: presence, frequency and repetition
+    penalties and a logit bias (:class:`~attnmask.decode.sampling.Penalties`), applied before the
+    choice, greedy or sampled; ``min_tokens``: the end-of-sequence and stop ids are ruled out until the
+    request has generated that many tokens (vLLM's; stop strings still end it)."""
 
     max_tokens: int = 16
     sampling: Sampling = GREEDY
@@ -72,6 +76,8 @@ class RequestParams:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    penalties: Penalties = NO_PENALTIES
+    min_tokens: int = 0
 
     def __post_init__(self):
         least = 0 if self.prompt_logprobs else 1
@@ -85,6 +91,11 @@ class RequestParams:
             raise UserError(f"top_logprobs must be an int from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
         if not isinstance(self.sampling, Sampling):
             raise UserError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
+        if not isinstance(self.penalties, Penalties):
+            raise UserError(f"penalties must be a Penalties, got {type(self.penalties).__name__}")
+        m = self.min_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= max(self.max_tokens, 0):
+            raise UserError(f"min_tokens must be an int from 0 to max_tokens ({self.max_tokens}), got {m!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise UserError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
 
@@ -157,6 +168,7 @@ class _Request:
     tail: int = 0  # tokens of the last stop-string search's window (see Engine._tail_text)
     scored: list[Logprob] | None = None  # prompt_logprobs: prompt tokens 1.. scored so far (kept over preemption)
     delivered: bool = False  # an event has gone out (the prompt's scores go with the first)
+    history: TokenHistory | None = None  # what the penalties read (None: the request has none)
 
 
 class Engine:
@@ -255,6 +267,9 @@ class Engine:
                 f"the prompt's {len(prompt)} tokens + max_tokens {params.max_tokens} exceed the {self.capacity} "
                 "positions this engine can hold for one request (its cache or the model's context)"
             )
+        bias = [t for t, _ in params.penalties.logit_bias]
+        if bias and not 0 <= min(bias) <= max(bias) < vocab:
+            raise UserError(f"logit_bias token ids must be in [0, {vocab}); got {min(bias)}..{max(bias)}")
         if params.stop and self.detokenize is None:
             raise UserError("stop strings need an engine with a detokenize function (a tokenizer)")
         with self._lock:
@@ -269,7 +284,8 @@ class Engine:
             stops = frozenset(params.stop_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
             seq = SeqState(rid, list(prompt), len(prompt), params.max_tokens, reuse=not params.prompt_logprobs)
             scored = [] if params.prompt_logprobs else None
-            self._inbox.append(("add", _Request(seq, params, generator, stops, scored=scored)))
+            history = TokenHistory(prompt) if params.penalties.active else None
+            self._inbox.append(("add", _Request(seq, params, generator, stops, scored=scored, history=history)))
         return rid
 
     def cancel(self, request_id: str) -> None:
@@ -382,18 +398,23 @@ class Engine:
         if params.max_tokens == 0:  # the prompt scored (prompt_logprobs), nothing to generate
             self._finish(request)
             return TokenEvent(seq.request_id, None, 0, finish_reason="length", prompt_logprobs=prompt)
-        s = params.sampling
+        s, chosen_from = params.sampling, row
+        if request.history is not None or seq.generated < params.min_tokens:  # the row changes: so may its arg-max
+            chosen_from, best = self._penalized(request, row), None
         if s.greedy and best is not None:
             token = best
+        elif s.greedy:
+            token = int(chosen_from.argmax())  # the first largest
         else:  # the request's generator lives on the CPU: so does the row it draws from
-            token = int(
-                sample(row[None].cpu(), Sampling(s.temperature, s.top_k, s.top_p, generator=request.generator))[0]
-            )
+            draw = Sampling(s.temperature, s.top_k, s.top_p, generator=request.generator)
+            token = int(sample(chosen_from[None].cpu(), draw)[0])
         logprob = top = None
         if params.logprobs or params.top_logprobs:
             (scored,) = _logprobs(row[None], [token], [params.top_logprobs])
             logprob, top = scored.logprob, scored.top if params.top_logprobs else None
         seq.tokens.append(token)
+        if request.history is not None:
+            request.history.add(token)
         self._tokens_out += 1
         reason = None
         if token in request.stops or params.stop and _holds_any(self._tail_text(request), params.stop):
@@ -403,6 +424,16 @@ class Engine:
         if reason is not None:
             self._finish(request)
         return TokenEvent(seq.request_id, token, seq.generated - 1, logprob, reason, top, prompt)
+
+    def _penalized(self, request: _Request, row: Tensor) -> Tensor:
+        """``row`` as the request's choice sees it: its penalties and bias applied, and its stop ids ruled
+        out while it has generated fewer than ``min_tokens``."""
+        if request.history is not None:
+            row = penalize(row, request.params.penalties, request.history)
+        if request.seq.generated < request.params.min_tokens and request.stops:
+            row = row.clone() if request.history is None else row
+            row[torch.tensor(sorted(request.stops), device=row.device)] = float("-inf")
+        return row
 
     def _finish(self, request: _Request) -> None:
         self.scheduler.finish(request.seq)

@@ -29,7 +29,15 @@ from starlette.routing import Route
 from attnmask.errors import UserError
 from attnmask.serve.loop import EngineFailed, EngineLoop, RequestStream, ServerClosed
 from attnmask.serve.metrics import CONTENT_TYPE, ServerMetrics
-from attnmask.serve.protocol import ApiError, Generation, check_model, parse_chat, parse_completions, with_choices
+from attnmask.serve.protocol import (
+    ApiError,
+    Generation,
+    check_model,
+    choices_of,
+    parse_chat,
+    parse_completions,
+    with_choices,
+)
 from attnmask.serve.responses import Piece, Shape
 from attnmask.serve.text import TextStream
 
@@ -66,6 +74,17 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client closes the connection (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _most_likely(answers: list[list[Piece]], best_of: int, n: int) -> list[list[Piece]]:
+    """Of each prompt's ``best_of`` answers (consecutive in ``answers``), the ``n`` with the highest
+    log-probability per generated token (OpenAI's ``best_of``), most likely first; ties: the first."""
+    out = []
+    for start in range(0, len(answers), best_of):
+        group = answers[start : start + best_of]
+        score = lambda pieces: sum(p.logprob for p in pieces) / max(1, sum(p.generated for p in pieces))  # noqa: E731
+        out += sorted(group, key=lambda pieces: -score(pieces))[:n]
+    return out
 
 
 def _sse(data) -> str:
@@ -120,7 +139,7 @@ class _Service:
                 gens = [parse_chat(body, encode=self.tokenizer.encode, render=self.render, capacity=capacity)]
             else:
                 gens = parse_completions(body, encode=self.tokenizer.encode, capacity=capacity)
-            gens = with_choices(gens, body)
+            gens = with_choices(gens, body, chat=chat)
             streams = self._submit(gens)
         except ApiError as err:
             return self._reject(err)
@@ -149,7 +168,10 @@ class _Service:
         finally:
             _close(streams, self._count_cancelled)
         prompt_tokens = sum(len(g.prompt) for g in gens if g.copy == 0)  # a prompt counts once, whatever n
-        return JSONResponse(shape.response(collected, prompt_tokens=prompt_tokens))
+        completion_tokens = sum(p.generated for pieces in collected for p in pieces)  # best_of's all count
+        if gen.best_of > (n := choices_of(body)):
+            collected = _most_likely(collected, gen.best_of, n)
+        return JSONResponse(shape.response(collected, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))
 
     def _submit(self, gens: list[Generation]) -> list[RequestStream]:
         """Every prompt to the engine, or none (a refused one cancels those already queued)."""
@@ -197,6 +219,7 @@ class _Service:
                 last = timed.time
             piece = Piece("", generated=int(event.token is not None))
             if event.token is not None:
+                piece.logprob = event.logprob or 0.0  # asked for, or for best_of's ranking
                 offset = base + len(text.text)
                 piece.text = text.push(event.token)
                 if gen.logprobs:

@@ -7,8 +7,14 @@ ids, :class:`~attnmask.engine.RequestParams`, streaming options), or raise :clas
 the app answers with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` and
 a 4xx status. Every field a client can get wrong is checked here, with the field's name in
 ``param``; fields this server does not implement are refused when they would change the answer
-(``best_of`` > 1, penalties, ``logit_bias``, ``suffix``) rather than silently ignored. A request's
-``n`` answers to each prompt are ``n`` engine requests (:func:`with_choices`).
+(``suffix``; ``best_of`` in a chat, or streamed) rather than silently ignored. A request's ``n``
+answers to each prompt are ``n`` engine requests (:func:`with_choices`); with a completion's
+``best_of``, ``best_of`` of them, of which the app returns the ``n`` most likely.
+
+Penalties: OpenAI's ``presence_penalty`` and ``frequency_penalty`` (over the generated tokens) and
+``logit_bias`` (``{"token id": bias}``), vLLM's ``repetition_penalty`` (over prompt and generated
+tokens) and ``min_tokens`` (no end-of-sequence or stop id before that many tokens): see
+:class:`~attnmask.decode.sampling.Penalties`.
 
 Log-probabilities: a completion's ``logprobs`` N (0 to 20) reports each token's and, for N >= 1, the N
 most likely tokens' at its position; ``echo`` sends the prompt back before the completion and, with
@@ -24,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from attnmask.decode.sampling import Sampling
+from attnmask.decode.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, Penalties, Sampling
 from attnmask.engine import RequestParams
 from attnmask.engine.engine import MAX_TOP_LOGPROBS
 from attnmask.errors import UserError
@@ -36,6 +42,7 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "parse_completions",
+    "choices_of",
     "with_choices",
 ]
 
@@ -76,6 +83,7 @@ class Generation:
     echo: bool = False  # a completion: the prompt first (scored too, with logprobs)
     prompt_text: str | None = None  # the prompt as the client sent it, when it sent text
     copy: int = 0  # which of the prompt's ``n`` answers (:func:`with_choices`)
+    best_of: int = 1  # answers computed for a prompt, of which the n most likely are returned (>= n)
 
 
 # ---- fields -------------------------------------------------------------------------------------
@@ -126,16 +134,58 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _unsupported(body: dict) -> None:
-    """Fields that would change the answer in ways this server does not compute."""
-    _int(body, "n", minimum=1, maximum=MAX_CHOICES)  # checked here, applied by with_choices
-    if (best_of := _int(body, "best_of", minimum=1)) not in (None, 1):
-        raise ApiError(400, f"'best_of' must be 1; got {best_of}", param="best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name) not in (None, 0.0):
-            raise ApiError(400, f"'{name}' is not supported by this server; leave it out or 0", param=name)
-    if body.get("logit_bias"):
-        raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
+def _choices(body: dict, *, chat: bool) -> tuple[int, int]:
+    """``(n, best_of)``: answers returned and computed for each prompt."""
+    n = _int(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
+    best_of = _int(body, "best_of", minimum=1, maximum=MAX_CHOICES)
+    if best_of is None or best_of == 1 and n == 1:
+        return n, n
+    if chat:
+        raise ApiError(400, "'best_of' is a /v1/completions field; chat completions take 'n'", param="best_of")
+    if best_of < n:
+        raise ApiError(400, f"'best_of' must be >= 'n' ({n}); got {best_of}", param="best_of")
+    if best_of > n and _bool(body, "stream"):
+        raise ApiError(400, "'best_of' > 'n' cannot be streamed (the best are known at the end)", param="best_of")
+    return n, best_of
+
+
+def _penalty(body: dict, name: str) -> float:
+    value = _number(body, name)
+    if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+        raise _bad(name, f"a number from -{MAX_PENALTY:g} to {MAX_PENALTY:g}", value)
+    return value or 0.0
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """``{"token id": bias}`` (JSON's keys are strings; ids as ints also taken), bias in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    expected = f"an object mapping token ids to numbers from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}"
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", expected, value)
+    out = {}
+    for key, bias in value.items():
+        token = key if isinstance(key, int) else int(key) if isinstance(key, str) and key.isdigit() else None
+        ok = isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+        if token is None or not ok or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ApiError(400, f"'logit_bias' must be {expected}; got {key!r}: {bias!r}", param="logit_bias")
+        if token in out:
+            raise ApiError(400, f"'logit_bias' names token {token} twice", param="logit_bias")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _penalties(body: dict) -> Penalties:
+    repetition = _number(body, "repetition_penalty")  # an extension (vLLM's, Hugging Face's)
+    if repetition is not None and not repetition > 0:
+        raise _bad("repetition_penalty", "a number > 0 (1 = none)", repetition)
+    return Penalties(
+        presence=_penalty(body, "presence_penalty"),
+        frequency=_penalty(body, "frequency_penalty"),
+        repetition=1.0 if repetition is None else repetition,
+        logit_bias=_logit_bias(body),
+    )
 
 
 def _sampling(body: dict) -> Sampling:
@@ -205,6 +255,9 @@ def check_model(body: dict, served: str) -> None:
 
 
 def _params(body: dict, max_tokens: int, logprobs: bool, top: int = 0, score_prompt: bool = False) -> RequestParams:
+    min_tokens = _int(body, "min_tokens", minimum=0) or 0  # an extension (vLLM's)
+    if min_tokens > max_tokens:
+        raise _bad("min_tokens", f"an integer from 0 to the request's max_tokens ({max_tokens})", min_tokens)
     try:
         return RequestParams(
             max_tokens=max_tokens,
@@ -215,6 +268,8 @@ def _params(body: dict, max_tokens: int, logprobs: bool, top: int = 0, score_pro
             logprobs=logprobs,
             top_logprobs=top,
             prompt_logprobs=score_prompt,
+            penalties=_penalties(body),
+            min_tokens=min_tokens,
         )
     except UserError as err:
         raise ApiError(400, str(err)) from err
@@ -237,8 +292,9 @@ def _prompt_ids(value: Any, encode: Callable[[str], list[int]]) -> list[int]:
 def parse_completion(body: dict, *, encode: Callable[[str], list[int]], capacity: int) -> Generation:
     """``POST /v1/completions``: ``prompt``, ``max_tokens`` (default 16; 0 with ``echo``: score the
     prompt only), sampling, ``stop``, ``seed``, ``logprobs`` (an int N: the chosen tokens'
-    log-probabilities and the N most likely tokens'), ``echo``, ``stream``."""
-    _unsupported(body)
+    log-probabilities and the N most likely tokens'), ``echo``, ``stream``, penalties, ``logit_bias``,
+    ``min_tokens``; ``n`` and ``best_of`` are read by :func:`with_choices`."""
+    _choices(body, chat=False)
     echo = _bool(body, "echo")
     if body.get("suffix"):
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
@@ -258,8 +314,13 @@ def parse_completion(body: dict, *, encode: Callable[[str], list[int]], capacity
         prompt_param="prompt",
     )
     stream = _bool(body, "stream")
+    # best_of ranks its answers by their log-probabilities: the engine computes them, asked for or not
+    n, best_of = _choices(body, chat=False)
+    ranked = best_of > n
     # echo scores the prompt when log-probabilities are asked for (and with max_tokens 0, the whole request)
-    params = _params(body, max_tokens, logprobs, top or 0, score_prompt=echo and (logprobs or max_tokens == 0))
+    params = _params(
+        body, max_tokens, logprobs or ranked, top or 0, score_prompt=echo and (logprobs or max_tokens == 0)
+    )
     text = _prompt_text(body["prompt"])
     return Generation(
         prompt, params, stream=stream, include_usage=_stream_options(body, stream), logprobs=logprobs,
@@ -284,19 +345,25 @@ def parse_completions(body: dict, *, encode: Callable[[str], list[int]], capacit
     return out
 
 
-def with_choices(gens: list[Generation], body: dict) -> list[Generation]:
-    """Each generation ``n`` times (the body's ``n``, default 1), as OpenAI numbers the choices: prompt by
-    prompt, then answer by answer. Answer ``j`` of a request with a ``seed`` draws from ``seed + j``
-    (wrapping within what a generator takes), so answers differ when sampled and repeat with the seed."""
-    n = _int(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
+def with_choices(gens: list[Generation], body: dict, *, chat: bool = False) -> list[Generation]:
+    """Each generation ``best_of`` times (the body's ``best_of``, else ``n``, default 1), as OpenAI numbers
+    the choices: prompt by prompt, then answer by answer. Answer ``j`` of a request with a ``seed`` draws
+    from ``seed + j`` (wrapping within what a generator takes), so answers differ when sampled and repeat
+    with the seed. Of a prompt's ``best_of`` answers the app returns the ``n`` most likely."""
+    n, best_of = _choices(body, chat=chat)
     out = []
     for gen in gens:
-        for j in range(n):
+        for j in range(best_of):
             seed = gen.params.seed
             if seed is not None and j:
                 seed = seed + j if seed + j < 2**64 else seed + j - 2**64
-            out.append(replace(gen, params=replace(gen.params, seed=seed), copy=j))
+            out.append(replace(gen, params=replace(gen.params, seed=seed), copy=j, best_of=best_of))
     return out
+
+
+def choices_of(body: dict) -> int:
+    """``n``: the answers returned for each prompt (after :func:`with_choices` checked the body)."""
+    return _int(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
 
 
 def _prompt_text(value: Any) -> str | None:
@@ -335,8 +402,9 @@ def messages_of(body: dict) -> list[dict[str, str]]:
 def parse_chat(body: dict, *, encode: Callable[[str], list[int]], render, capacity: int) -> Generation:
     """``POST /v1/chat/completions``: ``messages`` rendered by ``render`` (the model's chat template,
     or None when it has none), ``max_tokens`` / ``max_completion_tokens`` (default: what fits),
-    sampling, ``stop``, ``seed``, ``logprobs`` (true / false), ``top_logprobs``, ``stream``."""
-    _unsupported(body)
+    sampling, ``stop``, ``seed``, ``logprobs`` (true / false), ``top_logprobs``, ``stream``, penalties,
+    ``logit_bias``, ``min_tokens``; ``n`` is read by :func:`with_choices`."""
+    _choices(body, chat=True)
     messages = messages_of(body)
     if render is None:
         raise ApiError(

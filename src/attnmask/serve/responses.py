@@ -28,6 +28,7 @@ class Piece:
 
     text: str
     generated: int = 0  # 1 when the event carries a token (0: a cancellation, an echoed prompt)
+    logprob: float = 0.0  # the generated token's log-probability, where the engine computed it
     # logprobs: (token text, logprob, offset, the most likely tokens there); logprob None: nothing predicts it
     tokens: list[tuple[str, float | None, int, TopTexts | None]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -87,8 +88,9 @@ class Shape:
             "text_offset": [offset for _, _, offset, _ in tokens],
         }
 
-    def response(self, choices: list[list[Piece]], *, prompt_tokens: int) -> dict:
-        """The whole answer: one choice a prompt, from its pieces; ``prompt_tokens`` of all prompts."""
+    def response(self, choices: list[list[Piece]], *, prompt_tokens: int, completion_tokens: int | None = None) -> dict:
+        """The whole answer: one choice a prompt, from its pieces; ``prompt_tokens`` of all prompts;
+        ``completion_tokens``: those generated (default: the choices'; ``best_of`` counts all it computed)."""
         out, generated = [], 0
         for index, pieces in enumerate(choices):
             text = "".join(p.text for p in pieces)
@@ -101,6 +103,7 @@ class Shape:
                 out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        generated = generated if completion_tokens is None else completion_tokens
         return {**self._head(self.object), "choices": out, "usage": usage(prompt_tokens, generated)}
 
     def chunk(self, piece: Piece, *, role: bool = False, index: int = 0) -> dict:
