@@ -177,6 +177,25 @@ def test_generate_streams_the_continuation(lm_run, capsys):
     assert capsys.readouterr().out == "a man" + greedy + "\n"
 
 
+def test_generate_penalties_are_the_engines(lm_run, capsys):
+    """--repetition-penalty, --presence-penalty, --frequency-penalty: the text the serving engine gives
+    with the same penalties (the decode loop and the engine choose each token from the same row), not
+    the plain greedy text."""
+    from attnmask.engine import Engine, Penalties, RequestParams
+
+    run = load_run(lm_run)
+    argv = ["generate", "--run", str(lm_run), "--prompt", "a man", "--temperature", "0", "--max-new-tokens", "24"]
+    assert main([*argv, "--repetition-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "1"]) == 0
+    got = capsys.readouterr().out
+    prompt = run.tokenizer.encode("a man")
+    engine = Engine(run.model, kv_cache_mib=4, eos_ids=[run.tokenizer.eos_id])
+    want = engine.generate([prompt], RequestParams(max_tokens=24, penalties=Penalties(0.5, 1.0, 1.5)))[0].tokens
+    want = [t for t in want if t != run.tokenizer.eos_id]
+    assert got == "a man" + run.tokenizer.decode(want) + "\n"
+    assert main(argv) == 0
+    assert capsys.readouterr().out != got
+
+
 def test_generate_prints_as_tokens_arrive(lm_run, monkeypatch):
     """Each piece is written and flushed before the next token is computed."""
     writes = []
@@ -201,6 +220,10 @@ def test_generate_errors(lm_run, mt_run, tmp_path, capsys):
     )
     assert check_one_line_error(capsys, ["generate", "--run", str(mt_run), "--prompt", "a"], "needs a language model")
     assert check_one_line_error(capsys, [*base, "--prompt", "a", "--top-p", "2"], "top_p must be in (0, 1]")
+    assert check_one_line_error(
+        capsys, [*base, "a", "--repetition-penalty", "0"], "repetition penalty must be a number > 0"
+    )
+    assert check_one_line_error(capsys, [*base, "a", "--frequency-penalty", "-2.5"], "must be a number in [-2, 2]")
     no_template = "has no chat template; give one with --chat-template"
     assert check_one_line_error(capsys, [*base, "--prompt", "a", "--chat"], no_template)
 

@@ -313,6 +313,21 @@ def test_sampling_object_and_keywords_give_the_same_draws(arch):
     assert decode.generate_ids(model, **kw) == decode.greedy(model, **kw)  # id loops default to greedy
 
 
+@pytest.mark.parametrize("arch", KINDS)
+def test_penalties_read_each_rows_own_tokens(arch):
+    """Penalties in a batch give each row what it gets alone (its history is its own), from id lists or a
+    padded tensor, and change the answer."""
+    model = random_model(arch, vocab=40, std=0.1, eos_bias=-3.0)  # long answers: something to penalise
+    penalties = decode.Penalties(presence=0.3, frequency=0.6, repetition=1.5, logit_bias=((7, 0.5),))
+    kw = dict(max_new_tokens=16, penalties=penalties)
+    together = decode.generate_ids(model, **inputs_of(model, INPUTS), **kw)
+    assert together == [decode.generate_ids(model, **inputs_of(model, [row]), **kw)[0] for row in INPUTS]
+    assert together != decode.generate_ids(model, **inputs_of(model, INPUTS), max_new_tokens=16)
+    if not model.is_encoder_decoder:  # a padded tensor: its pads are not the prompt's tokens
+        padded, _ = decode.pad_batch(INPUTS, model.config.pad_id, side="left")
+        assert decode.generate_ids(model, prompts=padded, **kw) == together
+
+
 def test_source_ids_is_tokens_then_eos_for_text_or_ids(chars):
     text = ["a cat", "the dog"]
     rows = decode.source_ids(chars, text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from attnmask.cli.common import ACTIVATIONS, check_args
-from attnmask.decode import DEFAULT_NEW_TOKENS, DEFAULT_TEMPERATURE, Sampling, generate
+from attnmask.decode import DEFAULT_NEW_TOKENS, DEFAULT_TEMPERATURE, Penalties, Sampling, generate
 from attnmask.errors import UserError
 
 
@@ -33,6 +33,25 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens")
     p.add_argument("--top-p", type=float, default=None, help="sample within the top-p probability mass")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide the logits of tokens already in the text (prompt and reply) by this where positive, multiply "
+        "where negative: > 1 discourages repeating (Hugging Face's and llama.cpp's; 1 = off)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this from the logits of tokens already generated (OpenAI's, -2 to 2)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this times the count of each token already generated (OpenAI's, -2 to 2)",
+    )
     p.add_argument(
         "--chat",
         action="store_true",
@@ -86,7 +105,8 @@ def run(args) -> int:
     prompt = args.prompt if args.prompt is not None else args.text
     if args.chat_template is not None and not args.chat:
         raise UserError("--chat-template applies with --chat; add --chat")
-    settings = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # ValueError: one line
+    settings = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # UserError: one line
+    penalties = Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
     echo = True  # plain continuation: print the prompt, then what follows it
     if not prompt:
         raise UserError("empty prompt: expected some text to continue (--prompt TEXT)")
@@ -128,6 +148,7 @@ def run(args) -> int:
         sampling=settings,
         seed=args.seed,
         stream=True,
+        penalties=penalties,
     )
     if echo:
         print(prompt, end="", flush=True)

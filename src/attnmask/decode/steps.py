@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
-from attnmask.decode.sampling import GREEDY, Sampling, sample
+from attnmask.decode.sampling import GREEDY, NO_PENALTIES, Penalties, Sampling, TokenHistory, penalize, sample
 from attnmask.decode.step import SourceMemory, fused_plan, packed_forward
 from attnmask.errors import UserError
 from attnmask.model.cache import BlockPool, PagedKVCache, Paging, layer_groups
@@ -433,20 +433,28 @@ def _steps(
     sampling: Sampling,
     eos_id,
     sos_id,
+    penalties: Penalties = NO_PENALTIES,
 ) -> Iterator[tuple[int, Tensor, Tensor]]:
     """The decoding loop: yields ``(B, rows (b,), tokens (b,))`` for the rows still running.
 
-    Finished rows leave the batch (their blocks go back to the pool).
+    Finished rows leave the batch (their blocks go back to the pool). ``penalties`` change each row's
+    logits from its own prompt and generated tokens before the choice.
     """
     stops = stop_set(eos_id)
     with eval_mode(model):
         state, logits, limits = start(model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, sos_id=sos_id)
         B = state.rows
         rows = torch.arange(B, device=limits.device)  # (b,) original row of each running row
+        histories = _histories(prompts, B, model.config.pad_id) if penalties.active else None
         step = 0
         try:
             while True:
+                if histories is not None:  # each row from its own history
+                    logits = torch.stack([penalize(x, penalties, histories[r]) for x, r in zip(logits, rows.tolist())])
                 tokens = sample(logits, sampling)  # (b,)
+                if histories is not None:
+                    for r, t in zip(rows.tolist(), tokens.tolist()):
+                        histories[r].add(t)
                 yield B, rows, tokens
                 step += 1
                 done = (limits[rows] <= step) | is_stop(tokens, stops)  # (b,)
@@ -462,6 +470,16 @@ def _steps(
             state.release()
 
 
+def _histories(prompts: Ids | None, rows: int, pad_id: int | None) -> list[TokenHistory]:
+    """A :class:`TokenHistory` a row, from its prompt's tokens (none for an encoder-decoder's rows)."""
+    if prompts is None:
+        return [TokenHistory(()) for _ in range(rows)]
+    if isinstance(prompts, Tensor):  # (B, T), padded with pad_id
+        keep = prompts != pad_id if pad_id is not None else torch.ones_like(prompts, dtype=torch.bool)
+        return [TokenHistory(row[k].tolist()) for row, k in zip(prompts, keep)]
+    return [TokenHistory(list(p)) for p in prompts]
+
+
 def stream(
     model,
     *,
@@ -471,6 +489,7 @@ def stream(
     sampling: Sampling | None = None,
     eos_id: StopIds = EOS_ID,
     sos_id: int = SOS_ID,
+    penalties: Penalties | None = None,
     **sampling_keywords,
 ) -> Iterator[Tensor]:
     """Yield each step's tokens ``(B,)`` as they are chosen; finished rows get ``<pad>``.
@@ -478,7 +497,9 @@ def stream(
     A row finishes after emitting ``eos_id`` (which is yielded; several ids may be given, None never
     stops) or at its length limit; the loop ends when every row has. ``sampling`` defaults to
     :data:`~attnmask.decode.sampling.GREEDY`; the keywords ``temperature``, ``top_k``, ``top_p``,
-    ``generator`` are accepted instead. See :func:`start` for the inputs.
+    ``generator`` are accepted instead. ``penalties``: presence, frequency and repetition penalties and a
+    logit bias, each row's from its own tokens (:class:`~attnmask.decode.sampling.Penalties`). See
+    :func:`start` for the inputs.
     """
     pad_id = model.config.pad_id if model.config.pad_id is not None else 0
     for B, rows, tokens in _steps(
@@ -489,6 +510,7 @@ def stream(
         sampling=Sampling.of(sampling, GREEDY, **sampling_keywords),
         eos_id=eos_id,
         sos_id=sos_id,
+        penalties=penalties or NO_PENALTIES,
     ):
         out = torch.full((B,), pad_id, dtype=torch.long, device=tokens.device)  # (B,)
         out[rows] = tokens
@@ -504,6 +526,7 @@ def generate_ids(
     sampling: Sampling | None = None,
     eos_id: StopIds = EOS_ID,
     sos_id: int = SOS_ID,
+    penalties: Penalties | None = None,
     **sampling_keywords,
 ) -> list[list[int]]:
     """The generated ids of each row (what :func:`stream` yields), without the final ``<eos>``."""
@@ -517,6 +540,7 @@ def generate_ids(
         sampling=Sampling.of(sampling, GREEDY, **sampling_keywords),
         eos_id=eos_id,
         sos_id=sos_id,
+        penalties=penalties or NO_PENALTIES,
     ):
         if out is None:
             out = [[] for _ in range(B)]

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
-from attnmask.decode.sampling import Sampling
+from attnmask.decode.sampling import NO_PENALTIES, Penalties, Sampling
 from attnmask.decode.steps import (
     DEFAULT_NEW_TOKENS,
     _check_length,
@@ -111,6 +111,7 @@ def generate(
     seed: int | None = None,
     stream: bool = False,
     eos_id: int | None = None,
+    penalties: Penalties | None = None,
     **sampling_keywords,
 ):
     """Continue text prompt(s) with a decoder-only model.
@@ -122,7 +123,8 @@ def generate(
     ``top_k``, ``top_p`` are accepted instead, and ``temperature=0`` is greedy. ``seed`` makes
     sampling reproducible (a generator of its own; or pass ``Sampling(generator=...)``).
     ``eos_id`` (one id or several) defaults to the tokenizer's ``stop_ids`` if it has them (chat
-    models), else its ``eos_id``.
+    models), else its ``eos_id``. ``penalties``: presence, frequency and repetition penalties and a
+    logit bias (:class:`~attnmask.decode.sampling.Penalties`), each prompt's from its own tokens.
 
     Raises ValueError for an empty prompt or one longer than the model's maximum.
     """
@@ -152,6 +154,7 @@ def generate(
         sampling=settings,
         eos_id=eos,
         sos_id=SOS_ID,
+        penalties=penalties or NO_PENALTIES,
     )
     pieces = _text_pieces(steps, tokenizer, len(texts), stop_set(eos))
     if stream:
