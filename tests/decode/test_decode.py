@@ -328,6 +328,34 @@ def test_penalties_read_each_rows_own_tokens(arch):
         assert decode.generate_ids(model, prompts=padded, **kw) == together
 
 
+def test_penalize_rows_changes_its_rows_only_as_alone_and_restores_them_exactly():
+    from attnmask.decode.sampling import TokenHistory, penalize, penalize_rows
+
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0)) * 3
+    raw = logits.clone()
+    history = TokenHistory([1, 2, 3, 3])
+    for t in (4, 4, 2, 9):
+        history.add(t)
+    assert history.prompt == [1, 2, 3] and history.fresh == [4, 9] and history.counts == {4: 2, 2: 1, 9: 1}
+    p = decode.Penalties(presence=0.3, frequency=0.5, repetition=1.4, logit_bias=((7, 2.0), (4, -1.0)))
+    alone = penalize(raw[2], p, history)
+    want = raw[2].double().clone()  # the definitions, entry by entry
+    want[7] += 2.0
+    want[4] -= 1.0
+    for t in (1, 2, 3, 4, 9):
+        want[t] = want[t] / 1.4 if want[t] > 0 else want[t] * 1.4
+    for t, n in history.counts.items():
+        want[t] -= 0.5 * n + 0.3
+    torch.testing.assert_close(alone.double(), want, atol=1e-5, rtol=0)
+    changed = penalize_rows(logits, [2, 4], [p, decode.Penalties(repetition=2.0)], [history, TokenHistory([9])],
+                            banned=[(), (0, 1)])  # fmt: skip
+    assert torch.equal(logits[2], alone)  # bit for bit its own row's
+    assert torch.equal(logits[[0, 1, 3]], raw[[0, 1, 3]])
+    assert logits[4, 0] == logits[4, 1] == float("-inf") and logits[4, 9] != raw[4, 9]
+    changed.restore()
+    assert torch.equal(logits, raw)
+
+
 def test_source_ids_is_tokens_then_eos_for_text_or_ids(chars):
     text = ["a cat", "the dog"]
     rows = decode.source_ids(chars, text)

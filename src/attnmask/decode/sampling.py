@@ -172,26 +172,97 @@ class TokenHistory:
     generated token came; :meth:`add` each generated token as it comes."""
 
     def __init__(self, prompt: list[int] | tuple[int, ...]):
-        self.prompt = frozenset(int(t) for t in prompt)
-        self.counts: dict[int, int] = {}
+        self._in_prompt = frozenset(int(t) for t in prompt)
+        self.prompt = sorted(self._in_prompt)  # the prompt's distinct tokens
+        self.counts: dict[int, int] = {}  # generated token -> times
+        self.fresh: list[int] = []  # generated tokens not in the prompt, each once
 
     def add(self, token: int) -> None:
+        if token not in self.counts and token not in self._in_prompt:
+            self.fresh.append(token)
         self.counts[token] = self.counts.get(token, 0) + 1
 
 
+class Penalized:
+    """Rows of a logits tensor changed in place by :func:`penalize_rows`; :meth:`restore` puts the model's
+    own values back (exactly: the changed entries were saved)."""
+
+    def __init__(self, logits: Tensor, where: tuple[Tensor, Tensor], saved: Tensor):
+        self.logits, self.where, self.saved = logits, where, saved
+
+    def restore(self) -> None:
+        with torch.inference_mode(self.logits.is_inference()):  # a step's logits may be inference tensors
+            self.logits.index_put_(self.where, self.saved)
+
+
+def penalize_rows(
+    logits: Tensor, rows: list[int], penalties: list[Penalties], histories: list[TokenHistory],
+    banned: list[tuple[int, ...]] | None = None,
+) -> Penalized:  # fmt: skip
+    """Apply each of ``rows``' penalties to ``logits (R, V)`` in place, from that row's own history, and
+    set its ``banned`` tokens to -inf; returns what restores the rows.
+
+    Every changed entry is computed from that entry alone (bias added, then the repetition penalty,
+    then the frequency and presence penalties, in float32), in one indexed operation per kind for all
+    rows: a row's values are the same bits whatever rows are beside it.
+    """
+    bias_r, bias_t, bias_v = [], [], []
+    rep_r, rep_t, rep_p = [], [], []
+    pen_r, pen_t, pen_c, pen_f, pen_p = [], [], [], [], []
+    ban_r, ban_t = [], []
+    for i, (r, p, h) in enumerate(zip(rows, penalties, histories)):
+        for t, b in p.logit_bias:
+            bias_r.append(r), bias_t.append(t), bias_v.append(b)
+        if p.repetition != 1.0:
+            seen = h.prompt + h.fresh
+            rep_r += [r] * len(seen)
+            rep_t += seen
+            rep_p += [p.repetition] * len(seen)
+        if (p.presence or p.frequency) and h.counts:
+            n = len(h.counts)
+            pen_r += [r] * n
+            pen_t += h.counts.keys()
+            pen_c += h.counts.values()
+            pen_f += [p.frequency] * n
+            pen_p += [p.presence] * n
+        for t in banned[i] if banned is not None else ():
+            ban_r.append(r), ban_t.append(t)
+    with torch.inference_mode(logits.is_inference()):  # a step's logits may be inference tensors
+        return _penalize_rows(logits, (bias_r, bias_t, bias_v), (rep_r, rep_t, rep_p),
+                              (pen_r, pen_t, pen_c, pen_f, pen_p), (ban_r, ban_t))  # fmt: skip
+
+
+def _penalize_rows(logits: Tensor, bias, rep, pen, ban) -> Penalized:
+    """:func:`penalize_rows`'s indexed operations, from its lists of (row, token, value...) entries."""
+    (bias_r, bias_t, bias_v), (rep_r, rep_t, rep_p), (pen_r, pen_t, pen_c, pen_f, pen_p), (ban_r, ban_t) = (
+        bias,
+        rep,
+        pen,
+        ban,
+    )
+    device = logits.device
+    index = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    number = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    where = (index(bias_r + rep_r + pen_r + ban_r), index(bias_t + rep_t + pen_t + ban_t))
+    saved = logits[where]  # (n,) the model's own values, to restore
+    if bias_r:
+        at = (index(bias_r), index(bias_t))
+        logits[at] = (logits[at].float() + number(bias_v)).to(logits.dtype)
+    if rep_r:
+        at = (index(rep_r), index(rep_t))
+        values, p = logits[at].float(), number(rep_p)
+        logits[at] = torch.where(values > 0, values / p, values * p).to(logits.dtype)
+    if pen_r:
+        at = (index(pen_r), index(pen_t))
+        logits[at] = (logits[at].float() - (number(pen_c) * number(pen_f) + number(pen_p))).to(logits.dtype)
+    if ban_r:
+        logits[index(ban_r), index(ban_t)] = float("-inf")
+    return Penalized(logits, where, saved)
+
+
 def penalize(row: Tensor, penalties: Penalties, history: TokenHistory) -> Tensor:
-    """``row (V,)``'s logits under ``penalties`` for a sequence with ``history``: a new float32 row."""
-    row = row.float().clone()  # (V,)
-    device = row.device
-    if penalties.logit_bias:
-        ids = torch.tensor([t for t, _ in penalties.logit_bias], device=device)
-        row[ids] += torch.tensor([b for _, b in penalties.logit_bias], dtype=torch.float32, device=device)
-    if penalties.repetition != 1.0:
-        seen = torch.tensor(sorted(history.prompt | history.counts.keys()), dtype=torch.long, device=device)
-        values = row[seen]
-        row[seen] = torch.where(values > 0, values / penalties.repetition, values * penalties.repetition)
-    if (penalties.presence or penalties.frequency) and history.counts:
-        ids = torch.tensor(list(history.counts), dtype=torch.long, device=device)
-        counts = torch.tensor(list(history.counts.values()), dtype=torch.float32, device=device)
-        row[ids] -= counts * penalties.frequency + penalties.presence
-    return row
+    """``row (V,)``'s logits under ``penalties`` for a sequence with ``history``: a new float32 row
+    (:func:`penalize_rows` on a copy)."""
+    out = row.float().clone()[None]  # (1, V)
+    penalize_rows(out, [0], [penalties], [history])
+    return out[0]

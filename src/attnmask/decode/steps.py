@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
-from attnmask.decode.sampling import GREEDY, NO_PENALTIES, Penalties, Sampling, TokenHistory, penalize, sample
+from attnmask.decode.sampling import GREEDY, NO_PENALTIES, Penalties, Sampling, TokenHistory, penalize_rows, sample
 from attnmask.decode.step import SourceMemory, fused_plan, packed_forward
 from attnmask.errors import UserError
 from attnmask.model.cache import BlockPool, PagedKVCache, Paging, layer_groups
@@ -449,8 +449,10 @@ def _steps(
         step = 0
         try:
             while True:
-                if histories is not None:  # each row from its own history
-                    logits = torch.stack([penalize(x, penalties, histories[r]) for x, r in zip(logits, rows.tolist())])
+                if histories is not None:  # each row from its own history, in place
+                    running = rows.tolist()
+                    penalize_rows(logits, list(range(len(running))), [penalties] * len(running),
+                                  [histories[r] for r in running])  # fmt: skip
                 tokens = sample(logits, sampling)  # (b,)
                 if histories is not None:
                     for r, t in zip(rows.tolist(), tokens.tolist()):

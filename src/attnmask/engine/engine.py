@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from attnmask.decode.sampling import GREEDY, NO_PENALTIES, Penalties, Sampling, TokenHistory, penalize, sample
+from attnmask.decode.sampling import GREEDY, NO_PENALTIES, Penalties, Sampling, TokenHistory, penalize_rows, sample
 from attnmask.engine.cache import PagedKVCache, blocks_for_memory, layer_groups
 from attnmask.engine.scheduler import Chunk, Scheduler
 from attnmask.engine.scheduler import Sequence as SeqState
@@ -345,14 +345,36 @@ class Engine:
             self.scheduler.forget(c.seq)  # window groups: blocks the next chunk will not read go back now
             if prefix is not None:
                 prefix.keep(c.seq)  # its full blocks, for requests that begin the same way
-        # every row's arg-max in one call (greedy requests take it; off the CPU, read back once rather
-        # than a device sync per request). An arg-max is exact: a row's is the same alone or in the batch.
-        # max's indices are argmax's (the first largest), its CPU reduction about 2.5x faster.
-        top = logits.max(dim=-1).indices.tolist() if sampling else []
-        for row, chunk, best in zip(logits, sampling, top):
-            events.append(self._sample(chunk.seq, row, best))
+        if sampling:
+            requests = [self._requests[c.seq.request_id] for c in sampling]
+            # penalties, biases, min_tokens: in place on the rows of the requests that have them, for the
+            # choice only (the log-probabilities are the model's own: restored before they are read)
+            changed = self._penalize(logits, requests)
+            # every row's arg-max in one call (greedy requests take it; off the CPU, read back once rather
+            # than a device sync per request). An arg-max is exact: a row's is the same alone or in the batch.
+            # max's indices are argmax's (the first largest), its CPU reduction about 2.5x faster.
+            top = logits.max(dim=-1).indices.tolist()
+            tokens = [self._choose(request, row, best) for request, row, best in zip(requests, logits, top)]
+            if changed is not None:
+                changed.restore()
+            for request, row, token in zip(requests, logits, tokens):
+                events.append(self._emit(request, row, token))
         self._steps += 1
         return events
+
+    def _penalize(self, logits: Tensor, requests: list[_Request]):
+        """The rows of ``requests`` with penalties or a ``min_tokens`` not reached, changed in place
+        (:func:`~attnmask.decode.sampling.penalize_rows`); what restores them, or None."""
+        rows, penalties, histories, banned = [], [], [], []
+        for i, r in enumerate(requests):
+            holding = r.seq.generated < r.params.min_tokens
+            if r.history is None and not holding:
+                continue
+            rows.append(i)
+            penalties.append(r.params.penalties)
+            histories.append(r.history or _NO_HISTORY)
+            banned.append(tuple(sorted(r.stops)) if holding else ())
+        return penalize_rows(logits, rows, penalties, histories, banned) if rows else None
 
     def _forward(self, chunks: list[Chunk]) -> tuple[Tensor, list[tuple[Chunk, int]]]:
         """The step over ``chunks``: logits of the prompt rows to score (``(chunk, position)`` each, returned
@@ -386,28 +408,29 @@ class Engine:
             )  # fmt: skip
         return logits, scoring
 
-    def _sample(self, seq: SeqState, row: Tensor, best: int | None = None) -> TokenEvent:
-        """The next token of ``seq`` from its logits ``row (V,)``; ``best``: the row's arg-max, where the
-        caller has it already (greedy requests take it)."""
-        request = self._requests[seq.request_id]
-        params = request.params
+    def _choose(self, request: _Request, row: Tensor, best: int) -> int | None:
+        """The request's next token from its logits ``row (V,)`` (its penalties applied) whose arg-max is
+        ``best``; None for a request that only scores its prompt."""
+        if request.params.max_tokens == 0:
+            return None
+        s = request.params.sampling
+        if s.greedy:
+            return best
+        # the request's generator lives on the CPU: so does the row it draws from
+        draw = Sampling(s.temperature, s.top_k, s.top_p, generator=request.generator)
+        return int(sample(row[None].cpu(), draw)[0])
+
+    def _emit(self, request: _Request, row: Tensor, token: int | None) -> TokenEvent:
+        """``token`` appended to the request, as an event (with its log-probabilities from ``row``, the
+        model's own logits); the request finishes when it stops or reaches its length."""
+        seq, params = request.seq, request.params
         prompt = None
         if not request.delivered:
             request.delivered = True
             prompt = tuple(request.scored) if request.scored is not None else None
-        if params.max_tokens == 0:  # the prompt scored (prompt_logprobs), nothing to generate
+        if token is None:  # the prompt scored (prompt_logprobs, max_tokens 0), nothing to generate
             self._finish(request)
             return TokenEvent(seq.request_id, None, 0, finish_reason="length", prompt_logprobs=prompt)
-        s, chosen_from = params.sampling, row
-        if request.history is not None or seq.generated < params.min_tokens:  # the row changes: so may its arg-max
-            chosen_from, best = self._penalized(request, row), None
-        if s.greedy and best is not None:
-            token = best
-        elif s.greedy:
-            token = int(chosen_from.argmax())  # the first largest
-        else:  # the request's generator lives on the CPU: so does the row it draws from
-            draw = Sampling(s.temperature, s.top_k, s.top_p, generator=request.generator)
-            token = int(sample(chosen_from[None].cpu(), draw)[0])
         logprob = top = None
         if params.logprobs or params.top_logprobs:
             (scored,) = _logprobs(row[None], [token], [params.top_logprobs])
@@ -424,16 +447,6 @@ class Engine:
         if reason is not None:
             self._finish(request)
         return TokenEvent(seq.request_id, token, seq.generated - 1, logprob, reason, top, prompt)
-
-    def _penalized(self, request: _Request, row: Tensor) -> Tensor:
-        """``row`` as the request's choice sees it: its penalties and bias applied, and its stop ids ruled
-        out while it has generated fewer than ``min_tokens``."""
-        if request.history is not None:
-            row = penalize(row, request.params.penalties, request.history)
-        if request.seq.generated < request.params.min_tokens and request.stops:
-            row = row.clone() if request.history is None else row
-            row[torch.tensor(sorted(request.stops), device=row.device)] = float("-inf")
-        return row
 
     def _finish(self, request: _Request) -> None:
         self.scheduler.finish(request.seq)
@@ -514,6 +527,9 @@ def _logprobs(rows: Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[Lo
             pairs.sort(key=lambda pair: (-pair[0], pair[1]))
             tops[r] = tuple((i, lp) for lp, i in pairs[:k])
     return [Logprob(t, lp, top) for t, lp, top in zip(tokens, chosen, tops)]
+
+
+_NO_HISTORY = TokenHistory(())  # what a request without penalties reads (nothing)
 
 
 def _holds_any(text: str, strings: tuple[str, ...]) -> bool:
