@@ -28,8 +28,13 @@ own design), so its concurrency levels show queueing, not batching.
 block layers' activations: ``float32`` (exact, the default) and ``int8`` (each row rounded to 8 bits per
 block of 32, llama.cpp's own arithmetic), side by side with the peers in the same run.
 
+``--frequency-penalty F --presence-penalty P`` send OpenAI's penalties with every request, to every
+server (llama-server counts a token over its last 64, prompt included; attnmask, as OpenAI and vLLM,
+over the generated tokens: the answers differ between servers, each server's own stay comparable).
+
 Run: ``python benchmarks/serve.py [--levels 1,4,16,64] [--max-tokens 64] [--threads 2] [--quantized
-[--activations float32,int8]] [--llama-server PATH] [--llama-cpp-python PYTHON] [--skip-attnmask]``.
+[--activations float32,int8]] [--llama-server PATH] [--llama-cpp-python PYTHON] [--skip-attnmask]
+[--frequency-penalty F] [--presence-penalty P]``.
 On a GPU: ``--device cuda``, attnmask's engine against transformers' continuous batching
 (``generate_batch``) on the same weights, in-process (:mod:`serve_cuda`).
 Needs ``pip install -e ".[serve]" openai`` and the SmolLM2
@@ -121,13 +126,14 @@ class Result:
     itl: list[float] = field(default_factory=list)
 
 
-def one_request(client, model: str, prompt: str, max_tokens: int) -> Result:
-    """One streamed completion: its text, its token count (chunks), TTFT and inter-token gaps."""
+def one_request(client, model: str, prompt: str, max_tokens: int, extra: dict | None = None) -> Result:
+    """One streamed completion: its text, its token count (chunks), TTFT and inter-token gaps. ``extra``:
+    more body fields (the penalties of ``--frequency-penalty`` / ``--presence-penalty``)."""
     start = time.perf_counter()
     last, result = start, Result()
     stream = client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, **(extra or {}),
     )  # fmt: skip
     counted = None
     for chunk in stream:
@@ -156,13 +162,15 @@ def percentile(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[dict, list]:
+def run_level(
+    base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, extra: dict | None = None
+) -> tuple[dict, list]:
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url + "/v1", api_key="none", timeout=600, max_retries=0)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: one_request(client, model, p, max_tokens), prompts))
+        results = list(pool.map(lambda p: one_request(client, model, p, max_tokens, extra), prompts))
     wall = time.perf_counter() - start
     tokens = sum(r.tokens for r in results)
     ttft = [r.ttft for r in results]
@@ -219,7 +227,8 @@ def bench(name: str, starter, args, levels: list[int]) -> dict:
         try:
             wait_ready(f"http://127.0.0.1:{port}", proc)
             run_level(f"http://127.0.0.1:{port}", "smollm2", prompts[:2], 1, 4)  # warm-up
-            stats, texts = run_level(f"http://127.0.0.1:{port}", "smollm2", prompts, level, args.max_tokens)
+            url = f"http://127.0.0.1:{port}"
+            stats, texts = run_level(url, "smollm2", prompts, level, args.max_tokens, args.extra)
         finally:
             proc.terminate()
             try:
@@ -253,6 +262,8 @@ def main() -> None:
     parser.add_argument("--llama-server", default=shutil.which("llama-server"), help="path of llama-server")
     parser.add_argument("--llama-cpp-python", default=None, help="python of an env with llama-cpp-python[server]")
     parser.add_argument("--skip-attnmask", action="store_true")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="sent with every request (OpenAI's)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="sent with every request (OpenAI's)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: against transformers' "
                         "generate_batch in-process (benchmarks/serve_cuda.py)")  # fmt: skip
     add_cuda_arguments(parser)
@@ -260,8 +271,11 @@ def main() -> None:
     if args.device == "cuda":
         return main_cuda(args)
     levels = sorted({int(x) for x in args.levels.split(",")} | {1})
+    args.extra = {k: v for k, v in [("frequency_penalty", args.frequency_penalty),
+                                    ("presence_penalty", args.presence_penalty)] if v}  # fmt: skip
     print(f"# {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads; SmolLM2-135M-Instruct Q4_1 GGUF; ")
-    print(f"# greedy, max_tokens {args.max_tokens}, {max(max(levels), len(PROMPTS))} prompts a level, streamed")
+    print(f"# greedy, max_tokens {args.max_tokens}, {max(max(levels), len(PROMPTS))} prompts a level, streamed"
+          + (f", {args.extra}" if args.extra else ""))  # fmt: skip
     settings = args.activations.split(",") if args.quantized else ["float32"]
     if any(a not in ("float32", "int8") for a in settings):
         parser.error(f"--activations: expected float32, int8 or both, comma-separated; got {args.activations!r}")

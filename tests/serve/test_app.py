@@ -237,6 +237,34 @@ def test_best_of_returns_the_most_likely_of_its_answers(client):
         client.completions.create(**kw, best_of=2, stream=True)
 
 
+def test_stop_token_ids_end_the_answer(client, tokenizer):
+    kw = dict(model=MODEL, prompt="abc", max_tokens=10, temperature=0, logit_bias={"66": 100})  # "66" always
+    assert client.completions.create(**kw, extra_body={"ignore_eos": True}).usage.completion_tokens == 10
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True, "stop_token_ids": [66]})
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+
+
+def test_tokenize_and_detokenize(client, http, tokenizer):
+    """vLLM's /tokenize (a prompt, or messages through the chat template: the ids a chat request's prompt
+    has) and /detokenize."""
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello, world"}).json()
+    assert r["tokens"] == tokenizer.encode("Hello, world") and r["count"] == 12 and r["max_model_len"] > 12
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello, world"}
+    messages = [{"role": "user", "content": "Hi"}]
+    r = http.post("/tokenize", json={"messages": messages}).json()
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert r["count"] == chat.usage.prompt_tokens
+    bad = [
+        ("/tokenize", {"prompt": 3}, "prompt"),
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+        ("/detokenize", {"tokens": "ab"}, "tokens"),
+        ("/tokenize", {"model": "x", "prompt": "a"}, "model"),
+    ]
+    for path, body, param in bad:
+        answer = http.post(path, json=body)
+        assert answer.status_code in (400, 404) and answer.json()["error"]["param"] == param
+
+
 def test_a_refused_prompt_in_a_batch_refuses_the_request_and_runs_nothing(client, http):
     with pytest.raises(openai.BadRequestError, match="prompt 1 of 2"):
         client.completions.create(model=MODEL, prompt=["fine", "x" * CAPACITY], max_tokens=4)

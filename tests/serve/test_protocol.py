@@ -122,6 +122,13 @@ def test_penalties_logit_bias_and_min_tokens():
     assert g.params.penalties == Penalties(frequency=0.3, logit_bias=((5, 1.0),))
 
 
+def test_stop_token_ids_and_the_harmless_forms_of_unsupported_fields():
+    assert completion(prompt="a", stop_token_ids=[3, 9]).params.stop_ids == (3, 9)
+    g = chat(messages=[{"role": "user", "content": "hi"}], response_format={"type": "text"}, tools=[],
+             tool_choice="none")  # fmt: skip
+    assert g.params.stop_ids == ()
+
+
 def test_best_of_computes_more_answers_and_asks_for_their_logprobs():
     body = {"prompt": "ab", "n": 2, "best_of": 4, "temperature": 1.0, "seed": 5}
     gens = with_choices(parse_completions(body, encode=encode, capacity=64), body)
@@ -184,6 +191,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "a", "logit_bias": [1, 2]}, "logit_bias"),
     ({"prompt": "a", "min_tokens": 17}, "min_tokens"),  # > max_tokens (16)
     ({"prompt": "a", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "a", "stop_token_ids": [1, -2]}, "stop_token_ids"),
+    ({"prompt": "a", "stop_token_ids": 3}, "stop_token_ids"),
+    ({"prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "a", "ignore_eos": 1}, "ignore_eos"),
 ]
 
@@ -211,6 +221,9 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of"),  # a completions field
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": -101}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
 ]
 
 

@@ -5,7 +5,8 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as
 server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``,
-``GET /health``, ``GET /metrics`` (Prometheus). The app only translates: text in and out through
+``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize`` (a prompt, or chat
+messages through the template) and ``POST /detokenize``. The app only translates: text in and out through
 the tokenizer and chat template, requests to the engine loop, events to OpenAI's JSON; it never
 touches a tensor. A client's mistake is a 4xx with OpenAI's error object, never a 500; a client
 that goes away (streaming or not) has its request cancelled, which frees its cache blocks.
@@ -34,6 +35,7 @@ from attnmask.serve.protocol import (
     Generation,
     check_model,
     choices_of,
+    messages_of,
     parse_chat,
     parse_completions,
     with_choices,
@@ -122,6 +124,46 @@ class _Service:
         if self.loop.alive and self.loop.admitting:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` (rendered as a chat request
+        is, ``add_generation_prompt`` default true) -> ``{"tokens", "count", "max_model_len"}``."""
+        try:
+            body = await self._json(request)
+            check_model(body, self.model_name)
+            if "messages" in body:
+                if self.render is None:
+                    raise ApiError(400, "this model has no chat template; tokenize a 'prompt'", param="messages")
+                generation = body.get("add_generation_prompt", True)
+                if not isinstance(generation, bool):
+                    raise ApiError(400, "'add_generation_prompt' must be true or false", param="add_generation_prompt")
+                text = self.render(messages_of(body), add_generation_prompt=generation)
+            elif isinstance(body.get("prompt"), str):
+                text = body["prompt"]
+            else:
+                raise ApiError(400, "expected 'prompt' (a string) or 'messages' (a list of messages)", param="prompt")
+            tokens = self.tokenizer.encode(text)
+        except ApiError as err:
+            return self._reject(err)
+        except UserError as err:
+            return self._reject(ApiError(400, str(err)))
+        capacity = self.loop.engine.capacity
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": capacity})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
+        try:
+            body = await self._json(request)
+            check_model(body, self.model_name)
+            tokens, vocab = body.get("tokens"), self.loop.engine.model.config.vocab_size
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+            ):
+                raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab}); got {tokens!r}"[:300],
+                               param="tokens")  # fmt: skip
+        except ApiError as err:
+            return self._reject(err)
+        return JSONResponse({"prompt": self.tokenizer.decode(tokens)})
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -344,6 +386,8 @@ def create_app(
         Route("/v1/models", service.models, methods=["GET"]),
         Route("/v1/models/{model:path}", service.model, methods=["GET"]),
         Route("/health", service.health, methods=["GET"]),
+        Route("/tokenize", service.tokenize, methods=["POST"]),
+        Route("/detokenize", service.detokenize, methods=["POST"]),
         Route("/metrics", service.prometheus, methods=["GET"]),
     ]
     app = Starlette(

@@ -7,7 +7,8 @@ ids, :class:`~attnmask.engine.RequestParams`, streaming options), or raise :clas
 the app answers with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` and
 a 4xx status. Every field a client can get wrong is checked here, with the field's name in
 ``param``; fields this server does not implement are refused when they would change the answer
-(``suffix``; ``best_of`` in a chat, or streamed) rather than silently ignored. A request's ``n``
+(``suffix``, ``response_format`` other than text, ``tools``; ``best_of`` in a chat, or streamed)
+rather than silently ignored. A request's ``n``
 answers to each prompt are ``n`` engine requests (:func:`with_choices`); with a completion's
 ``best_of``, ``best_of`` of them, of which the app returns the ``n`` most likely.
 
@@ -39,6 +40,7 @@ __all__ = [
     "ApiError",
     "Generation",
     "check_model",
+    "messages_of",
     "parse_chat",
     "parse_completion",
     "parse_completions",
@@ -147,6 +149,30 @@ def _choices(body: dict, *, chat: bool) -> tuple[int, int]:
     if best_of > n and _bool(body, "stream"):
         raise ApiError(400, "'best_of' > 'n' cannot be streamed (the best are known at the end)", param="best_of")
     return n, best_of
+
+
+def _unimplemented(body: dict) -> None:
+    """Fields that would change the answer in ways this server does not compute: a 400, never ignored."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise ApiError(400, f"'response_format' {kind!r} is not supported by this server (no constrained decoding); "
+                       "leave it out or send {'type': 'text'}", param="response_format")  # fmt: skip
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise ApiError(400, f"'{name}' is not supported by this server (no tool calls)", param=name)
+    if body.get("tool_choice") not in (None, "none"):
+        raise ApiError(400, "'tool_choice' is not supported by this server (no tool calls)", param="tool_choice")
+
+
+def _stop_ids(body: dict) -> tuple[int, ...]:
+    """``stop_token_ids`` (vLLM's extension): token ids that end the answer (the last token, as vLLM's)."""
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise _bad("stop_token_ids", "a list of token ids (integers >= 0)", value)
+    return tuple(value)
 
 
 def _penalty(body: dict, name: str) -> float:
@@ -264,6 +290,7 @@ def _params(body: dict, max_tokens: int, logprobs: bool, top: int = 0, score_pro
             sampling=_sampling(body),
             seed=_int(body, "seed", minimum=-(2**63), maximum=2**64 - 1),  # what torch.Generator takes
             stop=_stop(body),
+            stop_ids=_stop_ids(body),
             ignore_eos=_bool(body, "ignore_eos"),  # an extension (vLLM's)
             logprobs=logprobs,
             top_logprobs=top,
@@ -295,6 +322,7 @@ def parse_completion(body: dict, *, encode: Callable[[str], list[int]], capacity
     log-probabilities and the N most likely tokens'), ``echo``, ``stream``, penalties, ``logit_bias``,
     ``min_tokens``; ``n`` and ``best_of`` are read by :func:`with_choices`."""
     _choices(body, chat=False)
+    _unimplemented(body)
     echo = _bool(body, "echo")
     if body.get("suffix"):
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
@@ -405,6 +433,7 @@ def parse_chat(body: dict, *, encode: Callable[[str], list[int]], render, capaci
     sampling, ``stop``, ``seed``, ``logprobs`` (true / false), ``top_logprobs``, ``stream``, penalties,
     ``logit_bias``, ``min_tokens``; ``n`` is read by :func:`with_choices`."""
     _choices(body, chat=True)
+    _unimplemented(body)
     messages = messages_of(body)
     if render is None:
         raise ApiError(
