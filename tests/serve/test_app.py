@@ -28,7 +28,7 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def served(model, tokenizer):
-    engine = PacedEngine(model, kv_cache_mib=4, block_size=16, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    engine = PacedEngine(model, kv_cache_mib=4, block_size=16, eos_ids=[tokenizer.eos_id], tokenizer=tokenizer)
     with serve(engine, tokenizer) as s:
         yield s
 
@@ -55,7 +55,7 @@ def paced(served):
 
 def direct(model, tokenizer, prompt_ids, **params):
     """The answer of the engine itself (no server): ids, log-probabilities, finish reason."""
-    engine = Engine(model, kv_cache_mib=4, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    engine = Engine(model, kv_cache_mib=4, eos_ids=[tokenizer.eos_id], tokenizer=tokenizer)
     (c,) = engine.generate([prompt_ids], RequestParams(**params))
     return c
 
@@ -434,7 +434,7 @@ def test_routes_and_methods_answer_json(http):
 
 
 def test_chat_without_a_template_is_400(model, tokenizer):
-    engine = Engine(model, kv_cache_mib=1, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    engine = Engine(model, kv_cache_mib=1, eos_ids=[tokenizer.eos_id], tokenizer=tokenizer)
     with serve(engine, tokenizer, chat_template=None) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as h:
         r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
@@ -448,7 +448,7 @@ def test_prefix_caching_serves_the_same_answers_and_says_what_it_saved(model, to
     asks = [[system, {"role": "user", "content": q}] for q in ("Name a colour.", "Name a fruit.")]
     answers = {}
     for caching in (False, True):
-        engine = Engine(model, kv_cache_mib=2, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode,
+        engine = Engine(model, kv_cache_mib=2, eos_ids=[tokenizer.eos_id], tokenizer=tokenizer,
                         prefix_caching=caching)  # fmt: skip
         with serve(engine, tokenizer) as s, openai.OpenAI(base_url=s.base_url, api_key="-", timeout=TIMEOUT) as c:
             answers[caching] = [
@@ -511,7 +511,7 @@ def test_a_non_streaming_client_that_leaves_cancels_its_request(paced):
 
 
 def test_shutdown_refuses_new_requests_and_cancels_running_ones(model, tokenizer):
-    engine = PacedEngine(model, kv_cache_mib=1, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    engine = PacedEngine(model, kv_cache_mib=1, eos_ids=[tokenizer.eos_id], tokenizer=tokenizer)
     engine.pace = 0.005
     with serve(engine, tokenizer) as s, openai.OpenAI(base_url=s.base_url, api_key="-", max_retries=0,
                                                       timeout=TIMEOUT) as c:  # fmt: skip
@@ -538,7 +538,7 @@ class FailingEngine(Engine):
 
 
 def test_an_engine_failure_is_a_500_and_the_server_stops_admitting(model, tokenizer):
-    engine = FailingEngine(model, kv_cache_mib=1, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    engine = FailingEngine(model, kv_cache_mib=1, eos_ids=[tokenizer.eos_id], tokenizer=tokenizer)
     with serve(engine, tokenizer) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as h:
         r = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 500 and "boom" in r.json()["error"]["message"]

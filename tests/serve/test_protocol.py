@@ -122,6 +122,23 @@ def test_penalties_logit_bias_and_min_tokens():
     assert g.params.penalties == Penalties(frequency=0.3, logit_bias=((5, 1.0),))
 
 
+def test_structured_output_fields_become_grammars():
+    from attnmask.decode.grammar import Grammar
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    assert completion(prompt="a", response_format={"type": "json_object"}).params.grammar == Grammar.json_object()
+    g = chat(
+        messages=[{"role": "user", "content": "hi"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}},
+    )
+    assert g.params.grammar == Grammar.json_schema(schema) and '"b"' in g.params.grammar.text.split('"a"')[0]  # order
+    assert completion(prompt="a", guided_json=schema).params.grammar == Grammar.json_schema(schema)
+    assert completion(prompt="a", guided_regex="[0-9]+").params.grammar == Grammar.regex("[0-9]+")
+    assert completion(prompt="a", guided_choice=["x", "y"]).params.grammar == Grammar.choice(["x", "y"])
+    assert completion(prompt="a", guided_grammar='start: "a"+').params.grammar.kind == "lark"
+    assert completion(prompt="a", response_format={"type": "text"}).params.grammar is None
+
+
 def test_stop_token_ids_and_the_harmless_forms_of_unsupported_fields():
     assert completion(prompt="a", stop_token_ids=[3, 9]).params.stop_ids == (3, 9)
     g = chat(messages=[{"role": "user", "content": "hi"}], response_format={"type": "text"}, tools=[],
@@ -193,7 +210,14 @@ BAD_COMPLETIONS = [
     ({"prompt": "a", "min_tokens": -1}, "min_tokens"),
     ({"prompt": "a", "stop_token_ids": [1, -2]}, "stop_token_ids"),
     ({"prompt": "a", "stop_token_ids": 3}, "stop_token_ids"),
-    ({"prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "a", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"prompt": "a", "guided_regex": "("}, "guided_regex"),
+    ({"prompt": "a", "guided_regex": ""}, "guided_regex"),
+    ({"prompt": "a", "guided_choice": []}, "guided_choice"),
+    ({"prompt": "a", "guided_json": "{not json"}, "guided_json"),
+    ({"prompt": "a", "guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    ({"prompt": "a", "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),  # two kinds
     ({"prompt": "a", "ignore_eos": 1}, "ignore_eos"),
 ]
 

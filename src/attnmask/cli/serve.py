@@ -213,7 +213,7 @@ def serve(args, sock: socket.socket) -> int:
         max_batch_tokens=args.max_batch_tokens,
         max_seqs=args.max_seqs,
         eos_ids=getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,),
-        detokenize=tokenizer.decode,
+        tokenizer=tokenizer,  # stop strings, structured output
         prefix_caching=args.prefix_caching,
     )
     ops.available()  # build the native kernels now (once, about a minute) rather than in the first request

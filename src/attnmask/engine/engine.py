@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from attnmask.decode.grammar import Grammar, Matcher, grammar_tokenizer, mask_rows
 from attnmask.decode.sampling import GREEDY, NO_PENALTIES, Penalties, Sampling, TokenHistory, penalize_rows, sample
 from attnmask.engine.cache import PagedKVCache, blocks_for_memory, layer_groups
 from attnmask.engine.scheduler import Chunk, Scheduler
@@ -65,7 +66,9 @@ class RequestParams:
     0 with ``prompt_logprobs`` (score the prompt only). ``penalties``: presence, frequency and repetition
     penalties and a logit bias (:class:`~attnmask.decode.sampling.Penalties`), applied before the
     choice, greedy or sampled; ``min_tokens``: the end-of-sequence and stop ids are ruled out until the
-    request has generated that many tokens (vLLM's; stop strings still end it)."""
+    request has generated that many tokens (vLLM's; stop strings still end it). ``grammar``: what the
+    answer's text must be (:class:`~attnmask.decode.grammar.Grammar`: JSON, a JSON schema, a regex, a
+    choice, a Lark grammar; needs an engine with a ``tokenizer``); the request stops when it is complete."""
 
     max_tokens: int = 16
     sampling: Sampling = GREEDY
@@ -78,6 +81,7 @@ class RequestParams:
     prompt_logprobs: bool = False
     penalties: Penalties = NO_PENALTIES
     min_tokens: int = 0
+    grammar: Grammar | None = None
 
     def __post_init__(self):
         least = 0 if self.prompt_logprobs else 1
@@ -91,6 +95,8 @@ class RequestParams:
             raise UserError(f"top_logprobs must be an int from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
         if not isinstance(self.sampling, Sampling):
             raise UserError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise UserError(f"grammar must be a Grammar or None, got {type(self.grammar).__name__}")
         if not isinstance(self.penalties, Penalties):
             raise UserError(f"penalties must be a Penalties, got {type(self.penalties).__name__}")
         m = self.min_tokens
@@ -169,6 +175,7 @@ class _Request:
     scored: list[Logprob] | None = None  # prompt_logprobs: prompt tokens 1.. scored so far (kept over preemption)
     delivered: bool = False  # an event has gone out (the prompt's scores go with the first)
     history: TokenHistory | None = None  # what the penalties read (None: the request has none)
+    matcher: Matcher | None = None  # where the request is in its grammar (None: it has none)
 
 
 class Engine:
@@ -186,6 +193,8 @@ class Engine:
         max_seqs: requests running at once at most.
         eos_ids: tokens that end every request (a tokenizer's ``stop_ids``).
         detokenize: ids -> text, for stop strings.
+        tokenizer: the model's tokenizer (an attnmask tokenizer): ``detokenize`` when that is not given, and
+            what requests with a ``grammar`` need (structured output).
         prefix_caching: keep the cache blocks of computed tokens after their requests end, and start a
             request whose tokens begin the same way from them (:class:`~attnmask.engine.scheduler.PrefixCache`;
             the same answers, bit for bit). Models whose layers have windows (Gemma 3) cannot.
@@ -203,6 +212,7 @@ class Engine:
         eos_ids: Sequence[int] = (),
         detokenize: Callable[[list[int]], str] | None = None,
         prefix_caching: bool = False,
+        tokenizer=None,
     ):
         check_servable(model)
         if model.is_encoder_decoder:  # a request is a prompt: there is no source to encode
@@ -233,7 +243,8 @@ class Engine:
         )  # fmt: skip
         self.plan = fused_plan(self.model)  # the whole step in one native call, where the model allows
         self.eos_ids = frozenset(int(i) for i in eos_ids)
-        self.detokenize = detokenize
+        self.tokenizer = tokenizer
+        self.detokenize = detokenize if detokenize is not None or tokenizer is None else tokenizer.decode
         self.max_len = cfg.max_seq_len if cfg.positions != "rotary" else None
         self._capacity = self.scheduler.paging.most_positions(max_batch_tokens)
         if self._capacity is None:  # window groups alone: the cache bounds no request, the context does
@@ -272,6 +283,11 @@ class Engine:
             raise UserError(f"logit_bias token ids must be in [0, {vocab}); got {min(bias)}..{max(bias)}")
         if params.stop and self.detokenize is None:
             raise UserError("stop strings need an engine with a detokenize function (a tokenizer)")
+        matcher = None
+        if params.grammar is not None:  # compiled here, on the caller's thread, not the stepping one
+            if self.tokenizer is None:
+                raise UserError("structured output (a grammar) needs an engine with a tokenizer")
+            matcher = Matcher(params.grammar, grammar_tokenizer(self.tokenizer, vocab, self.eos_ids))
         with self._lock:
             rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests or any(op == "add" and r.seq.request_id == rid for op, r in self._inbox):
@@ -285,7 +301,8 @@ class Engine:
             seq = SeqState(rid, list(prompt), len(prompt), params.max_tokens, reuse=not params.prompt_logprobs)
             scored = [] if params.prompt_logprobs else None
             history = TokenHistory(prompt) if params.penalties.active else None
-            self._inbox.append(("add", _Request(seq, params, generator, stops, scored=scored, history=history)))
+            request = _Request(seq, params, generator, stops, scored=scored, history=history, matcher=matcher)
+            self._inbox.append(("add", request))
         return rid
 
     def cancel(self, request_id: str) -> None:
@@ -350,11 +367,16 @@ class Engine:
             # penalties, biases, min_tokens: in place on the rows of the requests that have them, for the
             # choice only (the log-probabilities are the model's own: restored before they are read)
             changed = self._penalize(logits, requests)
+            # grammars: each constrained row's disallowed tokens to -inf, from its own matcher (put back below)
+            constrained = [i for i, r in enumerate(requests) if r.matcher is not None and r.params.max_tokens]
+            masked = mask_rows(logits, constrained, [requests[i].matcher for i in constrained]) if constrained else None
             # every row's arg-max in one call (greedy requests take it; off the CPU, read back once rather
             # than a device sync per request). An arg-max is exact: a row's is the same alone or in the batch.
             # max's indices are argmax's (the first largest), its CPU reduction about 2.5x faster.
             top = logits.max(dim=-1).indices.tolist()
             tokens = [self._choose(request, row, best) for request, row, best in zip(requests, logits, top)]
+            if masked is not None:  # the penalised values, then the model's own
+                masked.restore()
             if changed is not None:
                 changed.restore()
             for request, row, token in zip(requests, logits, tokens):
@@ -438,9 +460,12 @@ class Engine:
         seq.tokens.append(token)
         if request.history is not None:
             request.history.add(token)
+        if request.matcher is not None:
+            request.matcher.advance(token)
         self._tokens_out += 1
         reason = None
-        if token in request.stops or params.stop and _holds_any(self._tail_text(request), params.stop):
+        complete = request.matcher is not None and request.matcher.done  # its grammar has ended
+        if complete or token in request.stops or params.stop and _holds_any(self._tail_text(request), params.stop):
             reason = "stop"
         elif seq.generated >= params.max_tokens or (self.max_len is not None and len(seq.tokens) >= self.max_len):
             reason = "length"

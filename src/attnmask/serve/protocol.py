@@ -7,8 +7,7 @@ ids, :class:`~attnmask.engine.RequestParams`, streaming options), or raise :clas
 the app answers with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` and
 a 4xx status. Every field a client can get wrong is checked here, with the field's name in
 ``param``; fields this server does not implement are refused when they would change the answer
-(``suffix``, ``response_format`` other than text, ``tools``; ``best_of`` in a chat, or streamed)
-rather than silently ignored. A request's ``n``
+(``suffix``, ``tools``; ``best_of`` in a chat, or streamed) rather than silently ignored. A request's ``n``
 answers to each prompt are ``n`` engine requests (:func:`with_choices`); with a completion's
 ``best_of``, ``best_of`` of them, of which the app returns the ``n`` most likely.
 
@@ -16,6 +15,11 @@ Penalties: OpenAI's ``presence_penalty`` and ``frequency_penalty`` (over the gen
 ``logit_bias`` (``{"token id": bias}``), vLLM's ``repetition_penalty`` (over prompt and generated
 tokens) and ``min_tokens`` (no end-of-sequence or stop id before that many tokens): see
 :class:`~attnmask.decode.sampling.Penalties`.
+
+Structured output (:class:`~attnmask.decode.grammar.Grammar`): OpenAI's ``response_format``
+(``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": ...}}``) and vLLM's
+``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar`` (Lark or GBNF); one of them
+at most, checked here (a grammar that does not compile is a 400 naming the field).
 
 Log-probabilities: a completion's ``logprobs`` N (0 to 20) reports each token's and, for N >= 1, the N
 most likely tokens' at its position; ``echo`` sends the prompt back before the completion and, with
@@ -31,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from attnmask.decode.grammar import Grammar
 from attnmask.decode.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, Penalties, Sampling
 from attnmask.engine import RequestParams
 from attnmask.engine.engine import MAX_TOP_LOGPROBS
@@ -151,13 +156,46 @@ def _choices(body: dict, *, chat: bool) -> tuple[int, int]:
     return n, best_of
 
 
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's extensions
+
+
+def _grammar(body: dict) -> Grammar | None:
+    """The structured output a request asks for: ``response_format`` or one of vLLM's ``guided_*``."""
+    asked = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object", "json_schema")):
+        raise _bad("response_format", "{'type': 'text' | 'json_object' | 'json_schema', ...}", fmt)
+    if fmt is not None and fmt["type"] == "text":
+        asked.remove("response_format")
+    if len(asked) > 1:
+        raise ApiError(400, f"give one kind of structured output; got {', '.join(asked)}", param=asked[1])
+    if not asked:
+        return None
+    name, value = asked[0], body[asked[0]]
+    try:
+        if name == "response_format" and fmt["type"] == "json_object":
+            grammar = Grammar.json_object()
+        elif name == "response_format":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise _bad(name, "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}", fmt)
+            grammar = Grammar.json_schema(spec["schema"])
+        elif name == "guided_json":
+            grammar = Grammar.json_schema(value)
+        elif name == "guided_choice":
+            grammar = Grammar.choice(value)
+        elif not isinstance(value, str) or not value:
+            raise _bad(name, "a non-empty string", value)
+        else:
+            grammar = Grammar.regex(value) if name == "guided_regex" else Grammar.lark(value)
+        grammar.check()
+    except UserError as err:
+        raise ApiError(400, f"'{name}': {err}", param=name) from err
+    return grammar
+
+
 def _unimplemented(body: dict) -> None:
     """Fields that would change the answer in ways this server does not compute: a 400, never ignored."""
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise ApiError(400, f"'response_format' {kind!r} is not supported by this server (no constrained decoding); "
-                       "leave it out or send {'type': 'text'}", param="response_format")  # fmt: skip
     for name in ("tools", "functions"):
         if body.get(name):
             raise ApiError(400, f"'{name}' is not supported by this server (no tool calls)", param=name)
@@ -297,6 +335,7 @@ def _params(body: dict, max_tokens: int, logprobs: bool, top: int = 0, score_pro
             prompt_logprobs=score_prompt,
             penalties=_penalties(body),
             min_tokens=min_tokens,
+            grammar=_grammar(body),
         )
     except UserError as err:
         raise ApiError(400, str(err)) from err
