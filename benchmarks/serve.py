@@ -32,9 +32,13 @@ block of 32, llama.cpp's own arithmetic), side by side with the peers in the sam
 server (llama-server counts a token over its last 64, prompt included; attnmask, as OpenAI and vLLM,
 over the generated tokens: the answers differ between servers, each server's own stay comparable).
 
+``--json`` holds every answer to a JSON object (structured output): attnmask's ``response_format``
+``json_object`` (llguidance), llama-server's ``json_schema`` ``{"type": "object"}`` (its own grammar
+sampler); the table adds the fraction of answers that parse (one cut by ``max_tokens`` does not).
+
 Run: ``python benchmarks/serve.py [--levels 1,4,16,64] [--max-tokens 64] [--threads 2] [--quantized
 [--activations float32,int8]] [--llama-server PATH] [--llama-cpp-python PYTHON] [--skip-attnmask]
-[--frequency-penalty F] [--presence-penalty P]``.
+[--frequency-penalty F] [--presence-penalty P] [--json]``.
 On a GPU: ``--device cuda``, attnmask's engine against transformers' continuous batching
 (``generate_batch``) on the same weights, in-process (:mod:`serve_cuda`).
 Needs ``pip install -e ".[serve]" openai`` and the SmolLM2
@@ -45,6 +49,7 @@ docs/benchmarks.md with the CPU named.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -218,7 +223,7 @@ def start_llama_cpp_python(args, port: int, concurrency: int) -> subprocess.Pope
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def bench(name: str, starter, args, levels: list[int]) -> dict:
+def bench(name: str, starter, args, levels: list[int], extra: dict | None = None) -> dict:
     prompts = (PROMPTS * (1 + max(levels) // len(PROMPTS)))[: max(max(levels), len(PROMPTS))]
     rows, solo = {}, None
     for level in levels:
@@ -228,7 +233,7 @@ def bench(name: str, starter, args, levels: list[int]) -> dict:
             wait_ready(f"http://127.0.0.1:{port}", proc)
             run_level(f"http://127.0.0.1:{port}", "smollm2", prompts[:2], 1, 4)  # warm-up
             url = f"http://127.0.0.1:{port}"
-            stats, texts = run_level(url, "smollm2", prompts, level, args.max_tokens, args.extra)
+            stats, texts = run_level(url, "smollm2", prompts, level, args.max_tokens, {**args.extra, **(extra or {})})
         finally:
             proc.terminate()
             try:
@@ -240,14 +245,25 @@ def bench(name: str, starter, args, levels: list[int]) -> dict:
         if solo is not None:
             stats["same"] = sum(a == b for a, b in zip(texts, solo)) / len(texts)
         rows[level] = stats
+        if args.json:  # answers held to JSON: those that parse (a long one may be cut by max_tokens)
+            stats["json"] = sum(_parses(t) for t in texts) / len(texts)
         same = f"{stats['same']:.0%}" if "same" in stats else "-"
         print(
             f"{name:<12} c={level:<3} {stats['tok_s']:7.1f} tok/s  {stats['req_s']:5.2f} req/s  "
             f"TTFT p50 {stats['ttft_p50']:7.0f} p99 {stats['ttft_p99']:7.0f} ms  "
-            f"ITL p50 {stats['itl_p50']:6.1f} p99 {stats['itl_p99']:6.1f} ms  same as solo {same}",
+            f"ITL p50 {stats['itl_p50']:6.1f} p99 {stats['itl_p99']:6.1f} ms  same as solo {same}"
+            + (f"  valid JSON {stats['json']:.0%}" if args.json else ""),
             flush=True,
         )
     return rows
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -264,6 +280,8 @@ def main() -> None:
     parser.add_argument("--skip-attnmask", action="store_true")
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="sent with every request (OpenAI's)")
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="sent with every request (OpenAI's)")
+    parser.add_argument("--json", action="store_true", help="answers held to JSON objects: attnmask's response_format "
+                        "json_object, llama-server's json_schema {'type': 'object'}")  # fmt: skip
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: against transformers' "
                         "generate_batch in-process (benchmarks/serve_cuda.py)")  # fmt: skip
     add_cuda_arguments(parser)
@@ -284,9 +302,16 @@ def main() -> None:
         name = (
             "attnmask" + (" blocks" if args.quantized else "") + (", int8 activations" if activation == "int8" else "")
         )
-        bench(name, start_attnmask, args, levels)
+        bench(
+            name,
+            start_attnmask,
+            args,
+            levels,
+            {"extra_body": {"response_format": {"type": "json_object"}}} if args.json else None,
+        )
     if args.llama_server:
-        bench("llama-server", start_llama, args, levels)
+        bench("llama-server", start_llama, args, levels, {"extra_body": {"json_schema": {"type": "object"}}}
+              if args.json else None)  # fmt: skip
     else:
         print("# llama-server: not found (--llama-server PATH)")
     if args.llama_cpp_python:

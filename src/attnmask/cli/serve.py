@@ -218,6 +218,7 @@ def serve(args, sock: socket.socket) -> int:
         prefix_caching=args.prefix_caching,
     )
     ops.available()  # build the native kernels now (once, about a minute) rather than in the first request
+    engine.prepare_structured_output()  # likewise llguidance's view of the tokenizer (~0.2 s)
     loop = EngineLoop(engine)  # stepped on this thread below (run_here)
     app = create_app(loop, tokenizer, chat_template, name, start_loop=False)
     server = make_server(app, loop, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)

@@ -32,7 +32,6 @@ from attnmask.errors import UserError
 __all__ = ["Grammar", "Masked", "Matcher", "grammar_tokenizer", "mask_rows"]
 
 KINDS = ("json", "json_schema", "regex", "choice", "lark")
-_BITS = None  # (32,) the bit of each lane of an int32 word, built on first use
 
 
 def _llguidance():
@@ -130,18 +129,6 @@ class _Vocabulary:
         return self._encode(text)
 
 
-_TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], Any] = {}  # (tokenizer.json, vocab, eos) -> LLTokenizer
-
-
-def _tokenizer(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
-    key = (tokenizer.hf.to_str(), vocab_size, eos_ids)
-    if key not in _TOKENIZERS:
-        if len(_TOKENIZERS) >= 8:
-            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
-        _TOKENIZERS[key] = _build_tokenizer(tokenizer, key[0], vocab_size, eos_ids)
-    return _TOKENIZERS[key]
-
-
 def _build_tokenizer(tokenizer, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]):
     llg = _llguidance()
     try:
@@ -153,12 +140,12 @@ def _build_tokenizer(tokenizer, tokenizer_json: str, vocab_size: int, eos_ids: t
 
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids) -> Any:
     """llguidance's view of an attnmask tokenizer (its Hugging Face ``tokenizer.json``, or each id's bytes)
-    over the model's ``vocab_size`` ids, ending a complete grammar with ``eos_ids``; cached (building one
-    takes ~0.2 s)."""
+    over the model's ``vocab_size`` ids, ending a complete grammar with ``eos_ids``. Building one takes
+    ~0.2 s (SmolLM2's 49,152 tokens): keep it (the engine builds it once)."""
     eos = tuple(sorted(int(i) for i in eos_ids))
     if not eos:
         raise UserError("structured output needs an end-of-sequence id (the engine's eos_ids)")
-    return _tokenizer(tokenizer, int(vocab_size), eos)
+    return _build_tokenizer(tokenizer, tokenizer.hf.to_str(), int(vocab_size), eos)
 
 
 class Matcher:
@@ -191,27 +178,32 @@ class Matcher:
 class Masked:
     """Rows of a logits tensor masked in place by :func:`mask_rows`; :meth:`restore` puts them back."""
 
-    def __init__(self, logits: Tensor, rows: list[int], before: Tensor):
+    def __init__(self, logits: Tensor, rows: Tensor, before: Tensor):
         self.logits, self.rows, self.before = logits, rows, before
 
     def restore(self) -> None:
         with torch.inference_mode(self.logits.is_inference()):
-            self.logits[self.rows] = self.before
+            self.logits.index_copy_(0, self.rows, self.before)
+
+
+_LANES = torch.arange(32, dtype=torch.int32)  # bit i of a mask word: token 32 w + i
+_NEG_INF = int(torch.tensor(float("-inf")).view(torch.int32))  # -inf's bits
 
 
 def mask_rows(logits: Tensor, rows: list[int], matchers: list[Matcher]) -> Masked:
     """Set each of ``rows``' disallowed tokens to -inf in place, each from its own matcher; returns what
-    puts the rows back."""
-    global _BITS
-    V = logits.shape[1]
-    bitmask = torch.full((len(rows), (V + 31) // 32), -1, dtype=torch.int32)
+    puts the rows back.
+
+    Branch-free (a random mask defeats ``masked_fill``'s branches: 1.5 ms for 16 rows of 49,152): each
+    token's bit becomes the bits of 0.0 (allowed) or -inf, added to its logit."""
+    R, V = len(rows), logits.shape[1]
+    bitmask = torch.full((R, (V + 31) // 32), -1, dtype=torch.int32)
     for i, m in enumerate(matchers):
         m.fill(bitmask, i)
-    if _BITS is None:
-        _BITS = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
-    allowed = (bitmask[:, :, None] & _BITS) != 0  # (R, V/32, 32)
-    allowed = allowed.reshape(len(rows), -1)[:, :V].to(logits.device)  # (R, V)
+    # (bit - 1) & bits(-inf): 0 -> -inf's bits, 1 -> 0 (0.0's bits)
+    add = ((((bitmask[:, :, None] >> _LANES) & 1) - 1) & _NEG_INF).reshape(R, -1)[:, :V].view(torch.float32)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     with torch.inference_mode(logits.is_inference()):  # a step's logits may be inference tensors
-        before = logits[rows]  # (R, V) a copy
-        logits[rows] = before.masked_fill(~allowed, float("-inf"))
-    return Masked(logits, rows, before)
+        before = logits.index_select(0, index)  # (R, V)
+        logits.index_add_(0, index, add.to(device=logits.device, dtype=logits.dtype))
+    return Masked(logits, index, before)

@@ -68,7 +68,8 @@ class RequestParams:
     choice, greedy or sampled; ``min_tokens``: the end-of-sequence and stop ids are ruled out until the
     request has generated that many tokens (vLLM's; stop strings still end it). ``grammar``: what the
     answer's text must be (:class:`~attnmask.decode.grammar.Grammar`: JSON, a JSON schema, a regex, a
-    choice, a Lark grammar; needs an engine with a ``tokenizer``); the request stops when it is complete."""
+    choice, a Lark grammar; needs an engine with a ``tokenizer``); the request stops when it is complete
+    (an end-of-sequence token the grammar allows completes it, ``ignore_eos`` or not)."""
 
     max_tokens: int = 16
     sampling: Sampling = GREEDY
@@ -253,6 +254,8 @@ class Engine:
         self._inbox: deque = deque()  # ("add", request) / ("cancel", id): from any thread
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._grammar_lock = threading.Lock()  # add_request may run on several threads
+        self._llg_tokenizer = None
         self._steps = self._tokens_in = self._tokens_out = 0
 
     # ---- requests --------------------------------------------------------------------------
@@ -287,7 +290,7 @@ class Engine:
         if params.grammar is not None:  # compiled here, on the caller's thread, not the stepping one
             if self.tokenizer is None:
                 raise UserError("structured output (a grammar) needs an engine with a tokenizer")
-            matcher = Matcher(params.grammar, grammar_tokenizer(self.tokenizer, vocab, self.eos_ids))
+            matcher = Matcher(params.grammar, self._grammar_tokenizer())
         with self._lock:
             rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests or any(op == "add" and r.seq.request_id == rid for op, r in self._inbox):
@@ -304,6 +307,24 @@ class Engine:
             request = _Request(seq, params, generator, stops, scored=scored, history=history, matcher=matcher)
             self._inbox.append(("add", request))
         return rid
+
+    def prepare_structured_output(self) -> bool:
+        """Build llguidance's view of the tokenizer now (~0.2 s) rather than in the first structured
+        request; False when it cannot be (no tokenizer, or llguidance missing)."""
+        if self.tokenizer is None or not self.eos_ids:
+            return False
+        try:
+            self._grammar_tokenizer()
+        except UserError:
+            return False
+        return True
+
+    def _grammar_tokenizer(self):
+        """llguidance's view of the tokenizer, built at the first structured request (~0.2 s), then kept."""
+        with self._grammar_lock:
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = grammar_tokenizer(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+            return self._llg_tokenizer
 
     def cancel(self, request_id: str) -> None:
         """Stop a request (queued or running) and free its blocks at the next step; unknown ids are ignored."""
