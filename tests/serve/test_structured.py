@@ -125,6 +125,19 @@ def test_structured_requests_are_bitwise_their_solo_runs(model, tokenizer):
         assert got[str(i)] == (a.tokens, a.logprobs), f"request {i} differs from its solo run"
 
 
+def test_a_complete_grammar_that_min_tokens_holds_open_ends_the_request(model, tokenizer):
+    """After "yes" only <eos> may come, and min_tokens rules it out: nothing may come, the request stops
+    (no token, no crash) and the engine goes on with the others."""
+    engine = engine_of(model, tokenizer)
+    prompt = tokenizer.encode("Pick:")
+    params = RequestParams(max_tokens=8, min_tokens=6, grammar=Grammar.choice(["yes", "no"]))
+    got = engine.generate([prompt, prompt], params)
+    for c in got:
+        assert tokenizer.decode(c.tokens) in ("yes", "no") and c.finish_reason == "stop"
+    assert engine.generate([prompt], RequestParams(max_tokens=3))[0].tokens  # still serving
+    assert engine.stats().blocks_used == 0
+
+
 def test_the_engine_refuses_what_it_cannot_constrain(model, tokenizer):
     with pytest.raises(UserError, match="needs an engine with a tokenizer"):
         Engine(model, kv_cache_mib=4, eos_ids=[tokenizer.eos_id]).add_request([5], RequestParams(

@@ -28,6 +28,7 @@ With ``prompt_logprobs``, ``max_tokens`` may be 0: the request scores its prompt
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -394,8 +395,11 @@ class Engine:
             # every row's arg-max in one call (greedy requests take it; off the CPU, read back once rather
             # than a device sync per request). An arg-max is exact: a row's is the same alone or in the batch.
             # max's indices are argmax's (the first largest), its CPU reduction about 2.5x faster.
-            top = logits.max(dim=-1).indices.tolist()
-            tokens = [self._choose(request, row, best) for request, row, best in zip(requests, logits, top)]
+            most = logits.max(dim=-1)
+            top, highest = most.indices.tolist(), most.values.tolist()
+            # a row with no token left (a complete grammar whose end min_tokens still rules out) ends its request
+            tokens = [self._choose(r, row, best) if h > -math.inf else _NOTHING
+                      for r, row, best, h in zip(requests, logits, top, highest)]  # fmt: skip
             if masked is not None:  # the penalised values, then the model's own
                 masked.restore()
             if changed is not None:
@@ -463,7 +467,7 @@ class Engine:
         draw = Sampling(s.temperature, s.top_k, s.top_p, generator=request.generator)
         return int(sample(row[None].cpu(), draw)[0])
 
-    def _emit(self, request: _Request, row: Tensor, token: int | None) -> TokenEvent:
+    def _emit(self, request: _Request, row: Tensor, token) -> TokenEvent:
         """``token`` appended to the request, as an event (with its log-probabilities from ``row``, the
         model's own logits); the request finishes when it stops or reaches its length."""
         seq, params = request.seq, request.params
@@ -474,6 +478,9 @@ class Engine:
         if token is None:  # the prompt scored (prompt_logprobs, max_tokens 0), nothing to generate
             self._finish(request)
             return TokenEvent(seq.request_id, None, 0, finish_reason="length", prompt_logprobs=prompt)
+        if token is _NOTHING:  # nothing may come next: the request ends here
+            self._finish(request)
+            return TokenEvent(seq.request_id, None, seq.generated, finish_reason="stop", prompt_logprobs=prompt)
         logprob = top = None
         if params.logprobs or params.top_logprobs:
             (scored,) = _logprobs(row[None], [token], [params.top_logprobs])
@@ -576,6 +583,7 @@ def _logprobs(rows: Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[Lo
 
 
 _NO_HISTORY = TokenHistory(())  # what a request without penalties reads (nothing)
+_NOTHING = object()  # no token may come next (every logit of the row is -inf)
 
 
 def _holds_any(text: str, strings: tuple[str, ...]) -> bool:
