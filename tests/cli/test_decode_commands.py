@@ -196,6 +196,36 @@ def test_generate_penalties_are_the_engines(lm_run, capsys):
     assert capsys.readouterr().out != got
 
 
+def test_generate_structured_output_is_the_engines(lm_run, tmp_path, capsys):
+    """--regex, --choice hold the text to a grammar; the text is the serving engine's answer with the same
+    grammar (the decode loop and the engine mask each row the same way). This run's characters have no
+    braces: JSON is a one-line error."""
+    from attnmask.decode.grammar import Grammar
+    from attnmask.engine import Engine, RequestParams
+
+    run = load_run(lm_run)
+    base = ["generate", "--run", str(lm_run), "--prompt", "a man", "--temperature", "0", "--max-new-tokens", "30"]
+    engine = Engine(run.model, kv_cache_mib=4, eos_ids=[run.tokenizer.eos_id], tokenizer=run.tokenizer)
+    prompt = run.tokenizer.encode("a man")
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], '
+                      '"additionalProperties": false, "x-guidance": {"whitespace_flexible": false}}')  # fmt: skip
+    cases = [(["--regex", "[a-e]{2,6} man"], Grammar.regex("[a-e]{2,6} man")),
+             (["--choice", "yes", "--choice", "no"], Grammar.choice(["yes", "no"]))]  # fmt: skip
+    for flags, grammar in cases:
+        assert main([*base, *flags]) == 0
+        got = capsys.readouterr().out
+        want = engine.generate([prompt], RequestParams(max_tokens=30, grammar=grammar))[0].tokens
+        text = run.tokenizer.decode([t for t in want if t != run.tokenizer.eos_id])
+        assert got == "a man" + text + "\n"
+    assert got in ("a manyes\n", "a manno\n")
+    assert main([*base, "--json-schema", str(schema)]) == 2  # a warning names the missing characters, then the error
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "cannot go on with this tokenizer" in err[-1] and "'{'" in err[0] and "Traceback" not in "".join(err)
+    assert check_one_line_error(capsys, [*base, "--regex", "(["], "the regex grammar is not valid")
+    assert check_one_line_error(capsys, [*base, "--json-schema", str(tmp_path / "nope.json")], "cannot read")
+
+
 def test_generate_prints_as_tokens_arrive(lm_run, monkeypatch):
     """Each piece is written and flushed before the next token is computed."""
     writes = []

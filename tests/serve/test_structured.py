@@ -138,6 +138,20 @@ def test_a_complete_grammar_that_min_tokens_holds_open_ends_the_request(model, t
     assert engine.stats().blocks_used == 0
 
 
+@pytest.mark.filterwarnings("ignore::attnmask.data.tokenizer.UnknownCharactersWarning")  # the brace, as llguidance asks
+def test_a_grammar_the_vocabulary_cannot_write_ends_its_request_not_the_engine():
+    """A character vocabulary without braces cannot write JSON: the request stops (a warning in the log)
+    and the engine serves the next one."""
+    from attnmask.data.tokenizer import Tokenizer
+
+    letters = Tokenizer.train_chars(["abc "])
+    engine = Engine(tiny_lm(letters), kv_cache_mib=4, eos_ids=[letters.eos_id], tokenizer=letters)
+    (c,) = engine.generate([letters.encode("abc")], RequestParams(max_tokens=8, grammar=Grammar.json_object()))
+    assert c.finish_reason == "stop" and len(c.tokens) <= 1
+    assert engine.generate([letters.encode("abc")], RequestParams(max_tokens=3))[0].finish_reason
+    assert engine.stats().blocks_used == 0
+
+
 def test_the_engine_refuses_what_it_cannot_constrain(model, tokenizer):
     with pytest.raises(UserError, match="needs an engine with a tokenizer"):
         Engine(model, kv_cache_mib=4, eos_ids=[tokenizer.eos_id]).add_request([5], RequestParams(

@@ -52,6 +52,15 @@ def add_parser(sub) -> None:
         default=0.0,
         help="subtract this times the count of each token already generated (OpenAI's, -2 to 2)",
     )
+    structured = p.add_mutually_exclusive_group()
+    structured.add_argument("--json", action="store_true", help="hold the continuation to a JSON object")
+    structured.add_argument(
+        "--json-schema", metavar="FILE", help="hold the continuation to JSON that follows the JSON Schema in FILE"
+    )
+    structured.add_argument("--regex", metavar="PATTERN", help="hold the continuation to a regular expression")
+    structured.add_argument(
+        "--choice", metavar="TEXT", action="append", help="the continuation is one of these texts (repeat --choice)"
+    )
     p.add_argument(
         "--chat",
         action="store_true",
@@ -78,6 +87,10 @@ def add_parser(sub) -> None:
         "block of 32 and multiplies in integers, as llama.cpp does (faster on CPU, not exact)",
     )
     p.add_argument("--device", default="cpu", help="torch device")
+    p.epilog = (
+        "--json, --json-schema, --regex and --choice hold the text to a grammar, token by token (structured "
+        "output with llguidance: pip install 'attnmask[serve]'); the text ends when the grammar does."
+    )
     p.set_defaults(func=run)
 
 
@@ -96,6 +109,29 @@ def _template(tokenizer, spec, own):
     return chat_template_for(tokenizer, spec)
 
 
+def _grammar(args):
+    """The structured output --json / --json-schema / --regex / --choice ask for, checked; None without."""
+    from attnmask.decode.grammar import Grammar
+
+    if args.json:
+        grammar = Grammar.json_object()
+    elif args.json_schema is not None:
+        try:
+            with open(args.json_schema, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as err:
+            raise UserError(f"--json-schema: cannot read {args.json_schema}: {err.strerror}") from err
+        grammar = Grammar.json_schema(text)
+    elif args.regex is not None:
+        grammar = Grammar.regex(args.regex)
+    elif args.choice is not None:
+        grammar = Grammar.choice(args.choice)
+    else:
+        return None
+    grammar.check()
+    return grammar
+
+
 def run(args) -> int:
     check_args(args)  # --device and --run, before anything loads
     if args.max_new_tokens < 1:
@@ -107,6 +143,7 @@ def run(args) -> int:
         raise UserError("--chat-template applies with --chat; add --chat")
     settings = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # UserError: one line
     penalties = Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
+    grammar = _grammar(args)
     echo = True  # plain continuation: print the prompt, then what follows it
     if not prompt:
         raise UserError("empty prompt: expected some text to continue (--prompt TEXT)")
@@ -149,6 +186,7 @@ def run(args) -> int:
         seed=args.seed,
         stream=True,
         penalties=penalties,
+        grammar=grammar,
     )
     if echo:
         print(prompt, end="", flush=True)

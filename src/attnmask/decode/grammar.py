@@ -108,7 +108,7 @@ class Grammar:
         """Raise :class:`UserError` with llguidance's message when the grammar does not compile."""
         message = _llguidance().LLMatcher.validate_grammar(self.compiled)
         if message:
-            raise UserError(f"the {self.kind} grammar is not valid: {message}")
+            raise UserError(f"the {self.kind} grammar is not valid: {' '.join(message.split())}")
 
 
 class _Vocabulary:
@@ -156,7 +156,7 @@ class Matcher:
         llg = _llguidance()
         self._m = llg.LLMatcher(llg_tokenizer, grammar.compiled, log_level=0)
         if self._m.is_error():
-            raise UserError(f"the {grammar.kind} grammar is not valid: {self._m.get_error()}")
+            raise UserError(f"the {grammar.kind} grammar is not valid: {' '.join(self._m.get_error().split())}")
 
     def fill(self, bitmask: Tensor, row: int) -> None:
         """The allowed next tokens into ``bitmask[row]`` (int32 words, a bit per token)."""
@@ -164,10 +164,18 @@ class Matcher:
         assert bitmask.dtype == torch.int32 and words.is_contiguous() and words.device.type == "cpu"
         self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
-    def advance(self, token: int) -> None:
-        """Take ``token`` (one :meth:`fill` allowed). Raises RuntimeError if the matcher refuses it (a bug)."""
-        if not self._m.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed: {self._m.get_error()}")
+    def advance(self, token: int) -> bool:
+        """Take ``token`` (one :meth:`fill` allowed); False when the matcher cannot (a grammar that needs
+        text the vocabulary cannot write, as a character tokenizer without some character: see :attr:`error`)."""
+        return bool(self._m.consume_token(token))
+
+    @property
+    def error(self) -> str:
+        """Why the matcher stopped taking tokens, on one line ("" when it has not)."""
+        if not self._m.is_error():
+            return ""
+        message = " ".join(self._m.get_error().split()).split(" <state>")[0]  # the parser's dump after it
+        return message if len(message) <= 300 else message[:297] + "..."
 
     @property
     def done(self) -> bool:

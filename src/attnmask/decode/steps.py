@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
+from attnmask.decode.grammar import mask_rows
 from attnmask.decode.sampling import GREEDY, NO_PENALTIES, Penalties, Sampling, TokenHistory, penalize_rows, sample
 from attnmask.decode.step import SourceMemory, fused_plan, packed_forward
 from attnmask.errors import UserError
@@ -434,11 +435,14 @@ def _steps(
     eos_id,
     sos_id,
     penalties: Penalties = NO_PENALTIES,
+    matchers: list | None = None,
 ) -> Iterator[tuple[int, Tensor, Tensor]]:
     """The decoding loop: yields ``(B, rows (b,), tokens (b,))`` for the rows still running.
 
     Finished rows leave the batch (their blocks go back to the pool). ``penalties`` change each row's
-    logits from its own prompt and generated tokens before the choice.
+    logits from its own prompt and generated tokens before the choice; ``matchers`` (one
+    :class:`~attnmask.decode.grammar.Matcher` a row) hold each row to its grammar, and a row whose
+    grammar is complete finishes.
     """
     stops = stop_set(eos_id)
     with eval_mode(model):
@@ -453,13 +457,23 @@ def _steps(
                     running = rows.tolist()
                     penalize_rows(logits, list(range(len(running))), [penalties] * len(running),
                                   [histories[r] for r in running])  # fmt: skip
+                if matchers is not None:  # each row's disallowed tokens to -inf, from its own matcher
+                    mask_rows(logits, list(range(len(rows))), [matchers[r] for r in rows.tolist()])
                 tokens = sample(logits, sampling)  # (b,)
                 if histories is not None:
                     for r, t in zip(rows.tolist(), tokens.tolist()):
                         histories[r].add(t)
+                complete = None
+                if matchers is not None:
+                    for r, t in zip(rows.tolist(), tokens.tolist()):
+                        if not matchers[r].advance(t):
+                            raise UserError(f"the grammar cannot go on with this tokenizer: {matchers[r].error}")
+                    complete = torch.tensor([matchers[r].done for r in rows.tolist()], device=tokens.device)
                 yield B, rows, tokens
                 step += 1
                 done = (limits[rows] <= step) | is_stop(tokens, stops)  # (b,)
+                if complete is not None:
+                    done |= complete
                 if bool(done.any()):
                     running = (~done).nonzero().squeeze(1)  # (b',)
                     if running.numel() == 0:

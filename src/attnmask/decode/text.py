@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from attnmask.data.tokenizer import EOS_ID, SOS_ID
+from attnmask.decode.grammar import Grammar, Matcher, grammar_tokenizer
 from attnmask.decode.sampling import NO_PENALTIES, Penalties, Sampling
 from attnmask.decode.steps import (
     DEFAULT_NEW_TOKENS,
@@ -112,6 +113,7 @@ def generate(
     stream: bool = False,
     eos_id: int | None = None,
     penalties: Penalties | None = None,
+    grammar: Grammar | None = None,
     **sampling_keywords,
 ):
     """Continue text prompt(s) with a decoder-only model.
@@ -125,6 +127,9 @@ def generate(
     ``eos_id`` (one id or several) defaults to the tokenizer's ``stop_ids`` if it has them (chat
     models), else its ``eos_id``. ``penalties``: presence, frequency and repetition penalties and a
     logit bias (:class:`~attnmask.decode.sampling.Penalties`), each prompt's from its own tokens.
+    ``grammar``: what each continuation must be (:class:`~attnmask.decode.grammar.Grammar`: JSON, a JSON
+    schema, a regex, a choice, a Lark grammar; structured output, needs llguidance); a continuation ends
+    when its grammar is complete.
 
     Raises ValueError for an empty prompt or one longer than the model's maximum.
     """
@@ -146,6 +151,11 @@ def generate(
     eos = eos_id
     if eos is None:
         eos = getattr(tokenizer, "stop_ids", None) or getattr(tokenizer, "eos_id", EOS_ID)
+    matchers = None
+    if grammar is not None:
+        stop_ids = sorted(stop_set(eos))
+        llg = grammar_tokenizer(tokenizer, model.config.vocab_size, stop_ids)
+        matchers = [Matcher(grammar, llg) for _ in ids]
     steps = _steps(
         model,
         src=None,
@@ -155,6 +165,7 @@ def generate(
         eos_id=eos,
         sos_id=SOS_ID,
         penalties=penalties or NO_PENALTIES,
+        matchers=matchers,
     )
     pieces = _text_pieces(steps, tokenizer, len(texts), stop_set(eos))
     if stream:

@@ -28,6 +28,7 @@ With ``prompt_logprobs``, ``max_tokens`` may be 0: the request scores its prompt
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
 from collections import deque
@@ -44,6 +45,8 @@ from attnmask.engine.scheduler import Chunk, Scheduler
 from attnmask.engine.scheduler import Sequence as SeqState
 from attnmask.engine.step import check_servable, fused_plan, packed_forward
 from attnmask.errors import UserError
+
+log = logging.getLogger("attnmask.engine")
 
 __all__ = ["Completion", "Engine", "EngineStats", "Logprob", "RequestParams", "TokenEvent"]
 
@@ -488,11 +491,13 @@ class Engine:
         seq.tokens.append(token)
         if request.history is not None:
             request.history.add(token)
+        complete = False  # its grammar has ended
         if request.matcher is not None:
-            request.matcher.advance(token)
+            if not request.matcher.advance(token):  # the vocabulary cannot write what the grammar wants
+                log.warning("request %s: its grammar stopped: %s", seq.request_id, request.matcher.error)
+            complete = request.matcher.done or bool(request.matcher.error)
         self._tokens_out += 1
         reason = None
-        complete = request.matcher is not None and request.matcher.done  # its grammar has ended
         if complete or token in request.stops or params.stop and _holds_any(self._tail_text(request), params.stop):
             reason = "stop"
         elif seq.generated >= params.max_tokens or (self.max_len is not None and len(seq.tokens) >= self.max_len):
