@@ -8,6 +8,8 @@
 - :mod:`.sampling`: the frozen :class:`Sampling` settings; arg-max or a draw with temperature,
   top-k, top-p and an explicit generator; :class:`Penalties` (presence, frequency, repetition, logit
   bias) applied to a row before the choice;
+- :mod:`.grammar`: structured output, a :class:`Grammar` (JSON, a JSON schema, a regex, a choice, Lark)
+  held token by token with llguidance's masks;
 - :mod:`.beam`: beam search on the same steps, beams sharing their prefix's cache blocks;
 - :mod:`.text`: text in, text out (``translate``, ``generate``).
 """
@@ -17,6 +19,7 @@ from attnmask.decode.beam import (  # noqa: F401
     beam_search,
     best_tokens,
 )
+from attnmask.decode.grammar import Grammar  # noqa: F401
 from attnmask.decode.sampling import (  # noqa: F401
     DEFAULT_TEMPERATURE,
     GREEDY,

@@ -10,7 +10,8 @@
 - :mod:`.engine`: :class:`Engine` (``add_request``, ``step``, ``cancel``, ``run``, ``generate``).
 """
 
-from attnmask.decode.sampling import Penalties, Sampling  # noqa: F401  (what RequestParams takes)
+from attnmask.decode.grammar import Grammar  # noqa: F401  (what RequestParams takes)
+from attnmask.decode.sampling import Penalties, Sampling  # noqa: F401
 from attnmask.engine.cache import BlockPool, LayerGroup, PagedKVCache, Paging, blocks_for_memory, layer_groups  # noqa: F401
 from attnmask.engine.engine import Completion, Engine, EngineStats, Logprob, RequestParams, TokenEvent  # noqa: F401
 from attnmask.engine.scheduler import Chunk, PrefixCache, Scheduler, Sequence  # noqa: F401
