@@ -7,6 +7,7 @@ running and no cache block used."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import openai
@@ -21,6 +22,7 @@ DROP_EVERY = 8  # these clients leave after a few chunks
 DROP_AFTER = 3  # chunks
 SCORED = 3  # requests i with i % DROP_EVERY == SCORED echo and score their prompts
 PENALIZED = 5  # requests i with i % DROP_EVERY == PENALIZED have penalties and a logit bias
+STRUCTURED = 6  # requests i with i % DROP_EVERY == STRUCTURED are held to a regex (structured output)
 MAX_TOKENS = 24
 DROPPED_MAX_TOKENS = 96  # what the leaving clients ask for: still running when they leave
 LOAD_TIMEOUT = 60.0  # seconds for the whole concurrent phase
@@ -33,7 +35,7 @@ def served(tokenizer):
     model = tiny_lm(tokenizer, max_seq_len=128, seed=1)
     # 8-position blocks, 48 of them: a request needs up to 6 (16 if it leaves), so a few run at once and the rest wait
     engine = PacedEngine(model, num_blocks=48, block_size=8, max_batch_tokens=64, max_seqs=64,
-                         eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)  # fmt: skip
+                         eos_ids=[tokenizer.eos_id], tokenizer=tokenizer)  # fmt: skip
     engine.pace = 0.001  # a leaving client's request is still running when it leaves
     with serve(engine, tokenizer) as s:
         yield s
@@ -45,6 +47,8 @@ def request(i: int, max_tokens: int = MAX_TOKENS) -> dict:
     if i % DROP_EVERY == PENALIZED:
         scores |= dict(frequency_penalty=0.5, presence_penalty=0.2, logit_bias={"40": 1.0})
         extra |= {"repetition_penalty": 1.2}
+    if i % DROP_EVERY == STRUCTURED:
+        extra |= {"guided_regex": "[a-z ]{5,15}[.!?]"}
     return dict(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0, extra_body=extra,
                 **scores)  # fmt: skip
 
@@ -58,6 +62,9 @@ def test_concurrent_streams_equal_their_solo_runs(served):
         solo = [answer(client.completions.create(**request(i)).choices[0]) for i in range(N)]
     assert len({text for text, _ in solo}) > N // 4  # the prompts give different answers: a mix-up would show
     assert all(lp[0] is None and len(lp) > 10 for i, (_, lp) in enumerate(solo) if i % DROP_EVERY == SCORED)
+    assert all(
+        re.fullmatch("[a-z ]{5,15}[.!?]", text) for i, (text, _) in enumerate(solo) if i % DROP_EVERY == STRUCTURED
+    )
     before = served.metrics()
 
     most_waiting = 0
