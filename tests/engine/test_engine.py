@@ -186,6 +186,7 @@ def workloads(draw, sampled: bool, cached: bool = False):
         block_size=block_size,
         num_blocks=1 + need + draw(st.sampled_from([0, 0, 1, 3, 100])),  # 0: one request fills the cache
         prefix_caching=cached or (windows(variant) == (0,) and draw(st.booleans())),  # (the solo runs: without)
+        speculative=draw(st.sampled_from([0, 0, 1, 3])),  # draft tokens a step (the solo runs: none)
     )
 
 
@@ -195,7 +196,7 @@ def invariant_results(w, threads: int = 1, engines: list | None = None) -> tuple
     requests = [(list(r[0]), params_of(*r[1:])) for r in w["requests"]]
     engine = engine_of(
         w["variant"], num_blocks=w["num_blocks"], block_size=w["block_size"], max_batch_tokens=w["max_batch_tokens"],
-        prefix_caching=w.get("prefix_caching", False),
+        prefix_caching=w.get("prefix_caching", False), speculative_tokens=w.get("speculative", 0),
     )  # fmt: skip
     if engines is not None:  # the caller's, for its statistics
         engines.append(engine)
@@ -451,6 +452,44 @@ def test_request_params_check_their_log_probability_settings():
     with pytest.raises(UserError, match="top_logprobs"):
         RequestParams(top_logprobs=True)
     assert RequestParams(max_tokens=0, prompt_logprobs=True).max_tokens == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding (prompt lookup)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["rotary-gqa-fused", "learned-layernorm-gelu"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_speculative_decoding_gives_the_answers_without_it_in_fewer_steps(variant, sampled):
+    """Drafts from the requests' own repeats, checked in the step of their next token: the same tokens and
+    log-probabilities as without (greedy, and drawn from each request's generator in the same order), a
+    step budget that cuts drafts short included; some drafts are kept, so steps are saved."""
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [12, 13] * 6 + [14], [20, 21, 22]]
+    params = RequestParams(max_tokens=24, logprobs=True, ignore_eos=True, sampling=SAMPLED if sampled else GREEDY,
+                           seed=3)  # fmt: skip
+    plain = engine_of(variant)
+    want = plain.generate(prompts, params)
+    for budget in (256, 7):
+        engine = engine_of(variant, speculative_tokens=4, max_batch_tokens=budget)
+        got = engine.generate(prompts, params)
+        assert [(c.tokens, c.logprobs) for c in got] == [(c.tokens, c.logprobs) for c in want]
+        stats = engine.stats()
+        assert stats.draft_accepted > 0 and stats.draft_tokens >= stats.draft_accepted
+        assert stats.blocks_used == 0
+    # alone, a request needs no more steps with drafts, and fewer where some are kept
+    saved = []
+    for prompt in prompts:
+        steps = []
+        for k in (0, 4):
+            engine = engine_of(variant, speculative_tokens=k)
+            engine.generate([prompt], params)
+            steps.append(engine.stats().steps)
+        saved.append(steps[0] - steps[1])
+    assert min(saved) >= 0 and max(saved) > 0, saved
+
+
+def test_speculative_requests_are_bitwise_their_solo_runs_through_preemption():
+    w = dict(PREEMPTING, speculative=3)
+    assert check_invariant(w) > 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from torch import Tensor
 from attnmask.decode.grammar import Grammar, Matcher, grammar_tokenizer, mask_rows
 from attnmask.decode.sampling import GREEDY, NO_PENALTIES, Penalties, Sampling, TokenHistory, penalize_rows, sample
 from attnmask.engine.cache import PagedKVCache, blocks_for_memory, layer_groups
+from attnmask.engine.draft import PromptLookup
 from attnmask.engine.scheduler import Chunk, Scheduler
 from attnmask.engine.scheduler import Sequence as SeqState
 from attnmask.engine.step import check_servable, fused_plan, packed_forward
@@ -168,6 +169,8 @@ class EngineStats:
     preemptions: int
     tokens_cached: int = 0  # prompt positions not computed: found in the prefix cache
     blocks_cached: int = 0  # blocks the prefix cache keeps that no request holds (free for the asking)
+    draft_tokens: int = 0  # speculative decoding: draft tokens checked
+    draft_accepted: int = 0  # of those, the ones the model chose (each a step saved)
 
 
 @dataclass(eq=False)
@@ -181,6 +184,7 @@ class _Request:
     delivered: bool = False  # an event has gone out (the prompt's scores go with the first)
     history: TokenHistory | None = None  # what the penalties read (None: the request has none)
     matcher: Matcher | None = None  # where the request is in its grammar (None: it has none)
+    lookup: PromptLookup | None = None  # speculative decoding: its draft tokens come from here
 
 
 class Engine:
@@ -200,6 +204,13 @@ class Engine:
         detokenize: ids -> text, for stop strings.
         tokenizer: the model's tokenizer (an attnmask tokenizer): ``detokenize`` when that is not given, and
             what requests with a ``grammar`` need (structured output).
+        speculative_tokens: speculative decoding by prompt lookup (0: off): up to that many draft tokens a
+            step for each decoding request that has no penalties, grammar or ``min_tokens``, the tokens
+            that followed the last occurrence of its latest 3 (or 2) tokens (:mod:`~attnmask.engine.draft`),
+            checked in the same step as its next token. A draft token is kept only where the request's
+            own choice at that position (greedy or drawn from its generator, in order) is that token,
+            and each row's logits are the same bits in any chunk: the answers are exactly those without
+            speculation, tokens and log-probabilities, and a step may give a request several tokens.
         prefix_caching: keep the cache blocks of computed tokens after their requests end, and start a
             request whose tokens begin the same way from them (:class:`~attnmask.engine.scheduler.PrefixCache`;
             the same answers, bit for bit). Models whose layers have windows (Gemma 3) cannot.
@@ -218,10 +229,13 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         prefix_caching: bool = False,
         tokenizer=None,
+        speculative_tokens: int = 0,
     ):
         check_servable(model)
         if model.is_encoder_decoder:  # a request is a prompt: there is no source to encode
             raise UserError("the engine serves decoder-only models; translate with attnmask.decode.translate")
+        if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
+            raise UserError(f"speculative_tokens must be an int >= 0 (0: off), got {speculative_tokens!r}")
         if block_size < 1 or max_batch_tokens < 1 or max_seqs < 1:
             raise UserError(
                 f"block_size, max_batch_tokens and max_seqs must be >= 1; got {block_size}, {max_batch_tokens}, "
@@ -261,6 +275,8 @@ class Engine:
         self._grammar_lock = threading.Lock()  # add_request may run on several threads
         self._llg_tokenizer = None
         self._steps = self._tokens_in = self._tokens_out = 0
+        self.speculative_tokens = speculative_tokens
+        self._drafted = self._accepted = 0
 
     # ---- requests --------------------------------------------------------------------------
     @property
@@ -308,7 +324,10 @@ class Engine:
             seq = SeqState(rid, list(prompt), len(prompt), params.max_tokens, reuse=not params.prompt_logprobs)
             scored = [] if params.prompt_logprobs else None
             history = TokenHistory(prompt) if params.penalties.active else None
-            request = _Request(seq, params, generator, stops, scored=scored, history=history, matcher=matcher)
+            speculates = self.speculative_tokens and history is None and matcher is None and not params.min_tokens
+            lookup = PromptLookup() if speculates else None
+            request = _Request(seq, params, generator, stops, scored=scored, history=history, matcher=matcher,
+                               lookup=lookup)  # fmt: skip
             self._inbox.append(("add", request))
         return rid
 
@@ -347,7 +366,7 @@ class Engine:
         return EngineStats(
             len(self.scheduler.running), len(self.scheduler.waiting) + len(self._inbox), pool.used - idle,
             pool.capacity, self._steps, self._tokens_in, self._tokens_out, preempted,
-            prefix.reused if prefix is not None else 0, idle,
+            prefix.reused if prefix is not None else 0, idle, self._drafted, self._accepted,
         )  # fmt: skip
 
     # ---- the step ----------------------------------------------------------------------------
@@ -368,11 +387,15 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """Run one packed step; the new tokens (and cancellations) as events."""
         events = self._drain()
+        if self.speculative_tokens:
+            self._propose()
         chunks = self.scheduler.schedule()
         if not chunks:
             return events
-        logits, scoring = self._forward(chunks)  # (M, V): the prompt rows to score, then one row a sampling chunk
+        # (M, V): the prompt rows to score, one row a sampling chunk, then the rows that check drafts
+        logits, scoring = self._forward(chunks)
         sampling = [c for c in chunks if c.sample]
+        drafts = [list(c.seq.draft) for c in sampling]  # what each chunk checks (cleared below)
         if scoring:  # a chunk's rows in order: the scores in order
             requests = [self._requests[c.seq.request_id] for c, _ in scoring]
             next_tokens = [c.seq.tokens[position + 1] for c, position in scoring]
@@ -382,7 +405,8 @@ class Engine:
         logits = logits[len(scoring) :]
         prefix = self.scheduler.prefix
         for c in chunks:
-            c.seq.computed += c.n
+            c.seq.computed += c.n - c.drafted  # drafts: those kept are counted below
+            c.seq.draft.clear()
             self._tokens_in += c.n if c.start < c.seq.prompt_len else 0
             self.scheduler.forget(c.seq)  # window groups: blocks the next chunk will not read go back now
             if prefix is not None:
@@ -401,15 +425,56 @@ class Engine:
             most = logits.max(dim=-1)
             top, highest = most.indices.tolist(), most.values.tolist()
             # a row with no token left (a complete grammar whose end min_tokens still rules out) ends its request
-            tokens = [self._choose(r, row, best) if h > -math.inf else _NOTHING
-                      for r, row, best, h in zip(requests, logits, top, highest)]  # fmt: skip
+            # (a request that checks a draft chooses below, position by position, in order)
+            tokens = [None if d else self._choose(r, row, best) if h > -math.inf else _NOTHING
+                      for r, row, best, h, d in zip(requests, logits, top, highest, drafts)]  # fmt: skip
             if masked is not None:  # the penalised values, then the model's own
                 masked.restore()
             if changed is not None:
                 changed.restore()
-            for request, row, token in zip(requests, logits, tokens):
-                events.append(self._emit(request, row, token))
+            extra = len(sampling)  # the rows that check drafts, each chunk's in order
+            for request, row, token, draft, best in zip(requests, logits, tokens, drafts, top):
+                if draft:
+                    checks = logits[extra : extra + len(draft)]
+                    events += self._speculated(request, draft, checks, top[extra : extra + len(draft)] + [best], row)
+                    extra += len(draft)
+                else:
+                    events.append(self._emit(request, row, token))
         self._steps += 1
+        return events
+
+    def _propose(self) -> None:
+        """Draft tokens for each running request that decodes and speculates (prompt lookup)."""
+        for seq in self.scheduler.running:
+            request = self._requests.get(seq.request_id)
+            if request is None or request.lookup is None or seq.computed != len(seq.tokens) - 1:
+                continue
+            room = seq.max_tokens - seq.generated - 1  # its next token comes anyway
+            if self.max_len is not None:
+                room = min(room, self.max_len - len(seq.tokens) - 1)
+            k = min(self.speculative_tokens, room)
+            seq.draft = request.lookup.propose(seq.tokens, k) if k > 0 else []
+
+    def _speculated(self, request: _Request, draft: list[int], checks: Tensor, best: list[int], last: Tensor):
+        """The events of a request whose chunk checked ``draft``: row ``checks[j]`` is the position before
+        ``draft[j]``, ``last`` the one after the whole draft; ``best``: each of those rows' arg-max. The
+        request chooses at each position in order, as it would without a draft (greedy, or a draw from its
+        generator); a draft token it chose is kept and the next position is read, the first it did not
+        choose ends the step (its choice is the step's last token)."""
+        seq, events = request.seq, []
+        rows = list(checks) + [last]
+        for j, row in enumerate(rows):
+            token = self._choose(request, row, best[j])
+            kept = j < len(draft) and token == draft[j]
+            if kept:
+                seq.computed += 1  # its key and value, written by this step, are the draft token's: its own
+                self._accepted += 1
+            events.append(self._emit(request, row, token))
+            if not kept or events[-1].finished:
+                break
+        self._drafted += len(draft)
+        if self.scheduler.prefix is not None and seq.request_id in self._requests:
+            self.scheduler.prefix.keep(seq)
         return events
 
     def _penalize(self, logits: Tensor, requests: list[_Request]):
@@ -430,19 +495,20 @@ class Engine:
         """The step over ``chunks``: logits of the prompt rows to score (``(chunk, position)`` each, returned
         too), then of each sampling chunk's last row."""
         device = self.cache.k[0].device
-        tokens, positions, row_seq, logit_rows, scoring, sample_rows = [], [], [], [], [], []
+        tokens, positions, row_seq, logit_rows, scoring, sample_rows, draft_rows = [], [], [], [], [], [], []
         for i, c in enumerate(chunks):
             scored = self._requests[c.seq.request_id].scored
             if scored is not None:  # prompt rows not scored yet (after a preemption, the rest only)
                 for position in range(max(c.start, len(scored)), min(c.start + c.n, c.seq.prompt_len - 1)):
                     logit_rows.append(len(tokens) + position - c.start)
                     scoring.append((c, position))
-            tokens += c.seq.tokens[c.start : c.start + c.n]
+            tokens += (c.seq.tokens + c.seq.draft)[c.start : c.start + c.n]
             positions += range(c.start, c.start + c.n)
             row_seq += [i] * c.n
             if c.sample:
                 sample_rows.append(len(tokens) - 1)
-        logit_rows += sample_rows
+                draft_rows += range(len(tokens) - 1 - c.drafted, len(tokens) - 1)  # the rows before each draft token
+        logit_rows += sample_rows + draft_rows
         tables = []  # one (Q, W) tensor a layer group
         for g in range(len(self.cache.groups)):
             width = max(len(c.seq.tables[g]) for c in chunks)

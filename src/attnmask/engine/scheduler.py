@@ -54,6 +54,7 @@ class Sequence:
     reuse: bool = True  # may start from kept prefix blocks (False: it needs every row's logits)
     kept: int = 0  # its leading blocks handed to the prefix cache so far
     kept_parent: int = 0  # its last kept block (the next one's parent); -1: it keeps no more
+    draft: list[int] = field(default_factory=list)  # tokens guessed to follow, checked by the next step
 
     @property
     def blocks(self) -> list[int]:
@@ -66,8 +67,8 @@ class Sequence:
 
     @property
     def pending(self) -> int:
-        """Tokens not yet computed: the prompt's rest while prefilling, 1 while decoding."""
-        return len(self.tokens) - self.computed
+        """Tokens not yet computed: the prompt's rest while prefilling, 1 while decoding (and its draft)."""
+        return len(self.tokens) + len(self.draft) - self.computed
 
 
 @dataclass
@@ -81,7 +82,12 @@ class Chunk:
 
     @property
     def sample(self) -> bool:
-        return self.start + self.n == len(self.seq.tokens)
+        return self.start + self.n == len(self.seq.tokens) + len(self.seq.draft)
+
+    @property
+    def drafted(self) -> int:
+        """Draft tokens the chunk checks (its logits rows: the last ``drafted + 1``)."""
+        return len(self.seq.draft) if self.sample else 0
 
 
 class PrefixCache:
@@ -226,6 +232,7 @@ class Scheduler:
         self.paging.release(seq.tables)
         seq.computed, seq.preemptions = 0, seq.preemptions + 1
         seq.kept = seq.kept_parent = 0
+        seq.draft.clear()
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -254,6 +261,9 @@ class Scheduler:
             if seq not in self.running:  # preempted by an earlier sequence's growth this step
                 continue
             n = min(seq.pending, budget)
+            if seq.draft and n < seq.pending:  # the budget cuts the draft short (it checks n - 1 of it)
+                del seq.draft[max(0, n - (len(seq.tokens) - seq.computed)) :]
+                n = seq.pending
             if not self._grow(seq, seq.computed + n):
                 continue
             chunks.append(Chunk(seq, seq.computed, n))
