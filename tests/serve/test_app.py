@@ -463,6 +463,27 @@ def test_prefix_caching_serves_the_same_answers_and_says_what_it_saved(model, to
         assert [t.logprob for t in a.choices[0].logprobs.content] == [t.logprob for t in b.choices[0].logprobs.content]
 
 
+def test_speculative_decoding_serves_the_same_answers_and_counts_its_drafts(model, tokenizer):
+    """Prompts that repeat themselves, through an engine that drafts by prompt lookup: the answers (text and
+    log-probabilities, streamed or not) are those of an engine without, and ``/metrics`` counts the drafts."""
+    prompts = ["abc abc abc abc abc abc", "x = 1; x = 1; x = 1; x = 1;", "Hello hello hello hello"]
+    kw = dict(model=MODEL, max_tokens=24, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+    answers = {}
+    for k in (0, 4):
+        engine = Engine(model, kv_cache_mib=2, eos_ids=[tokenizer.eos_id], tokenizer=tokenizer, speculative_tokens=k)
+        with serve(engine, tokenizer) as s, openai.OpenAI(base_url=s.base_url, api_key="-", timeout=TIMEOUT) as c:
+            answers[k] = [c.completions.create(prompt=p, **kw).choices[0] for p in prompts]
+            streamed = ["".join(x.choices[0].text for x in c.completions.create(prompt=p, stream=True, **kw))
+                        for p in prompts]  # fmt: skip
+            metrics = s.metrics()
+        assert streamed == [a.text for a in answers[k]]
+        drafted = metrics.get("attnmask_draft_tokens_total", 0)
+        accepted = metrics.get("attnmask_draft_accepted_tokens_total", 0)
+        assert (drafted >= accepted > 0) if k else drafted == 0
+    for a, b in zip(answers[0], answers[4]):
+        assert a.text == b.text and a.logprobs.token_logprobs == b.logprobs.token_logprobs
+
+
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 8) | st.integers() | st.floats() | st.text(max_size=4),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),

@@ -59,6 +59,7 @@ def is_one_line(err: str, match: str) -> bool:
         (["--run", "{lm}", "--max-batch-tokens", "-3"], "--max-batch-tokens must be >= 1"),
         (["--run", "{lm}", "--block-size", "0"], "--block-size must be >= 1"),
         (["--run", "{lm}", "--threads", "0"], "--threads must be >= 1"),
+        (["--run", "{lm}", "--speculative-tokens", "-1"], "--speculative-tokens must be >= 0"),
         (["--run", "{lm}", "--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
         (["--run", "{mt}"], "serve needs a decoder-only language model"),
         (["--run", "{lm}", "--kv-cache-mib", "0.0001"], "holds 0 blocks"),

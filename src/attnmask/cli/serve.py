@@ -83,6 +83,16 @@ def add_parser(sub) -> None:
         "the same way from them (a shared system prompt, few-shot examples, the turns of a chat): less to "
         "compute, the same answers bit for bit; not for models with sliding windows (Gemma 3)",
     )
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding by prompt lookup: up to K draft tokens a step for each request, the tokens "
+        "that followed its latest tokens where they occurred before in it (prompt included), checked in one "
+        "step; the same answers bit for bit, sooner where text repeats its context (code edits, quotes, JSON); "
+        "0: off",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads; none given: torch's own choice")
     p.add_argument(
         "--device",
@@ -123,6 +133,8 @@ def check_flags(args) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1, got {args.threads}")
+    if args.speculative_tokens < 0:
+        raise UserError(f"--speculative-tokens must be >= 0 (0: off), got {args.speculative_tokens}")
     if not args.shutdown_timeout >= 0:
         raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -216,6 +228,7 @@ def serve(args, sock: socket.socket) -> int:
         eos_ids=getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,),
         tokenizer=tokenizer,  # stop strings, structured output
         prefix_caching=args.prefix_caching,
+        speculative_tokens=args.speculative_tokens,
     )
     ops.available()  # build the native kernels now (once, about a minute) rather than in the first request
     engine.prepare_structured_output()  # likewise llguidance's view of the tokenizer (~0.2 s)

@@ -49,6 +49,8 @@ class _EngineCollector:
             ("attnmask_engine_steps", "Engine steps run", s.steps),
             ("attnmask_preemptions", "Requests preempted (blocks freed, recomputed later)", s.preemptions),
             ("attnmask_prefix_cache_tokens", "Prompt tokens found in the prefix cache (not computed)", s.tokens_cached),
+            ("attnmask_draft_tokens", "Speculative decoding: draft tokens checked", s.draft_tokens),
+            ("attnmask_draft_accepted_tokens", "Speculative decoding: draft tokens the model chose", s.draft_accepted),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
