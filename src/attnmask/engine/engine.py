@@ -52,6 +52,7 @@ log = logging.getLogger("attnmask.engine")
 __all__ = ["Completion", "Engine", "EngineStats", "Logprob", "RequestParams", "TokenEvent"]
 
 TAIL_MARGIN = 8  # characters a stop-string search's window holds beyond the stop string and the newest token
+DRAFT_ROWS = 8  # speculative decoding: a step's rows at most for drafts to be checked (see Engine._propose)
 MAX_TOP_LOGPROBS = 20  # most likely tokens a request may ask for at each position (OpenAI's chat limit)
 
 Top = tuple[tuple[int, float], ...]  # (token, log-probability) pairs, the most likely first
@@ -207,7 +208,8 @@ class Engine:
         speculative_tokens: speculative decoding by prompt lookup (0: off): up to that many draft tokens a
             step for each decoding request that has no penalties, grammar or ``min_tokens``, the tokens
             that followed the last occurrence of its latest 3 (or 2) tokens (:mod:`~attnmask.engine.draft`),
-            checked in the same step as its next token. A draft token is kept only where the request's
+            checked in the same step as its next token, while the step is small (no prompt to compute,
+            :data:`DRAFT_ROWS` rows at most, shared out). A draft token is kept only where the request's
             own choice at that position (greedy or drawn from its generator, in order) is that token,
             and each row's logits are the same bits in any chunk: the answers are exactly those without
             speculation, tokens and log-probabilities, and a step may give a request several tokens.
@@ -444,15 +446,22 @@ class Engine:
         return events
 
     def _propose(self) -> None:
-        """Draft tokens for each running request that decodes and speculates (prompt lookup)."""
-        for seq in self.scheduler.running:
+        """Draft tokens for each running request that decodes and speculates (prompt lookup), while the
+        step stays small: no prompt to compute, and :data:`DRAFT_ROWS` rows at most. A small step costs
+        about what one row does (the weights are read once); in a large one every row costs its share,
+        and a checked draft token, kept about half the time, gives less than a row of another request."""
+        running = self.scheduler.running
+        if self.scheduler.waiting or self._inbox or any(s.computed < len(s.tokens) - 1 for s in running):
+            return  # prompts to compute: the step is large already
+        share = (DRAFT_ROWS - len(running)) // max(1, len(running))
+        for seq in running:
             request = self._requests.get(seq.request_id)
             if request is None or request.lookup is None or seq.computed != len(seq.tokens) - 1:
                 continue
             room = seq.max_tokens - seq.generated - 1  # its next token comes anyway
             if self.max_len is not None:
                 room = min(room, self.max_len - len(seq.tokens) - 1)
-            k = min(self.speculative_tokens, room)
+            k = min(self.speculative_tokens, room, share)
             seq.draft = request.lookup.propose(seq.tokens, k) if k > 0 else []
 
     def _speculated(self, request: _Request, draft: list[int], checks: Tensor, best: list[int], last: Tensor):
