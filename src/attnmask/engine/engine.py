@@ -52,7 +52,7 @@ log = logging.getLogger("attnmask.engine")
 __all__ = ["Completion", "Engine", "EngineStats", "Logprob", "RequestParams", "TokenEvent"]
 
 TAIL_MARGIN = 8  # characters a stop-string search's window holds beyond the stop string and the newest token
-DRAFT_ROWS = 8  # speculative decoding: a step's rows at most for drafts to be checked (see Engine._propose)
+DRAFT_ROWS = 5  # speculative decoding: a step's rows at most for drafts to be checked (see Engine._propose)
 MAX_TOP_LOGPROBS = 20  # most likely tokens a request may ask for at each position (OpenAI's chat limit)
 
 Top = tuple[tuple[int, float], ...]  # (token, log-probability) pairs, the most likely first
