@@ -451,6 +451,8 @@ class Engine:
         about what one row does (the weights are read once); in a large one every row costs its share,
         and a checked draft token, kept about half the time, gives less than a row of another request."""
         running = self.scheduler.running
+        for seq in running:  # a draft not checked last step (its sequence had no room) is not kept over
+            seq.draft.clear()
         if self.scheduler.waiting or self._inbox or any(s.computed < len(s.tokens) - 1 for s in running):
             return  # prompts to compute: the step is large already
         share = (DRAFT_ROWS - len(running)) // max(1, len(running))
