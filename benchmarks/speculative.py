@@ -4,7 +4,9 @@
 Two sets of chat prompts, greedy, up to 128 new tokens each:
 - ``edit``: answers that repeat their prompt (code to annotate, a list to turn into JSON, a paragraph
   to correct): where drafting from the prompt pays;
-- ``open``: questions whose answers do not (where drafts cost what they check).
+- ``open``: questions whose answers do not (where drafts cost what they check);
+- ``json``: requests held to a JSON schema of six string/integer fields (structured output), where the
+  drafts are the tokens the grammar forces (its keys and punctuation); attnmask only.
 
 For each set, each prompt alone (batch 1), one after the other: output tok/s over the set, and for
 attnmask the share of draft tokens kept and whether every answer (tokens and log-probabilities) is the
@@ -48,6 +50,15 @@ EDIT = [
     "shade of a big tree near the river.",
     "Rename the function area to rectangle_area in this code and return the whole code:\n\n" + CODE,
 ]
+PERSON = {
+    "type": "object",
+    "properties": {k: {"type": "integer" if k == "age" else "string"}
+                   for k in ("first_name", "last_name", "age", "email_address", "favourite_colour", "home_city")},
+    "additionalProperties": False,
+}  # fmt: skip
+PERSON["required"] = list(PERSON["properties"])
+JSON = ["Invent a person.", "Describe a customer of a bakery.", "Make up a user profile.",
+        "Give me a sample employee record."]  # fmt: skip
 OPEN = [
     "What are three good habits for staying healthy?",
     "Explain in a few sentences why the sky is blue.",
@@ -56,11 +67,12 @@ OPEN = [
 ]
 
 
-def attnmask_runs(model, tokenizer, prompts: list[list[int]], draft: int, n: int):
+def attnmask_runs(model, tokenizer, prompts: list[list[int]], draft: int, n: int, grammar=None):
     from attnmask.engine import Engine, RequestParams
 
-    engine = Engine(model, kv_cache_mib=256, eos_ids=tokenizer.stop_ids, speculative_tokens=draft)
-    params = RequestParams(max_tokens=n, logprobs=True)
+    engine = Engine(model, kv_cache_mib=256, eos_ids=tokenizer.stop_ids, speculative_tokens=draft, tokenizer=tokenizer)
+    engine.prepare_structured_output()
+    params = RequestParams(max_tokens=n, logprobs=True, grammar=grammar)
     engine.generate(prompts[:1], RequestParams(max_tokens=2))  # warm
     start = time.perf_counter()
     alone = [engine.generate([p], params)[0] for p in prompts]
@@ -103,10 +115,13 @@ def main() -> None:
     has_llama = importlib.util.find_spec("llama_cpp") is not None
     print(f"# {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads; SmolLM2-135M-Instruct Q4_1 GGUF; greedy, "
           f"up to {args.max_tokens} tokens, drafts of {args.draft} at most")  # fmt: skip
-    for name, questions in (("edit", EDIT), ("open", OPEN)):
+    from attnmask.decode.grammar import Grammar
+
+    for name, questions in (("edit", EDIT), ("open", OPEN), ("json", JSON)):
         texts = [template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
         prompts = [tokenizer.encode(t) for t in texts]
-        runs = {k: attnmask_runs(model, tokenizer, prompts, k, args.max_tokens) for k in (0, args.draft)}
+        grammar = Grammar.json_schema(PERSON) if name == "json" else None
+        runs = {k: attnmask_runs(model, tokenizer, prompts, k, args.max_tokens, grammar) for k in (0, args.draft)}
         (a0, t0, g0, u0, _), (a1, t1, g1, u1, s1) = runs[0], runs[args.draft]
         same = all(x.tokens == y.tokens and x.logprobs == y.logprobs for x, y in zip(a0 + g0, a1 + g1))
         n_alone, n_together = sum(len(c.tokens) for c in a0), sum(len(c.tokens) for c in g0)
@@ -114,7 +129,7 @@ def main() -> None:
         print(f"{name}: attnmask batch 1  {n_alone / t0:6.1f} -> {n_alone / t1:6.1f} tok/s ({t0 / t1:.2f}x), "
               f"{len(prompts)} together {n_together / u0:6.1f} -> {n_together / u1:6.1f} ({u0 / u1:.2f}x); "
               f"drafts kept {kept:.0%}; answers the same: {same}", flush=True)  # fmt: skip
-        if has_llama:
+        if has_llama and grammar is None:
             plain, spec = (llama_runs(texts, args.threads, k, args.max_tokens) for k in (0, args.draft))
             print(
                 f"{name}: llama-cpp-python batch 1  {plain:6.1f} -> {spec:6.1f} tok/s ({spec / plain:.2f}x)", flush=True

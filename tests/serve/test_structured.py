@@ -152,6 +152,27 @@ def test_a_grammar_the_vocabulary_cannot_write_ends_its_request_not_the_engine()
     assert engine.stats().blocks_used == 0
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=0.7)])
+def test_speculative_drafts_of_forced_tokens_give_the_answers_without_them(model, tokenizer, sampling):
+    """With speculative decoding a grammar's forced tokens (the schema's keys, its punctuation) are drafted
+    and checked several at once, each position masked with the grammar's state there: the answers, tokens
+    and log-probabilities, are those without drafts, and the forced tokens are kept."""
+    schema = {"type": "object", "properties": {"temperature": {"type": "integer"}, "description": {"enum": [
+        "sunny and warm", "cold"]}}, "required": ["temperature", "description"], "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False}}  # fmt: skip
+    grammars = [Grammar.json_schema(schema), Grammar.regex(REGEX), Grammar.choice(["alpha", "alphabet soup"])]
+    prompts = [tokenizer.encode(p) for p in ["Weather:", "Code:", "Pick:"]]
+    for grammar in grammars:
+        params = RequestParams(max_tokens=40, grammar=grammar, sampling=sampling, seed=5, logprobs=True)
+        want = [engine_of(model, tokenizer).generate([p], params)[0] for p in prompts]
+        engine = engine_of(model, tokenizer, speculative_tokens=4)
+        got = [engine.generate([p], params)[0] for p in prompts]
+        assert [(c.tokens, c.logprobs, c.finish_reason) for c in got] == [
+            (c.tokens, c.logprobs, c.finish_reason) for c in want]  # fmt: skip
+        if grammar.kind == "json_schema":
+            assert engine.stats().draft_accepted >= len('{"temperature":') - 1, "the forced keys are kept"
+
+
 def test_the_engine_refuses_what_it_cannot_constrain(model, tokenizer):
     with pytest.raises(UserError, match="needs an engine with a tokenizer"):
         Engine(model, kv_cache_mib=4, eos_ids=[tokenizer.eos_id]).add_request([5], RequestParams(

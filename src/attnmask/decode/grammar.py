@@ -177,6 +177,11 @@ class Matcher:
         message = " ".join(self._m.get_error().split()).split(" <state>")[0]  # the parser's dump after it
         return message if len(message) <= 300 else message[:297] + "..."
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (a JSON schema's keys and punctuation), as the tokenizer
+        writes them; empty when the next token is free."""
+        return [] if self._m.is_error() else list(self._m.compute_ff_tokens())
+
     @property
     def done(self) -> bool:
         """The grammar is complete (its end-of-sequence token taken, or nothing more can follow)."""

@@ -205,9 +205,10 @@ class Engine:
         detokenize: ids -> text, for stop strings.
         tokenizer: the model's tokenizer (an attnmask tokenizer): ``detokenize`` when that is not given, and
             what requests with a ``grammar`` need (structured output).
-        speculative_tokens: speculative decoding by prompt lookup (0: off): up to that many draft tokens a
-            step for each decoding request that has no penalties, grammar or ``min_tokens``, the tokens
-            that followed the last occurrence of its latest 3 (or 2) tokens (:mod:`~attnmask.engine.draft`),
+        speculative_tokens: speculative decoding (0: off): up to that many draft tokens a step for each
+            decoding request that has no penalties or ``min_tokens``: the tokens its grammar forces next
+            (a JSON schema's keys), else the tokens that followed the last occurrence of its latest 3 (or
+            2) tokens (prompt lookup, :mod:`~attnmask.engine.draft`),
             checked in the same step as its next token, while the step is small (no prompt to compute,
             :data:`DRAFT_ROWS` rows at most, shared out). A draft token is kept only where the request's
             own choice at that position (greedy or drawn from its generator, in order) is that token,
@@ -326,7 +327,7 @@ class Engine:
             seq = SeqState(rid, list(prompt), len(prompt), params.max_tokens, reuse=not params.prompt_logprobs)
             scored = [] if params.prompt_logprobs else None
             history = TokenHistory(prompt) if params.penalties.active else None
-            speculates = self.speculative_tokens and history is None and matcher is None and not params.min_tokens
+            speculates = self.speculative_tokens and history is None and not params.min_tokens
             lookup = PromptLookup() if speculates else None
             request = _Request(seq, params, generator, stops, scored=scored, history=history, matcher=matcher,
                                lookup=lookup)  # fmt: skip
@@ -419,7 +420,9 @@ class Engine:
             # choice only (the log-probabilities are the model's own: restored before they are read)
             changed = self._penalize(logits, requests)
             # grammars: each constrained row's disallowed tokens to -inf, from its own matcher (put back below)
-            constrained = [i for i, r in enumerate(requests) if r.matcher is not None and r.params.max_tokens]
+            # (a request that checks a draft masks each of its rows below, position by position)
+            constrained = [i for i, r in enumerate(requests) if r.matcher is not None and r.params.max_tokens
+                           and not drafts[i]]  # fmt: skip
             masked = mask_rows(logits, constrained, [requests[i].matcher for i in constrained]) if constrained else None
             # every row's arg-max in one call (greedy requests take it; off the CPU, read back once rather
             # than a device sync per request). An arg-max is exact: a row's is the same alone or in the batch.
@@ -464,7 +467,10 @@ class Engine:
             if self.max_len is not None:
                 room = min(room, self.max_len - len(seq.tokens) - 1)
             k = min(self.speculative_tokens, room, share)
-            seq.draft = request.lookup.propose(seq.tokens, k) if k > 0 else []
+            if k <= 0:
+                continue
+            forced = request.matcher.forced()[:k] if request.matcher is not None else []  # a schema's keys
+            seq.draft = forced or request.lookup.propose(seq.tokens, k)
 
     def _speculated(self, request: _Request, draft: list[int], checks: Tensor, best: list[int], last: Tensor):
         """The events of a request whose chunk checked ``draft``: row ``checks[j]`` is the position before
@@ -475,7 +481,18 @@ class Engine:
         seq, events = request.seq, []
         rows = list(checks) + [last]
         for j, row in enumerate(rows):
-            token = self._choose(request, row, best[j])
+            pick, masked = best[j], None
+            if request.matcher is not None:  # its grammar's mask at this position (its state: the tokens kept)
+                masked = mask_rows(row[None], [0], [request.matcher])
+                most = row[None].max(dim=-1)
+                if float(most.values[0]) == -math.inf:  # nothing may come next: the request ends here
+                    masked.restore()
+                    events.append(self._emit(request, row, _NOTHING))
+                    break
+                pick = int(most.indices[0])
+            token = self._choose(request, row, pick)
+            if masked is not None:  # the model's own logits again, for the log-probabilities
+                masked.restore()
             kept = j < len(draft) and token == draft[j]
             if kept:
                 seq.computed += 1  # its key and value, written by this step, are the draft token's: its own
