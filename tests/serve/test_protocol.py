@@ -246,7 +246,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of"),  # a completions field
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": -101}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, "response_format"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0]"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
 ]
 

@@ -33,9 +33,9 @@ from attnmask.serve.metrics import CONTENT_TYPE, ServerMetrics
 from attnmask.serve.protocol import (
     ApiError,
     Generation,
+    chat_prompt,
     check_model,
     choices_of,
-    messages_of,
     parse_chat,
     parse_completions,
     with_choices,
@@ -127,7 +127,7 @@ class _Service:
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` (rendered as a chat request
-        is, ``add_generation_prompt`` default true) -> ``{"tokens", "count", "max_model_len"}``."""
+        is, with its ``tools``; ``add_generation_prompt`` default true) -> ``{"tokens", "count", "max_model_len"}``."""
         try:
             body = await self._json(request)
             check_model(body, self.model_name)
@@ -137,7 +137,7 @@ class _Service:
                 generation = body.get("add_generation_prompt", True)
                 if not isinstance(generation, bool):
                     raise ApiError(400, "'add_generation_prompt' must be true or false", param="add_generation_prompt")
-                text = self.render(messages_of(body), add_generation_prompt=generation)
+                text, _ = chat_prompt(body, self.render, add_generation_prompt=generation)
             elif isinstance(body.get("prompt"), str):
                 text = body["prompt"]
             else:
@@ -190,7 +190,9 @@ class _Service:
         except ServerClosed as err:
             return self._reject(ApiError(503, str(err), type="server_unavailable"))
         gen = gens[0]  # the fields besides the prompt are every prompt's
-        shape = Shape(chat=chat, model=self.model_name, logprobs=gen.logprobs, top_logprobs=gen.top_logprobs)
+        shape = Shape(
+            chat=chat, model=self.model_name, logprobs=gen.logprobs, top_logprobs=gen.top_logprobs, tools=gen.tools
+        )
         if gen.stream:
             return _EventStream(self._sse(streams, gens, shape), streams, self._count_cancelled)
         try:
@@ -333,9 +335,14 @@ class _Service:
         try:
             if shape.chat:
                 yield _sse(shape.chunk(Piece(""), role=True))
+            held: dict[int, list[Piece]] = {}  # with tools: each answer's pieces until it ends
             async for index, piece in self._merged(streams, gens):
                 completion_tokens += piece.generated
-                if piece.text or piece.tokens or piece.finish_reason:
+                if shape.tools is not None:
+                    held.setdefault(index, []).append(piece)
+                    if piece.finish_reason:
+                        yield _sse(shape.tool_chunk(held.pop(index), index=index))
+                elif piece.text or piece.tokens or piece.finish_reason:
                     yield _sse(shape.chunk(piece, index=index))
         except EngineFailed as err:
             self.metrics.finished.labels("error").inc()

@@ -7,8 +7,8 @@ ids, :class:`~attnmask.engine.RequestParams`, streaming options), or raise :clas
 the app answers with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` and
 a 4xx status. Every field a client can get wrong is checked here, with the field's name in
 ``param``; fields this server does not implement are refused when they would change the answer
-(``suffix``, ``tools``; ``best_of`` in a chat, or streamed) rather than silently ignored. A request's ``n``
-answers to each prompt are ``n`` engine requests (:func:`with_choices`); with a completion's
+(``suffix``; ``tools`` in a completion; ``best_of`` in a chat, or streamed) rather than silently
+ignored. A request's ``n`` answers to each prompt are ``n`` engine requests (:func:`with_choices`); with a completion's
 ``best_of``, ``best_of`` of them, of which the app returns the ``n`` most likely.
 
 Penalties: OpenAI's ``presence_penalty`` and ``frequency_penalty`` (over the generated tokens) and
@@ -20,6 +20,10 @@ Structured output (:class:`~attnmask.decode.grammar.Grammar`): OpenAI's ``respon
 (``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": ...}}``) and vLLM's
 ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar`` (Lark or GBNF); one of them
 at most, checked here (a grammar that does not compile is a 400 naming the field).
+
+Tool calls: a chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (:mod:`attnmask.serve.tools`:
+the tools offered in the system message, the answer held to their JSON form); earlier turns'
+``tool_calls`` and ``tool`` messages are rendered in that form.
 
 Log-probabilities: a completion's ``logprobs`` N (0 to 20) reports each token's and, for N >= 1, the N
 most likely tokens' at its position; ``echo`` sends the prompt back before the completion and, with
@@ -40,12 +44,14 @@ from attnmask.decode.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, Penalties, Sam
 from attnmask.engine import RequestParams
 from attnmask.engine.engine import MAX_TOP_LOGPROBS
 from attnmask.errors import UserError
+from attnmask.serve.tools import ToolError, Tools, parse_tools, render_messages
 
 __all__ = [
     "ApiError",
     "Generation",
     "check_model",
     "messages_of",
+    "chat_prompt",
     "parse_chat",
     "parse_completion",
     "parse_completions",
@@ -91,6 +97,7 @@ class Generation:
     prompt_text: str | None = None  # the prompt as the client sent it, when it sent text
     copy: int = 0  # which of the prompt's ``n`` answers (:func:`with_choices`)
     best_of: int = 1  # answers computed for a prompt, of which the n most likely are returned (>= n)
+    tools: Tools | None = None  # a chat whose answer may call tools (its text is their JSON form)
 
 
 # ---- fields -------------------------------------------------------------------------------------
@@ -194,13 +201,26 @@ def _grammar(body: dict) -> Grammar | None:
     return grammar
 
 
-def _unimplemented(body: dict) -> None:
-    """Fields that would change the answer in ways this server does not compute: a 400, never ignored."""
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise ApiError(400, f"'{name}' is not supported by this server (no tool calls)", param=name)
-    if body.get("tool_choice") not in (None, "none"):
-        raise ApiError(400, "'tool_choice' is not supported by this server (no tool calls)", param="tool_choice")
+def _no_tools(body: dict) -> None:
+    """``/v1/completions`` has no tool calls: its tool fields are a 400, never ignored."""
+    for name in ("tools", "functions", "tool_choice", "function_call"):
+        if body.get(name) is not None:
+            raise ApiError(400, f"'{name}' is a /v1/chat/completions field; completions take a plain prompt",
+                           param=name)  # fmt: skip
+
+
+def _tools(body: dict) -> Tools | None:
+    try:
+        tools = parse_tools(body)
+    except ToolError as err:
+        raise ApiError(400, err.message, param=err.param) from err
+    if tools is not None:
+        asked = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
+        fmt = body.get("response_format")
+        if asked and not (asked == ["response_format"] and isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise ApiError(400, f"give 'tools' or structured output ('{asked[0]}'), not both: tool calls are "
+                           "JSON of their own form", param=asked[0])  # fmt: skip
+    return tools
 
 
 def _stop_ids(body: dict) -> tuple[int, ...]:
@@ -318,7 +338,9 @@ def check_model(body: dict, served: str) -> None:
         )
 
 
-def _params(body: dict, max_tokens: int, logprobs: bool, top: int = 0, score_prompt: bool = False) -> RequestParams:
+def _params(
+    body: dict, max_tokens: int, logprobs: bool, top: int = 0, score_prompt: bool = False, tools: Tools | None = None
+) -> RequestParams:
     min_tokens = _int(body, "min_tokens", minimum=0) or 0  # an extension (vLLM's)
     if min_tokens > max_tokens:
         raise _bad("min_tokens", f"an integer from 0 to the request's max_tokens ({max_tokens})", min_tokens)
@@ -335,7 +357,7 @@ def _params(body: dict, max_tokens: int, logprobs: bool, top: int = 0, score_pro
             prompt_logprobs=score_prompt,
             penalties=_penalties(body),
             min_tokens=min_tokens,
-            grammar=_grammar(body),
+            grammar=tools.grammar() if tools is not None else _grammar(body),
         )
     except UserError as err:
         raise ApiError(400, str(err)) from err
@@ -361,7 +383,7 @@ def parse_completion(body: dict, *, encode: Callable[[str], list[int]], capacity
     log-probabilities and the N most likely tokens'), ``echo``, ``stream``, penalties, ``logit_bias``,
     ``min_tokens``; ``n`` and ``best_of`` are read by :func:`with_choices`."""
     _choices(body, chat=False)
-    _unimplemented(body)
+    _no_tools(body)
     echo = _bool(body, "echo")
     if body.get("suffix"):
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
@@ -452,7 +474,9 @@ def _content(message: dict, i: int) -> str:
     raise _bad(f"messages[{i}].content", "a string or a list of text parts", content)
 
 
-def messages_of(body: dict) -> list[dict[str, str]]:
+def messages_of(body: dict) -> list[dict[str, Any]]:
+    """The request's ``messages``, checked: ``role`` and ``content`` (text) each, and the tool fields
+    (``tool_calls``, ``tool_call_id``, ``name``) where sent."""
     messages = body.get("messages")
     if messages is None:
         raise ApiError(400, "'messages' is required", param="messages")
@@ -462,26 +486,40 @@ def messages_of(body: dict) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}]", "an object with a string 'role' and 'content'", m)
-        out.append({"role": m["role"], "content": _content(m, i)})
+        message = {"role": m["role"], "content": _content(m, i)}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if m.get(key) is not None:
+                message[key] = m[key]
+        out.append(message)
     return out
+
+
+def chat_prompt(body: dict, render, *, add_generation_prompt: bool = True) -> tuple[str, Tools | None]:
+    """The prompt text of a chat request's ``messages`` (with its tools, when offered), and the tools."""
+    messages, tools = messages_of(body), _tools(body)
+    if render is None:
+        raise ApiError(
+            400, "this model has no chat template; use /v1/completions with a plain prompt", param="messages"
+        )
+    try:
+        turns = render_messages(messages, tools)
+    except ToolError as err:
+        raise ApiError(400, err.message, param=err.param) from err
+    try:
+        return render(turns, add_generation_prompt=add_generation_prompt), tools
+    except UserError as err:
+        raise ApiError(400, f"the chat template could not render these messages: {err}", param="messages") from err
 
 
 def parse_chat(body: dict, *, encode: Callable[[str], list[int]], render, capacity: int) -> Generation:
     """``POST /v1/chat/completions``: ``messages`` rendered by ``render`` (the model's chat template,
     or None when it has none), ``max_tokens`` / ``max_completion_tokens`` (default: what fits),
     sampling, ``stop``, ``seed``, ``logprobs`` (true / false), ``top_logprobs``, ``stream``, penalties,
-    ``logit_bias``, ``min_tokens``; ``n`` is read by :func:`with_choices`."""
+    ``logit_bias``, ``min_tokens``, ``tools`` / ``tool_choice`` / ``parallel_tool_calls``; ``n`` is read
+    by :func:`with_choices`."""
     _choices(body, chat=True)
-    _unimplemented(body)
-    messages = messages_of(body)
-    if render is None:
-        raise ApiError(
-            400, "this model has no chat template; use /v1/completions with a plain prompt", param="messages"
-        )
-    try:
-        prompt = encode(render(messages, add_generation_prompt=True))
-    except UserError as err:
-        raise ApiError(400, f"the chat template could not render these messages: {err}", param="messages") from err
+    text, tools = chat_prompt(body, render)
+    prompt = encode(text)
     if not prompt:
         raise ApiError(400, "the rendered conversation is empty", param="messages")
     logprobs = _bool(body, "logprobs")
@@ -493,8 +531,8 @@ def parse_chat(body: dict, *, encode: Callable[[str], list[int]], render, capaci
         _int(body, name, minimum=1), len(prompt), capacity, default=None, param=name, prompt_param="messages"
     )
     stream = _bool(body, "stream")
-    params = _params(body, max_tokens, logprobs, top)
+    params = _params(body, max_tokens, logprobs, top, tools=tools)
     return Generation(
         prompt, params, stream=stream, include_usage=_stream_options(body, stream), logprobs=logprobs,
-        top_logprobs=top,
+        top_logprobs=top, tools=tools,
     )  # fmt: skip

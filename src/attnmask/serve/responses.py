@@ -7,7 +7,8 @@ chat completion (``chat.completion`` / ``chat.completion.chunk``), with ids ``cm
 top_logprobs, text_offset}``, ``top_logprobs`` a ``{token: logprob}`` object a token holding the N most
 likely tokens and the chosen one (null for N = 0, and for an echoed prompt's first token, which
 nothing predicts); in a chat ``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob,
-bytes}]}]}``.
+bytes}]}]}``. A chat that offered tools (:class:`~attnmask.serve.tools.Tools`) answers with the JSON of
+their form, which becomes the message's ``tool_calls`` or ``content``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+
+from attnmask.serve.tools import Tools
 
 __all__ = ["Piece", "Shape", "usage"]
 
@@ -60,6 +63,7 @@ class Shape:
     model: str
     logprobs: bool
     top_logprobs: int = 0
+    tools: Tools | None = None  # a chat whose answers are tool calls' JSON form
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -99,12 +103,33 @@ class Shape:
             finish = pieces[-1].finish_reason if pieces else None
             logprobs = self._logprobs(tokens)
             if self.chat:
-                message = {"role": "assistant", "content": text}
+                message, finish = self._message(text, finish)
                 out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
         generated = generated if completion_tokens is None else completion_tokens
         return {**self._head(self.object), "choices": out, "usage": usage(prompt_tokens, generated)}
+
+    def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """A chat answer's message and finish reason: its text, or with tools the calls its JSON makes."""
+        if self.tools is None:
+            return {"role": "assistant", "content": text}, finish
+        content, calls, finish = self.tools.parse(text, finish)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.message() for call in calls]
+        return message, finish
+
+    def tool_chunk(self, pieces: list[Piece], *, index: int = 0) -> dict:
+        """A streamed chat answer that offered tools, whole in one chunk (its JSON parsed at the end)."""
+        message, finish = self._message("".join(p.text for p in pieces), pieces[-1].finish_reason)
+        delta = {} if message["content"] is None else {"content": message["content"]}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        tokens = [t for p in pieces for t in p.tokens]
+        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(tokens) if tokens else None,
+                  "finish_reason": finish}  # fmt: skip
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def chunk(self, piece: Piece, *, role: bool = False, index: int = 0) -> dict:
         if self.chat:
