@@ -199,6 +199,8 @@ def start_attnmask(args, port: int, concurrency: int) -> subprocess.Popen:
     command += ["--max-batch-tokens", str(args.max_batch_tokens), "--kv-cache-mib", str(args.kv_cache_mib)]
     if args.quantized:
         command += ["--quantized", "--activations", args.activation]
+    if getattr(args, "prefix_caching", False):  # benchmarks/tool_calls.py's option
+        command += ["--prefix-caching"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

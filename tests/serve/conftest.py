@@ -96,11 +96,13 @@ def free_socket() -> socket.socket:
 
 
 @contextlib.contextmanager
-def serve(engine: Engine, tokenizer, chat_template=TEMPLATE, name: str = MODEL) -> Iterator[Served]:
+def serve(
+    engine: Engine, tokenizer, chat_template=TEMPLATE, name: str = MODEL, api_key: str | None = None
+) -> Iterator[Served]:
     """``engine`` behind a real uvicorn server on 127.0.0.1, for the duration of the block."""
     ops.available()  # the native kernels built (once per test session, ~60 s) before any request times it
     loop = EngineLoop(engine)
-    app = create_app(loop, tokenizer, chat_template, name)
+    app = create_app(loop, tokenizer, chat_template, name, api_key=api_key)
     sock = free_socket()
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))

@@ -441,6 +441,27 @@ def test_chat_without_a_template_is_400(model, tokenizer):
         assert h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
+def test_an_api_key_guards_the_api_but_not_health_or_metrics(model, tokenizer):
+    engine = Engine(model, kv_cache_mib=1, eos_ids=[tokenizer.eos_id], tokenizer=tokenizer)
+    with serve(engine, tokenizer, api_key="sk-right") as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as h:
+        for key in ("sk-wrong", "-"):
+            with openai.OpenAI(base_url=s.base_url, api_key=key, timeout=TIMEOUT, max_retries=0) as c:
+                with pytest.raises(openai.AuthenticationError) as err:
+                    c.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+                assert err.value.body["code"] == "invalid_api_key"
+        r = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 401 and "no API key given" in r.json()["error"]["message"]
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert all(h.post(p, json={"prompt": "hi"}).status_code == 401 for p in ("/tokenize", "/detokenize"))
+        assert h.get("/v1/models").status_code == 401
+        with openai.OpenAI(base_url=s.base_url, api_key="sk-right", timeout=TIMEOUT, max_retries=0) as c:
+            assert c.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+            chunks = list(c.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True))
+            assert chunks[-1].choices[0].finish_reason is not None
+        assert h.get("/health").json() == {"status": "ok"}
+        assert s.metrics()['attnmask_requests_rejected_total{status="401"}'] == 6
+
+
 def test_prefix_caching_serves_the_same_answers_and_says_what_it_saved(model, tokenizer):
     """Two chats with one long system prompt, through an engine with prefix caching: the second finds
     the first's blocks (``/metrics``), and both answers are those of an engine without."""

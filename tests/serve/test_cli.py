@@ -65,11 +65,22 @@ def is_one_line(err: str, match: str) -> bool:
         (["--run", "{lm}", "--kv-cache-mib", "0.0001"], "holds 0 blocks"),
         (["--run", "{lm}", "--device", "banana"], "--device 'banana' is not a device name"),
         (["--model", "smollm2", "--quantized", "--dtype", "bfloat16"], "--quantized runs on the CPU in float32"),
+        (["--run", "{lm}", "--api-key", " "], "--api-key .* is empty"),
     ],
 )
 def test_mistakes_are_one_line(capsys, lm_run, mt_run, argv, match):
     code, err = run_serve(capsys, [a.format(lm=lm_run, mt=mt_run) for a in argv])
     assert code == 2 and is_one_line(err, match), err
+
+
+def test_the_api_key_comes_from_the_environment_and_help_does_not_print_it(capsys, lm_run, monkeypatch):
+    monkeypatch.setenv("ATTNMASK_API_KEY", "")
+    code, err = run_serve(capsys, ["--run", str(lm_run)])
+    assert code == 2 and is_one_line(err, r"\$ATTNMASK_API_KEY\) is empty"), err
+    monkeypatch.setenv("ATTNMASK_API_KEY", "sk-secret-123")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "sk-secret-123" not in capsys.readouterr().out
 
 
 def test_a_busy_port_is_one_line(capsys, lm_run):

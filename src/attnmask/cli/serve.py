@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -66,6 +67,13 @@ def add_parser(sub) -> None:
         "--served-model-name",
         metavar="NAME",
         help="the name clients use in 'model'; none given: the --model name or the run's folder name",
+    )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="answer the API only for requests that send 'Authorization: Bearer KEY' (others: 401); "
+        "/health and /metrics stay open. Default: $ATTNMASK_API_KEY (safer than the command line, "
+        "which other users can see), else no key",
     )
     p.add_argument("--host", default=DEFAULTS["host"], help="address to listen on")
     p.add_argument("--port", type=int, default=DEFAULTS["port"], help="port to listen on (0: any free port)")
@@ -138,6 +146,10 @@ def check_flags(args) -> None:
         raise UserError(f"--speculative-tokens must be >= 0 (0: off), got {args.speculative_tokens}")
     if not args.shutdown_timeout >= 0:
         raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.api_key is None:  # read here, not as the flag's default: --help must not print it
+        args.api_key = os.environ.get("ATTNMASK_API_KEY")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key (or $ATTNMASK_API_KEY) is empty; give a key, or unset it to serve without one")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise UserError("--served-model-name must not be empty")
     missing = [m for m in ("starlette", "uvicorn", "prometheus_client") if not _importable(m)]
@@ -234,7 +246,7 @@ def serve(args, sock: socket.socket) -> int:
     ops.available()  # build the native kernels now (once, about a minute) rather than in the first request
     engine.prepare_structured_output()  # likewise llguidance's view of the tokenizer (~0.2 s)
     loop = EngineLoop(engine)  # stepped on this thread below (run_here)
-    app = create_app(loop, tokenizer, chat_template, name, start_loop=False)
+    app = create_app(loop, tokenizer, chat_template, name, start_loop=False, api_key=args.api_key)
     server = make_server(app, loop, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     logging.getLogger("attnmask.serve").setLevel(args.log_level.upper())
     sock.listen(2048)  # before the address is announced: a client that connects at once is queued, not refused

@@ -10,11 +10,16 @@ messages through the template) and ``POST /detokenize``. The app only translates
 the tokenizer and chat template, requests to the engine loop, events to OpenAI's JSON; it never
 touches a tensor. A client's mistake is a 4xx with OpenAI's error object, never a 500; a client
 that goes away (streaming or not) has its request cancelled, which frees its cache blocks.
+
+With an ``api_key``, the API (``/v1/...``, ``/tokenize``, ``/detokenize``) answers only requests that
+carry ``Authorization: Bearer <key>`` (what OpenAI's clients send); others get a 401 with OpenAI's
+error object. ``/health`` and ``/metrics`` stay open, for probes and scrapers, as in vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -87,6 +92,27 @@ def _most_likely(answers: list[list[Piece]], best_of: int, n: int) -> list[list[
         score = lambda pieces: sum(p.logprob for p in pieces) / max(1, sum(p.generated for p in pieces))  # noqa: E731
         out += sorted(group, key=lambda pieces: -score(pieces))[:n]
     return out
+
+
+class _RequireKey:
+    """ASGI middleware: the API's paths need ``Authorization: Bearer <key>``; a 401 otherwise."""
+
+    OPEN = ("/health", "/metrics")
+
+    def __init__(self, app, key: str, on_reject):
+        self.app, self.key, self.on_reject = app, key.encode(), on_reject
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = "no API key given: send 'Authorization: Bearer <key>'" if not given else "the API key is not valid"
+        err = ApiError(401, message, code="invalid_api_key")
+        self.on_reject(err)
+        await JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
 def _sse(data) -> str:
@@ -353,7 +379,13 @@ class _Service:
 
 
 def create_app(
-    engine_loop: EngineLoop, tokenizer, chat_template, model_name: str, *, start_loop: bool = True
+    engine_loop: EngineLoop,
+    tokenizer,
+    chat_template,
+    model_name: str,
+    *,
+    start_loop: bool = True,
+    api_key: str | None = None,
 ) -> Starlette:
     """An ASGI app serving ``engine_loop``'s model under ``model_name``.
 
@@ -365,7 +397,10 @@ def create_app(
         chat_template: ``chat_template(messages, add_generation_prompt=True) -> str``, or None when the
             model has none (chat requests are then answered 400).
         model_name: the name clients put in ``model``; others are answered 404.
+        api_key: when given, the API's requests must carry it as ``Authorization: Bearer <key>``.
     """
+    if api_key is not None and not api_key:
+        raise UserError("the API key is empty; give a non-empty key or none")
     service = _Service(engine_loop, tokenizer, chat_template, model_name)
 
     @asynccontextmanager
@@ -400,5 +435,7 @@ def create_app(
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: internal_error}
     )
+    if api_key is not None:
+        app.add_middleware(_RequireKey, key=api_key, on_reject=lambda err: service.metrics.rejected.labels("401").inc())
     app.state.service = service
     return app

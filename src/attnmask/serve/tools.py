@@ -1,8 +1,8 @@
 """Tool calls (OpenAI's ``tools`` and ``tool_choice``) for any chat model, in one JSON format held by a grammar.
 
 The models attnmask serves have chat templates that know nothing of tools (SmolLM2's ChatML, Gemma's
-turns, a fine-tuned run's), so tools take the form llama.cpp's server gives such templates (its
-"generic" format) rather than a per-model one:
+turns, a fine-tuned run's), so tools take one form for every template (the "generic" format
+llama.cpp's server used to give such templates) rather than a per-model one:
 
 - **The prompt.** A system message lists the tools (name, description, parameters' JSON schema) and says
   how to answer: ``{"tool_calls": [{"name": ..., "arguments": {...}}]}`` to call tools, or
