@@ -8,6 +8,8 @@
   ``tool_choice`` naming one) with arguments that follow its parameters and nothing else; one call
   with ``parallel_tool_calls: false``. Parsed into ``tool_calls`` with ``finish_reason: "tool_calls"``,
   streamed or not (the same calls); a cut answer comes back as text with ``length``.
+- Streamed, a text answer's words come as they are written (escapes split anywhere), the same text as
+  the whole answer.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 from attnmask.decode.sampling import GREEDY, Sampling
 from attnmask.engine import Engine, RequestParams
 from attnmask.serve.protocol import ApiError, parse_chat
-from attnmask.serve.tools import ToolError, Tools, parse_tools, render_messages
+from attnmask.serve.tools import ToolError, Tools, ToolStream, parse_tools, render_messages
 from tests.serve.conftest import MODEL, TEMPLATE, TIMEOUT, serve, tiny_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -144,6 +146,32 @@ def test_answers_parse_into_calls_or_text():
         '"arguments":{}},{"name":"stop","arguments":{}}]}', "stop")[1]}) == 2  # fmt: skip
     assert tools.parse('{"response":"Done."}', "stop") == ("Done.", [], "stop")
     assert tools.parse('{"tool_calls":[{"name":"pai', "length") == ('{"tool_calls":[{"name":"pai', [], "length")
+    assert tools.parse('{"response":"Not fini', "length") == ("Not fini", [], "length")  # the text it had
+    lone = r'{"response":"a\ud83db"}'  # JSON may hold half a surrogate pair; UTF-8 cannot
+    assert tools.parse(lone, "stop")[0] == "a\ufffdb"
+    (call,) = tools.parse(r'{"tool_calls":[{"name":"stop","arguments":{"x":"\udc00"}}]}', "stop")[1]
+    assert call.arguments == '{"x": "\ufffd"}'
+
+
+@pytest.mark.parametrize("cut", range(1, 8))
+def test_a_streamed_text_answer_is_its_words_as_they_come(cut):
+    """Pushed in pieces of ``cut`` characters (escapes and surrogate pairs split anywhere), the deltas add up
+    to the answer's text, and no delta holds a broken escape."""
+    text = r"Line one\nA \"quote\", tab\t, \u00e9t\u00e9, \ud83d\ude00 and \\ done"  # JSON string body
+    answer = '{"response":"' + text + '"}'
+    stream, deltas = ToolStream(tools_of()), []
+    for i in range(0, len(answer), cut):
+        deltas.append(stream.push(answer[i : i + cut]))
+    rest, calls, finish = stream.finish("stop")
+    assert "".join(deltas) + rest == json.loads(f'"{text}"') and not calls and finish == "stop"
+    assert sum(bool(d) for d in deltas) > 5 and rest == ""
+    calls_answer = '{"tool_calls":[{"name":"stop","arguments":{}}]}'
+    stream = ToolStream(tools_of())
+    assert [stream.push(calls_answer[i : i + cut]) for i in range(0, len(calls_answer), cut)] == [""] * len(
+        range(0, len(calls_answer), cut)
+    )
+    rest, calls, finish = stream.finish("stop")
+    assert rest is None and [c.name for c in calls] == ["stop"] and finish == "tool_calls"
 
 
 def test_the_protocol_refuses_tools_where_they_cannot_be_honoured():
@@ -211,6 +239,19 @@ def test_tool_calls_through_the_openai_client_streamed_or_not(client):
     ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert r.usage.completion_tokens > 10
+
+
+def test_a_text_answer_streams_its_words_and_equals_the_whole(client, tokenizer):
+    """``r`` after ``{"`` picks the text answer; a bias on it keeps the random model writing r's until
+    ``max_tokens``: streamed word by word, the same text as the whole answer, cut with ``length``."""
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=30, temperature=0,
+              logit_bias={str(tokenizer.encode("r")[0]): 30})  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content and not whole.message.tool_calls
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    texts = [c.delta.content for c in chunks if c.delta.content]
+    assert "".join(texts) == whole.message.content and len(texts) > 5
+    assert chunks[-1].finish_reason == "length"
 
 
 def test_a_conversation_with_earlier_calls_and_their_results(client):

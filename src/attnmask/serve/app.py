@@ -47,6 +47,7 @@ from attnmask.serve.protocol import (
 )
 from attnmask.serve.responses import Piece, Shape
 from attnmask.serve.text import TextStream
+from attnmask.serve.tools import ToolStream
 
 __all__ = ["create_app"]
 
@@ -361,13 +362,16 @@ class _Service:
         try:
             if shape.chat:
                 yield _sse(shape.chunk(Piece(""), role=True))
-            held: dict[int, list[Piece]] = {}  # with tools: each answer's pieces until it ends
+            answers: dict[int, ToolStream] = {}  # with tools: each answer's JSON, read as it comes
             async for index, piece in self._merged(streams, gens):
                 completion_tokens += piece.generated
                 if shape.tools is not None:
-                    held.setdefault(index, []).append(piece)
-                    if piece.finish_reason:
-                        yield _sse(shape.tool_chunk(held.pop(index), index=index))
+                    answer = answers.setdefault(index, ToolStream(shape.tools))
+                    end, piece.text, piece.finish_reason = piece.finish_reason, answer.push(piece.text), None
+                    if piece.text or piece.tokens:
+                        yield _sse(shape.chunk(piece, index=index))
+                    if end:
+                        yield _sse(shape.tool_end(*answers.pop(index).finish(end), index=index))
                 elif piece.text or piece.tokens or piece.finish_reason:
                     yield _sse(shape.chunk(piece, index=index))
         except EngineFailed as err:

@@ -120,15 +120,12 @@ class Shape:
             message["tool_calls"] = [call.message() for call in calls]
         return message, finish
 
-    def tool_chunk(self, pieces: list[Piece], *, index: int = 0) -> dict:
-        """A streamed chat answer that offered tools, whole in one chunk (its JSON parsed at the end)."""
-        message, finish = self._message("".join(p.text for p in pieces), pieces[-1].finish_reason)
-        delta = {} if message["content"] is None else {"content": message["content"]}
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-        tokens = [t for p in pieces for t in p.tokens]
-        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(tokens) if tokens else None,
-                  "finish_reason": finish}  # fmt: skip
+    def tool_end(self, content: str | None, calls: list, finish: str | None, *, index: int = 0) -> dict:
+        """The last chunk of a streamed chat answer that offered tools: its unsent text or its calls."""
+        delta = {} if not content else {"content": content}
+        if calls:
+            delta["tool_calls"] = [call.message(index=k) for k, call in enumerate(calls)]
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def chunk(self, piece: Piece, *, role: bool = False, index: int = 0) -> dict:

@@ -21,8 +21,9 @@ llama.cpp's server used to give such templates) rather than a per-model one:
   ``response`` text as ``content``. An answer cut by ``max_tokens`` is not complete JSON: its raw text is
   the content and the finish reason ``length``, as vLLM answers.
 
-A streamed answer held to this format is sent whole in one chunk when it ends (its JSON is parsed
-then), not token by token.
+Streamed (:class:`ToolStream`), a text answer's words are sent as they come (the JSON string's text,
+decoded, without its quotes and escapes); calls are sent when the answer ends and its JSON is whole. A
+text answer cut by ``max_tokens`` is the text it had, streamed or not.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from typing import Any
 from attnmask.decode.grammar import Grammar
 from attnmask.errors import UserError
 
-__all__ = ["ToolCall", "Tools", "parse_tools", "render_messages"]
+__all__ = ["ToolCall", "ToolStream", "Tools", "parse_tools", "render_messages"]
 
 CHOICES = ("none", "auto", "required")
+RESPONSE = '{"response":"'  # how a text answer begins (the grammar writes JSON without spaces)
 
 
 class ToolError(ValueError):
@@ -111,17 +113,17 @@ class Tools:
     def parse(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         """``(content, tool calls, finish_reason)`` of the model's answer ``text``: its calls, each with a
         fresh id; or its ``response`` text; or, when the JSON is not complete (cut by ``max_tokens`` or
-        a stop string), the raw text and the engine's finish reason."""
+        a stop string), the text a text answer had, else the raw text, and the engine's finish reason."""
         try:
             answer = json.loads(text)
         except ValueError:
-            return text, [], finish_reason
+            return (_string_so_far(text[len(RESPONSE) :]) if text.startswith(RESPONSE) else text), [], finish_reason
         if not isinstance(answer, dict):
             return text, [], finish_reason
         if isinstance(answer.get("response"), str):
-            return answer["response"], [], finish_reason
+            return _whole(answer["response"]), [], finish_reason
         calls = [
-            ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+            ToolCall(c["name"], _whole(json.dumps(c["arguments"], ensure_ascii=False)), f"call_{uuid.uuid4().hex[:24]}")
             for c in answer.get("tool_calls", ())
             if isinstance(c, dict) and isinstance(c.get("name"), str)
         ]
@@ -141,6 +143,58 @@ def _closed(schema: Any) -> Any:
     if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
         out["additionalProperties"] = False
     return out
+
+
+def _whole(text: str) -> str:
+    """``text`` with any lone surrogate (JSON allows ``"\\ud83d"`` alone; UTF-8 cannot hold it) as U+FFFD."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _string_so_far(body: str) -> str:
+    """The text of a JSON string whose opening quote came before ``body``: up to its closing quote, or, while
+    it is still being written, up to the last character that is whole (not an escape cut in two)."""
+    i, end = 0, len(body)
+    while i < end:
+        c = body[i]
+        if c == '"':
+            end = i  # the closing quote
+            break
+        i += 2 if c == "\\" else 1
+    cut = min(i, end)
+    while cut > 0:  # an escape cut by the token boundary (\, \u12) waits for the rest
+        try:
+            text = json.loads(f'"{body[:cut]}"')
+        except ValueError:
+            cut -= 1
+            continue
+        if text and "\ud800" <= text[-1] <= "\udbff":  # half of a surrogate pair: its other half is to come
+            cut = body.rindex("\\u", 0, cut)
+            continue
+        return _whole(text)
+    return ""
+
+
+class ToolStream:
+    """One streamed answer of a chat that offered tools: :meth:`push` each piece of its text and send the
+    content it returns (a text answer's words as they come); :meth:`finish` gives the rest, or the calls."""
+
+    def __init__(self, tools: Tools):
+        self.tools, self.text, self.sent = tools, "", 0
+
+    def push(self, text: str) -> str:
+        self.text += text
+        if not self.text.startswith(RESPONSE):  # calls, or not yet known: held until the end
+            return ""
+        content = _string_so_far(self.text[len(RESPONSE) :])
+        delta, self.sent = content[self.sent :], len(content)
+        return delta
+
+    def finish(self, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        """``(content not yet sent or None, calls, finish_reason)``, as :meth:`Tools.parse` reads the whole."""
+        content, calls, finish = self.tools.parse(self.text, finish_reason)
+        if content is not None:
+            content = content[self.sent :] if self.text.startswith(RESPONSE) else content
+        return content, calls, finish
 
 
 def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
