@@ -66,6 +66,7 @@ def is_one_line(err: str, match: str) -> bool:
         (["--run", "{lm}", "--device", "banana"], "--device 'banana' is not a device name"),
         (["--model", "smollm2", "--quantized", "--dtype", "bfloat16"], "--quantized runs on the CPU in float32"),
         (["--run", "{lm}", "--api-key", " "], "--api-key .* is empty"),
+        (["--run", "{lm}", "--chat-template", "nosuch"], "--chat-template nosuch: no such file or template name"),
     ],
 )
 def test_mistakes_are_one_line(capsys, lm_run, mt_run, argv, match):
@@ -126,12 +127,24 @@ def a_free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("sig, port", [(signal.SIGTERM, "free"), (signal.SIGINT, "0")])
-def test_serves_and_exits_0_on_a_signal(lm_run, sig, port):
+# A short template (the run's context is 48 characters) in a file, as --chat-template takes one.
+SHORT = (
+    "{% for m in messages %}{{ m.role[0] }}:{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "sig, port, template", [(signal.SIGTERM, "free", SHORT), (signal.SIGINT, "0", None)], ids=["SIGTERM", "SIGINT"]
+)
+def test_serves_and_exits_0_on_a_signal(lm_run, sig, port, template, tmp_path):
     port = str(a_free_port()) if port == "free" else port  # 0: the kernel picks one, the server says which
+    if template:
+        (tmp_path / "chat.jinja").write_text(template)
+        template = str(tmp_path / "chat.jinja")
     server = Server(
-        "--run", str(lm_run), "--port", port, "--threads", "1", "--kv-cache-mib", "1", "--shutdown-timeout", "5"
-    )
+        "--run", str(lm_run), "--port", port, "--threads", "1", "--kv-cache-mib", "1", "--shutdown-timeout", "5",
+        *(["--chat-template", template] if template else []),
+    )  # fmt: skip
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", timeout=TIMEOUT, max_retries=0)
     try:
         assert port == "0" or server.url == f"http://127.0.0.1:{port}"  # only 127.0.0.1 unless --host says
@@ -140,6 +153,13 @@ def test_serves_and_exits_0_on_a_signal(lm_run, sig, port):
         assert [m.id for m in client.models.list()] == [name]
         r = client.completions.create(model=name, prompt="a man", max_tokens=5, temperature=0)
         assert r.usage.prompt_tokens == 5 and 1 <= r.usage.completion_tokens <= 5
+        ask = [{"role": "user", "content": "a man"}]
+        if template:  # the file's turns, as characters to this run's tokenizer
+            r = client.chat.completions.create(model=name, messages=ask, max_tokens=3, temperature=0)
+            assert r.usage.prompt_tokens == len("u:a man\na:")
+        else:
+            with pytest.raises(openai.BadRequestError, match="no chat template"):
+                client.chat.completions.create(model=name, messages=ask, max_tokens=3)
         stream = client.completions.create(model=name, prompt="a", max_tokens=40, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})  # fmt: skip
         next(iter(stream))

@@ -64,6 +64,13 @@ def add_parser(sub) -> None:
         "never depend on the batch)",
     )
     p.add_argument(
+        "--chat-template",
+        metavar="FILE|NAME",
+        help="the chat template for /v1/chat/completions: a Jinja file or a built-in name (chatml, gemma), for a "
+        "model whose files carry none (a base model such as gemma3) or to replace its own; none given: the "
+        "model's own",
+    )
+    p.add_argument(
         "--served-model-name",
         metavar="NAME",
         help="the name clients use in 'model'; none given: the --model name or the run's folder name",
@@ -152,6 +159,10 @@ def check_flags(args) -> None:
         raise UserError("--api-key (or $ATTNMASK_API_KEY) is empty; give a key, or unset it to serve without one")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise UserError("--served-model-name must not be empty")
+    if args.chat_template is not None:
+        from attnmask.pretrained.chat import template_source
+
+        template_source(args.chat_template)  # a file that cannot be read, an unknown name: one line, before loading
     missing = [m for m in ("starlette", "uvicorn", "prometheus_client") if not _importable(m)]
     if missing:
         raise UserError(f"attnmask serve needs {', '.join(missing)}: pip install 'attnmask[serve]'")
@@ -164,7 +175,20 @@ def _importable(module: str) -> bool:
 
 
 def load_model(args):
-    """``(model, tokenizer, chat_template or None, served name)`` of ``--model`` or ``--run``."""
+    """``(model, tokenizer, chat_template or None, served name)`` of ``--model`` or ``--run``; the chat
+    template is ``--chat-template``'s when given."""
+    model, tokenizer, chat_template, name = _load(args)
+    if args.chat_template is not None:
+        from attnmask.pretrained.chat import ChatTemplate, PretrainedTokenizer, chat_template_for, template_source
+
+        if isinstance(tokenizer, PretrainedTokenizer):  # its turn's end token joins the stop ids
+            chat_template = chat_template_for(tokenizer, args.chat_template)
+        else:  # a run's own tokenizer: the template's markers are plain text to it
+            chat_template = ChatTemplate(template_source(args.chat_template))
+    return model, tokenizer, chat_template, name
+
+
+def _load(args):
     if args.run is not None:
         from attnmask.train.rundir import load_run
 
