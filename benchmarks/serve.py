@@ -49,6 +49,7 @@ docs/benchmarks.md with the CPU named.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -57,6 +58,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -225,23 +227,30 @@ def start_llama_cpp_python(args, port: int, concurrency: int) -> subprocess.Pope
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+@contextlib.contextmanager
+def running(starter, args, concurrency: int) -> Iterator[str]:
+    """A server started by ``starter`` for ``concurrency`` streams on a free port, ready: its URL."""
+    port = free_port()
+    proc = starter(args, port, concurrency)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def bench(name: str, starter, args, levels: list[int], extra: dict | None = None) -> dict:
     prompts = (PROMPTS * (1 + max(levels) // len(PROMPTS)))[: max(max(levels), len(PROMPTS))]
     rows, solo = {}, None
     for level in levels:
-        port = free_port()
-        proc = starter(args, port, level)
-        try:
-            wait_ready(f"http://127.0.0.1:{port}", proc)
-            run_level(f"http://127.0.0.1:{port}", "smollm2", prompts[:2], 1, 4)  # warm-up
-            url = f"http://127.0.0.1:{port}"
+        with running(starter, args, level) as url:
+            run_level(url, "smollm2", prompts[:2], 1, 4)  # warm-up
             stats, texts = run_level(url, "smollm2", prompts, level, args.max_tokens, {**args.extra, **(extra or {})})
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
         if level == 1:
             solo = texts
         if solo is not None:

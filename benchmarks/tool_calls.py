@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from matmul import cpu_name  # benchmarks/, run as a script
-from serve import free_port, percentile, start_attnmask, wait_ready
+from serve import percentile, running, start_attnmask
 
 TOOLS = [
     {"type": "function", "function": {
@@ -140,19 +140,9 @@ def start_llama(args, port: int, concurrency: int) -> subprocess.Popen:
 def bench(name: str, starter, args, levels: list[int], choice: str) -> None:
     solo = None
     for level in levels:
-        port = free_port()
-        proc = starter(args, port, level)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(url, proc)
+        with running(starter, args, level) as url:
             run_level(url, 1, choice, 8)  # warm-up
             stats, answers = run_level(url, level, choice, args.max_tokens)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
         key = lambda a: (a["calls"], a["content"], a["finish"])  # noqa: E731
         if level == 1:
             solo = [key(a) for a in answers]
