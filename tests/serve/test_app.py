@@ -321,6 +321,37 @@ def test_chat_uses_the_template(client, model, tokenizer):
     ]
 
 
+def test_a_chat_continues_the_assistants_prefill(client, model, tokenizer, http):
+    """vLLM's ``continue_final_message``: the prompt ends right after the last (assistant) message's text,
+    without the template's end of turn, and the answer is that text's continuation."""
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon"}]
+    body = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    r = client.chat.completions.create(**body, extra_body=extra)
+    prompt = tokenizer.encode("<|user|>Tell a story\n<|assistant|>Once upon")
+    want = direct(model, tokenizer, prompt, max_tokens=10, sampling=GREEDY)
+    assert r.choices[0].message.content == tokenizer.decode(want.tokens) and r.usage.prompt_tokens == len(prompt)
+    assert client.chat.completions.create(**body, extra_body={"continue_final_message": True}).choices[
+        0
+    ].message.content == (r.choices[0].message.content)  # add_generation_prompt left out: taken as false
+    assert http.post("/tokenize", json={"messages": messages, **extra}).json()["count"] == len(prompt)
+    no_prompt = http.post("/tokenize", json={"messages": messages[:1], "add_generation_prompt": False}).json()
+    assert no_prompt["tokens"] == tokenizer.encode("<|user|>Tell a story\n")
+    for wrong in (
+        {"messages": messages[:1], "continue_final_message": True},
+        {"messages": messages, "continue_final_message": True, "add_generation_prompt": True},
+        {"messages": messages, "continue_final_message": "yes"},
+        {"messages": messages, "add_generation_prompt": 1},
+        {"messages": messages, "continue_final_message": True, "tools": [
+            {"type": "function", "function": {"name": "f"}}]},
+    ):  # fmt: skip
+        r = http.post("/v1/chat/completions", json={"model": MODEL, **wrong})
+        assert r.status_code == 400 and r.json()["error"]["param"] in (
+            "continue_final_message",
+            "add_generation_prompt",
+        )
+
+
 def test_streaming_completion_equals_the_whole(client):
     kwargs = dict(model=MODEL, prompt="Stream me", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(**kwargs)

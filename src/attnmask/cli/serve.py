@@ -43,7 +43,8 @@ def add_parser(sub) -> None:
         "server-sent events; log-probabilities with the top tokens; echo scores a prompt, as evaluation "
         "harnesses ask; n and best_of; presence, frequency and repetition penalties, logit_bias, min_tokens; "
         "structured output: response_format json_object / json_schema, guided_regex, guided_choice, guided_grammar; "
-        "tools and tool_choice, the calls held to their JSON form by a grammar), "
+        "tools and tool_choice, the calls held to their JSON form by a grammar; continue_final_message: an "
+        "assistant prefill), "
         "GET /v1/models, /health and /metrics (Prometheus), POST /tokenize and /detokenize. Requests are batched "
         "continuously over a paged KV cache of --kv-cache-mib; when it is full, new requests wait. "
         "Needs the serve extra: pip install 'attnmask[serve]'.",

@@ -154,17 +154,15 @@ class _Service:
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` (rendered as a chat request
-        is, with its ``tools``; ``add_generation_prompt`` default true) -> ``{"tokens", "count", "max_model_len"}``."""
+        is, with its ``tools``, ``add_generation_prompt``, ``continue_final_message``) -> ``{"tokens", "count",
+        "max_model_len"}``."""
         try:
             body = await self._json(request)
             check_model(body, self.model_name)
             if "messages" in body:
                 if self.render is None:
                     raise ApiError(400, "this model has no chat template; tokenize a 'prompt'", param="messages")
-                generation = body.get("add_generation_prompt", True)
-                if not isinstance(generation, bool):
-                    raise ApiError(400, "'add_generation_prompt' must be true or false", param="add_generation_prompt")
-                text, _ = chat_prompt(body, self.render, add_generation_prompt=generation)
+                text, _ = chat_prompt(body, self.render)
             elif isinstance(body.get("prompt"), str):
                 text = body["prompt"]
             else:

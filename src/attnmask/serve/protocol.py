@@ -494,9 +494,23 @@ def messages_of(body: dict) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt(body: dict, render, *, add_generation_prompt: bool = True) -> tuple[str, Tools | None]:
-    """The prompt text of a chat request's ``messages`` (with its tools, when offered), and the tools."""
+def chat_prompt(body: dict, render) -> tuple[str, Tools | None]:
+    """The prompt text of a chat request's ``messages`` (with its tools, when offered), and the tools.
+
+    vLLM's ``add_generation_prompt`` (default true: the text ends where the assistant's answer begins)
+    and ``continue_final_message`` (the last message is the assistant's answer so far, a prefill: the
+    text ends right after its content, and the answer continues it)."""
     messages, tools = messages_of(body), _tools(body)
+    generation = body.get("add_generation_prompt", True)
+    if not isinstance(generation, bool):
+        raise _bad("add_generation_prompt", "true or false", generation)
+    continued = _bool(body, "continue_final_message")
+    if continued and generation and "add_generation_prompt" in body:
+        raise ApiError(400, "'continue_final_message' continues the last message; it needs "
+                       "'add_generation_prompt': false", param="continue_final_message")  # fmt: skip
+    if continued and (messages[-1]["role"] != "assistant" or not messages[-1]["content"] or tools is not None):
+        raise ApiError(400, "'continue_final_message' needs the last message to be the assistant's, with text, "
+                       "and no tools", param="continue_final_message")  # fmt: skip
     if render is None:
         raise ApiError(
             400, "this model has no chat template; use /v1/completions with a plain prompt", param="messages"
@@ -506,17 +520,25 @@ def chat_prompt(body: dict, render, *, add_generation_prompt: bool = True) -> tu
     except ToolError as err:
         raise ApiError(400, err.message, param=err.param) from err
     try:
-        return render(turns, add_generation_prompt=add_generation_prompt), tools
+        text = render(turns, add_generation_prompt=generation and not continued)
     except UserError as err:
         raise ApiError(400, f"the chat template could not render these messages: {err}", param="messages") from err
+    if continued:  # cut after the final message's content: the template's end of turn goes
+        final = messages[-1]["content"]
+        end = text.rfind(final)
+        if end < 0:
+            raise ApiError(400, "the chat template does not write the final message's text as given, so it "
+                           "cannot be continued", param="continue_final_message")  # fmt: skip
+        text = text[: end + len(final)]
+    return text, tools
 
 
 def parse_chat(body: dict, *, encode: Callable[[str], list[int]], render, capacity: int) -> Generation:
     """``POST /v1/chat/completions``: ``messages`` rendered by ``render`` (the model's chat template,
     or None when it has none), ``max_tokens`` / ``max_completion_tokens`` (default: what fits),
     sampling, ``stop``, ``seed``, ``logprobs`` (true / false), ``top_logprobs``, ``stream``, penalties,
-    ``logit_bias``, ``min_tokens``, ``tools`` / ``tool_choice`` / ``parallel_tool_calls``; ``n`` is read
-    by :func:`with_choices`."""
+    ``logit_bias``, ``min_tokens``, ``tools`` / ``tool_choice`` / ``parallel_tool_calls``,
+    ``add_generation_prompt`` / ``continue_final_message``; ``n`` is read by :func:`with_choices`."""
     _choices(body, chat=True)
     text, tools = chat_prompt(body, render)
     prompt = encode(text)
