@@ -179,7 +179,7 @@ def load_model(args):
     """``(model, tokenizer, chat_template or None, served name)`` of ``--model`` or ``--run``; the chat
     template is ``--chat-template``'s when given."""
     model, tokenizer, chat_template, name = _load(args)
-    if args.chat_template is not None:
+    if getattr(args, "chat_template", None) is not None:
         from attnmask.pretrained.chat import ChatTemplate, PretrainedTokenizer, chat_template_for, template_source
 
         if isinstance(tokenizer, PretrainedTokenizer):  # its turn's end token joins the stop ids
