@@ -201,8 +201,9 @@ def start_attnmask(args, port: int, concurrency: int) -> subprocess.Popen:
     command += ["--max-batch-tokens", str(args.max_batch_tokens), "--kv-cache-mib", str(args.kv_cache_mib)]
     if args.quantized:
         command += ["--quantized", "--activations", args.activation]
-    if getattr(args, "prefix_caching", False):  # benchmarks/tool_calls.py's option
-        command += ["--prefix-caching"]
+    caching = getattr(args, "prefix_caching", None)
+    if caching is not None:
+        command += ["--prefix-caching" if caching else "--no-prefix-caching"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -289,6 +290,12 @@ def main() -> None:
     parser.add_argument("--llama-server", default=shutil.which("llama-server"), help="path of llama-server")
     parser.add_argument("--llama-cpp-python", default=None, help="python of an env with llama-cpp-python[server]")
     parser.add_argument("--skip-attnmask", action="store_true")
+    parser.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="attnmask serve's --prefix-caching / --no-prefix-caching (none given: the server's default)",
+    )
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="sent with every request (OpenAI's)")
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="sent with every request (OpenAI's)")
     parser.add_argument("--json", action="store_true", help="answers held to JSON objects: attnmask's response_format "

@@ -15,9 +15,9 @@ offered tool, its arguments are JSON that follows the tool's parameters; for ``a
 valid too), and the fraction identical to the same server's answer alone (concurrency 1).
 
 Run: ``python benchmarks/tool_calls.py [--levels 1,16] [--tool-choice required,auto] [--max-tokens 96]
-[--threads 2] [--quantized] [--prefix-caching] [--llama-server PATH]``; llama-server built as ``benchmarks/serve.py``
-says. Needs ``pip install -e ".[serve]" openai`` and the SmolLM2 weights. Nothing here is asserted;
-figures go to docs/benchmarks.md with the CPU named.
+[--threads 2] [--quantized] [--[no-]prefix-caching] [--llama-server PATH]``; llama-server built as
+``benchmarks/serve.py`` says. Needs ``pip install -e ".[serve]" openai`` and the SmolLM2 weights.
+Nothing here is asserted; figures go to docs/benchmarks.md with the CPU named.
 """
 
 from __future__ import annotations
@@ -171,9 +171,10 @@ def main() -> None:
     parser.add_argument("--skip-attnmask", action="store_true")
     parser.add_argument(
         "--prefix-caching",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="attnmask reuses the blocks of the prompts' shared start (the tools' system turn), as llama-server "
-        "reuses a slot's cached prompt",
+        "reuses a slot's cached prompt (none given: the server's default, on)",
     )
     parser.add_argument("--show", action="store_true", help="print each server's solo answers")
     args = parser.parse_args()
@@ -183,7 +184,11 @@ def main() -> None:
     print(f"# greedy chat requests with {len(TOOLS)} tools, max_tokens {args.max_tokens}, {len(QUESTIONS)} questions")
     for choice in args.tool_choice.split(","):
         if not args.skip_attnmask:
-            name = "attnmask" + (" blocks" if args.quantized else "") + (" +prefix" if args.prefix_caching else "")
+            name = (
+                "attnmask"
+                + (" blocks" if args.quantized else "")
+                + {True: " +prefix", False: " no prefix", None: ""}[args.prefix_caching]
+            )
             bench(name, start_attnmask, args, levels, choice)
         if args.llama_server:
             bench("llama-server", start_llama, args, levels, choice)

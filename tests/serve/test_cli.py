@@ -107,7 +107,7 @@ class Server:
         while self.url is None:
             line = self.lines.get(timeout=120)
             if found := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line):
-                self.url = found.group(1)
+                self.url, self.banner = found.group(1), line
             assert self.proc.poll() is None, line
 
     def _read(self):
@@ -149,6 +149,7 @@ def test_serves_and_exits_0_on_a_signal(lm_run, sig, port, template, tmp_path):
     try:
         assert port == "0" or server.url == f"http://127.0.0.1:{port}"  # only 127.0.0.1 unless --host says
         assert httpx.get(f"{server.url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+        assert "prefix caching on" in server.banner  # the default for a model without sliding windows
         name = lm_run.name
         assert [m.id for m in client.models.list()] == [name]
         r = client.completions.create(model=name, prompt="a man", max_tokens=5, temperature=0)

@@ -73,6 +73,7 @@ def valid_call(call: dict) -> bool:
         ({"tools": [{"type": "function"}]}, "tools[0]"),
         ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools[0]"),
         ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "café"}}]}, "tools[0].function.name"),
         (
             {"tools": [{"type": "function", "function": {"name": "x", "parameters": "{}"}}]},
             "tools[0].function.parameters",

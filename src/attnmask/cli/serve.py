@@ -95,10 +95,12 @@ def add_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="positions per KV cache block")
     p.add_argument(
         "--prefix-caching",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="keep the KV cache blocks of computed tokens after requests end and start requests that begin "
-        "the same way from them (a shared system prompt, few-shot examples, the turns of a chat): less to "
-        "compute, the same answers bit for bit; not for models with sliding windows (Gemma 3)",
+        "the same way from them (a shared system prompt, the tools offered, few-shot examples, the turns of a "
+        "chat): less to compute, the same answers bit for bit. Default: on, except for models with sliding "
+        "windows (Gemma 3), which cannot use it",
     )
     p.add_argument(
         "--speculative-tokens",
@@ -250,6 +252,7 @@ def run(args) -> int:
 def serve(args, sock: socket.socket) -> int:
     from attnmask import ops
     from attnmask.engine import Engine
+    from attnmask.model.cache import layer_window
     from attnmask.serve import EngineLoop, create_app
 
     model, tokenizer, chat_template, name = load_model(args)
@@ -257,6 +260,10 @@ def serve(args, sock: socket.socket) -> int:
         import torch
 
         model = model.to(args.device, getattr(torch, args.dtype))
+    windowed = any(layer_window(model.config, i) for i in range(model.config.n_layers))
+    if args.prefix_caching and windowed:
+        raise UserError("--prefix-caching needs a model without sliding windows (their layers give blocks back)")
+    caching = not windowed if args.prefix_caching is None else args.prefix_caching
     engine = Engine(
         model,
         kv_cache_mib=args.kv_cache_mib,
@@ -265,7 +272,7 @@ def serve(args, sock: socket.socket) -> int:
         max_seqs=args.max_seqs,
         eos_ids=getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,),
         tokenizer=tokenizer,  # stop strings, structured output
-        prefix_caching=args.prefix_caching,
+        prefix_caching=caching,
         speculative_tokens=args.speculative_tokens,
     )
     ops.available()  # build the native kernels now (once, about a minute) rather than in the first request
@@ -278,7 +285,8 @@ def serve(args, sock: socket.socket) -> int:
     host, port = sock.getsockname()[:2]
     print(
         f"attnmask serve: {name!r} on http://{host}:{port}/v1 — KV cache {engine.stats().blocks_total} blocks of "
-        f"{args.block_size} positions, at most {engine.capacity} per request",
+        f"{args.block_size} positions, at most {engine.capacity} per request; prefix caching "
+        f"{'on' if caching else 'off'}",
         file=sys.stderr,
         flush=True,
     )

@@ -28,6 +28,7 @@ text answer cut by ``max_tokens`` is the text it had, streamed or not.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from dataclasses import dataclass
@@ -94,6 +95,11 @@ class Tools:
         return {"x-guidance": {"whitespace_flexible": False}, **answer}
 
     def grammar(self) -> Grammar:
+        """The grammar of :meth:`schema`, one per request's tools (llguidance compiles it once)."""
+        return self._grammar
+
+    @functools.cached_property
+    def _grammar(self) -> Grammar:
         return Grammar.json_schema(self.schema())
 
     def instructions(self) -> str:
@@ -208,7 +214,12 @@ def _function(tool: Any, i: int) -> dict[str, Any]:
         raise ToolError(param, f"'{param}' must be {expected}; got {tool!r}"[:400])
     fn = tool["function"]
     name = fn.get("name")
-    if not isinstance(name, str) or not name or len(name) > 64 or not all(c.isalnum() or c in "_-" for c in name):
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > 64
+        or not all(c.isascii() and (c.isalnum() or c in "_-") for c in name)
+    ):
         raise ToolError(f"{param}.function.name", f"'{param}.function.name' must be 1-64 letters, digits, _ or -; "
                         f"got {name!r}")  # fmt: skip
     description = fn.get("description")
