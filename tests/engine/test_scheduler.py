@@ -221,5 +221,5 @@ def test_a_prefix_chain_never_runs_through_a_block_given_to_other_tokens():
     cache.keep(c)
     b.computed = 6
     cache.keep(b)
-    assert cache.match([7, 8, 3, 4, 9], 4) == c.tables[0]  # c's block, and nothing of b's after it
-    assert cache.match([1, 2, 3, 4, 9], 4) == []
+    assert cache.match([7, 8, 3, 4, 9], 4) == (1, [c.tables[0]])  # c's block, and nothing of b's after it
+    assert cache.match([1, 2, 3, 4, 9], 4) == (0, [[]])

@@ -99,8 +99,8 @@ def add_parser(sub) -> None:
         default=None,
         help="keep the KV cache blocks of computed tokens after requests end and start requests that begin "
         "the same way from them (a shared system prompt, the tools offered, few-shot examples, the turns of a "
-        "chat): less to compute, the same answers bit for bit. Default: on, except for models with sliding "
-        "windows (Gemma 3), which cannot use it",
+        "chat): less to compute, the same answers bit for bit (with sliding windows, as Gemma 3's, every layer "
+        "group's blocks are kept). Default: on",
     )
     p.add_argument(
         "--speculative-tokens",
@@ -252,7 +252,6 @@ def run(args) -> int:
 def serve(args, sock: socket.socket) -> int:
     from attnmask import ops
     from attnmask.engine import Engine
-    from attnmask.model.cache import layer_window
     from attnmask.serve import EngineLoop, create_app
 
     model, tokenizer, chat_template, name = load_model(args)
@@ -260,10 +259,7 @@ def serve(args, sock: socket.socket) -> int:
         import torch
 
         model = model.to(args.device, getattr(torch, args.dtype))
-    windowed = any(layer_window(model.config, i) for i in range(model.config.n_layers))
-    if args.prefix_caching and windowed:
-        raise UserError("--prefix-caching needs a model without sliding windows (their layers give blocks back)")
-    caching = not windowed if args.prefix_caching is None else args.prefix_caching
+    caching = args.prefix_caching is not False  # on unless --no-prefix-caching
     engine = Engine(
         model,
         kv_cache_mib=args.kv_cache_mib,

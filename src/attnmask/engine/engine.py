@@ -216,7 +216,7 @@ class Engine:
             speculation, tokens and log-probabilities, and a step may give a request several tokens.
         prefix_caching: keep the cache blocks of computed tokens after their requests end, and start a
             request whose tokens begin the same way from them (:class:`~attnmask.engine.scheduler.PrefixCache`;
-            the same answers, bit for bit). Models whose layers have windows (Gemma 3) cannot.
+            the same answers, bit for bit; with windows, every layer group's blocks are kept).
     """
 
     def __init__(
@@ -257,8 +257,6 @@ class Engine:
         if num_blocks < 2:
             raise UserError(f"--kv-cache-mib {kv_cache_mib} holds {num_blocks} blocks of {block_size}; need >= 2")
         self.cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=block_size, by_window=True)
-        if prefix_caching and tuple(self.cache.windows) != (0,):
-            raise UserError("prefix caching needs a model without sliding windows (their layers give blocks back)")
         self.scheduler = Scheduler(
             self.cache.pool, block_size, windows=self.cache.windows, max_batch_tokens=max_batch_tokens,
             max_seqs=max_seqs, prefix_caching=prefix_caching,
@@ -411,9 +409,9 @@ class Engine:
             c.seq.computed += c.n - c.drafted  # drafts: those kept are counted below
             c.seq.draft.clear()
             self._tokens_in += c.n if c.start < c.seq.prompt_len else 0
-            self.scheduler.forget(c.seq)  # window groups: blocks the next chunk will not read go back now
-            if prefix is not None:
+            if prefix is not None:  # before its window groups let blocks go: they are kept too
                 prefix.keep(c.seq)  # its full blocks, for requests that begin the same way
+            self.scheduler.forget(c.seq)  # window groups: blocks the next chunk will not read go back now
         if sampling:
             requests = [self._requests[c.seq.request_id] for c in sampling]
             # penalties, biases, min_tokens: in place on the rows of the requests that have them, for the

@@ -19,14 +19,17 @@ waits for the blocks of everything a request has in the full groups plus that ma
 short request) in each window group, and allocates those of the full groups and of its first chunk; a
 later chunk that finds no block free preempts, as a decode token does.
 
-Prefix caching (``prefix_caching=True``, models of one full layer group): the full blocks of tokens
-a sequence has computed are kept after it ends (:class:`PrefixCache`), and a sequence admitted with
-nothing computed starts from the longest run of kept blocks its tokens begin with, computing only
-the rest (at least its last token, whose logits it samples from). A block is found by its parent
-block and its own tokens, compared whole, never by a hash alone. Kept blocks nobody else holds are
-given back, least recently used first, whenever blocks are wanted. Since every row of a step is
-computed as it would be alone, a kept block holds the bits the sequence would compute itself: reuse
-never changes an answer. A sequence that scores its prompt (``reuse=False``) computes every row.
+Prefix caching (``prefix_caching=True``): the full blocks of tokens a sequence has computed are kept
+after it ends (:class:`PrefixCache`), and a sequence admitted with nothing computed starts from the
+longest run of kept blocks its tokens begin with, computing only the rest (at least its last token,
+whose logits it samples from). A block is found by its parent block and its own tokens, compared
+whole, never by a hash alone. Kept blocks nobody else holds are given back, least recently used
+first, whenever blocks are wanted. Since every row of a step is computed as it would be alone, a kept
+block holds the bits the sequence would compute itself: reuse never changes an answer. A sequence
+that scores its prompt (``reuse=False``) computes every row. With several layer groups (windows), a
+kept position block is that block of every group, kept before the sequence lets its window groups'
+old blocks go; a sequence that starts from ``k`` kept blocks takes the full groups' ``k`` and, of each
+window group, those its next rows read (the rest are null entries, as if it had let them go itself).
 """
 
 from __future__ import annotations
@@ -94,13 +97,17 @@ class PrefixCache:
     """Full blocks of computed tokens kept for later sequences that begin with the same tokens.
 
     Each kept block is held once by the cache (:meth:`BlockPool.share`) and found by ``(parent,
-    tokens)``: the kept block before it (0 for a sequence's first) and its own tokens, exact. Blocks
-    only the cache holds are evicted least recently used first, each with the blocks kept after it."""
+    tokens)``: the kept block before it (0 for a sequence's first) and its own tokens, exact. With
+    several layer groups, a kept block (of the first group) stands for that position block in every
+    group: the other groups' blocks are kept with it (0 where one was already let go). Blocks only the
+    cache holds are evicted least recently used first, each with the blocks kept after it."""
 
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, windows: tuple[int, ...] = (0,)):
         self.pool, self.block_size = pool, block_size
+        self.paging = Paging(pool, block_size, tuple(windows))
         self._block: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent, tokens) -> block
         self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> its (parent, tokens)
+        self._others: dict[int, tuple[int, ...]] = {}  # block -> the other groups' blocks of its positions
         self._children: dict[int, set[int]] = {}  # block -> kept blocks whose parent it is
         self._recent: OrderedDict[int, None] = OrderedDict()  # kept blocks, least recently used first
         self.reused = 0  # positions sequences did not compute, thanks to kept blocks
@@ -109,51 +116,84 @@ class PrefixCache:
         return len(self._key)
 
     def idle(self) -> int:
-        """Kept blocks no sequence holds (free for the asking)."""
-        return sum(1 for b in self._key if self.pool.refs(b) == 1)
+        """Kept blocks no sequence holds (free for the asking), of every group."""
+        return sum(1 for b in self._key for o in (b, *self._others[b]) if o and self.pool.refs(o) == 1)
 
-    def match(self, tokens: list[int], most: int) -> list[int]:
-        """The kept blocks holding ``tokens[:k * block_size]`` for the largest ``k`` with ``k * block_size
-        <= most``; each now also held by the caller."""
-        S, blocks, parent = self.block_size, [], 0
+    def _reads(self, chain: list[int], k: int) -> list[list[int]]:
+        """The tables of a sequence starting from the first ``k`` blocks of ``chain``: every group's blocks
+        its rows from position ``k * block_size`` on read, null entries before them."""
+        tables = []
+        for g, w in enumerate(self.paging.windows):
+            first = self.paging.first_kept(w, k * self.block_size)
+            tables.append([0] * first + [b if g == 0 else self._others[b][g - 1] for b in chain[first:k]])
+        return tables
+
+    def _whole(self, chain: list[int], k: int) -> bool:
+        """Whether every block the rows from position ``k * block_size`` on read is kept, in every group."""
+        return all(
+            all(t[self.paging.first_kept(w, k * self.block_size) :])
+            for t, w in zip(self._reads(chain, k), self.paging.windows)
+        )
+
+    def match(self, tokens: list[int], most: int) -> tuple[int, list[list[int]]]:
+        """``(k, tables)``: the largest ``k`` with ``k * block_size <= most`` whose kept blocks hold
+        ``tokens[:k * block_size]`` and, in every group, the blocks that rows from there on read; the
+        tables of a sequence starting from them, each block now also held by the caller."""
+        S, chain, parent = self.block_size, [], 0
         for i in range(most // S):
             block = self._block.get((parent, tuple(tokens[i * S : (i + 1) * S])))
             if block is None:
                 break
             self._recent.move_to_end(block)
-            blocks.append(block)
+            chain.append(block)
             parent = block
-        self.pool.share(blocks)
-        return blocks
+        k = len(chain)
+        while k and not self._whole(chain, k):
+            k -= 1  # a window group's block let go before it was kept
+        tables = self._reads(chain, k) if k else self.paging.new()
+        self.paging.share([[b for b in t if b] for t in tables])
+        return k, tables
 
     def keep(self, seq: Sequence) -> None:
-        """Keep the blocks of ``seq`` whose positions are all computed (those not kept yet). Each kept block's
-        parent is a block ``seq`` holds, so no parent is evicted while a sequence holds its child: where
-        another block already holds the same tokens (two sequences computed them at once), ``seq`` keeps
-        nothing more."""
+        """Keep the blocks of ``seq`` whose positions are all computed (those not kept yet), in every group.
+        Each kept block's parent is a block ``seq`` holds, so no parent is evicted while a sequence holds
+        its child (where the first group has a window, an old block ``seq`` let go may be evicted, and the
+        blocks kept after it with it: ``seq`` then keeps nothing more); where another block already holds
+        the same tokens (two sequences computed them at once), ``seq`` keeps nothing more."""
         S, table = self.block_size, seq.tables[0]
         for i in range(seq.kept, seq.computed // S):
-            if seq.kept_parent < 0:
+            parent = seq.kept_parent
+            if parent < 0 or (parent and (table[i - 1] != parent or parent not in self._key)):
+                seq.kept_parent = -1  # a window: it let its parent go, or the parent went with an evicted one
                 return
             key = (seq.kept_parent, tuple(seq.tokens[i * S : (i + 1) * S]))
             block = self._block.get(key)
             if block is None:  # new: the cache holds it too
                 block = table[i]
-                self._block[key], self._key[block] = block, key
+                others = tuple(t[i] for t in seq.tables[1:])
+                self._block[key], self._key[block], self._others[block] = block, key, others
                 self._children.setdefault(key[0], set()).add(block)
-                self.pool.share([block])
+                self.pool.share([block, *(o for o in others if o)])
             self._recent[block] = None
             self._recent.move_to_end(block)
             seq.kept, seq.kept_parent = i + 1, block if block == table[i] else -1
 
     def make_room(self, need: int) -> None:
         """Evict kept blocks only the cache holds, least recently used first, until ``need`` blocks are free
-        or none is left to evict."""
+        or none is left to evict. Then, of kept blocks sequences still hold, let go the other groups' blocks
+        that only the cache holds (a window group's that the sequence has let go): the cache then holds
+        nothing a sequence without it would not, so it never starves one."""
         while self.pool.free < need:
             idle = next((b for b in self._recent if self.pool.refs(b) == 1), None)
-            if idle is None:
+            if idle is not None:
+                self._evict(idle)
+                continue
+            held = next((b for b in self._recent if any(o and self.pool.refs(o) == 1 for o in self._others[b])), None)
+            if held is None:
                 return
-            self._evict(idle)
+            drop = [o for o in self._others[held] if o and self.pool.refs(o) == 1]
+            self._others[held] = tuple(0 if o in drop else o for o in self._others[held])
+            self.pool.release(drop)
 
     def _evict(self, block: int) -> None:
         for child in list(self._children.pop(block, ())):
@@ -162,7 +202,7 @@ class PrefixCache:
         del self._block[(parent, tokens)]
         self._children.get(parent, set()).discard(block)
         del self._recent[block]
-        self.pool.release([block])
+        self.pool.release([block, *(o for o in self._others.pop(block) if o)])
 
     def clear(self) -> None:
         """Let every kept block go (those sequences hold stay theirs)."""
@@ -178,7 +218,7 @@ class Scheduler:
         max_batch_tokens: tokens computed per step at most (decode tokens and prefill chunks).
         max_seqs: sequences running at once at most.
         prefix_caching: keep computed blocks for later sequences that begin the same way
-            (:class:`PrefixCache`; one full layer group only).
+            (:class:`PrefixCache`).
     """
 
     def __init__(
@@ -191,9 +231,7 @@ class Scheduler:
         max_seqs: int = 64,
         prefix_caching: bool = False,
     ):
-        if prefix_caching and tuple(windows) != (0,):
-            raise ValueError(f"prefix caching keeps one full layer group's blocks; this cache has windows {windows}")
-        self.prefix = PrefixCache(pool, block_size) if prefix_caching else None
+        self.prefix = PrefixCache(pool, block_size, tuple(windows)) if prefix_caching else None
         self.pool, self.block_size = pool, block_size
         self.paging = Paging(pool, block_size, tuple(windows))
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
@@ -272,19 +310,22 @@ class Scheduler:
         budget = self.max_batch_tokens - sum(c.n for c in chunks)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            reused = []  # kept blocks its tokens begin with (held from here on: never evicted for it)
+            k, reused = 0, None  # kept blocks its tokens begin with (held from here on: never evicted for it)
             if self.prefix is not None and seq.reuse and seq.computed == 0:
-                reused = self.prefix.match(seq.tokens, len(seq.tokens) - 1)  # its last token computed anyway
-            need = self.most_blocks(len(seq.tokens)) - len(reused)
+                k, reused = self.prefix.match(seq.tokens, len(seq.tokens) - 1)  # its last token computed anyway
+            # the blocks it reuses count towards its peak (a window group's, once it lets them go, are the
+            # cache's alone, and make_room gives them back when blocks are wanted)
+            need = self.most_blocks(len(seq.tokens)) - (self.paging.held(reused) if k else 0)
             if self.prefix is not None:
                 self.prefix.make_room(need)
             if need > self.pool.free:
-                self.pool.release(reused)
+                if reused is not None:
+                    self.paging.release(reused)
                 break  # first come, first served: the head of the queue waits for blocks
-            if reused:
-                seq.tables[0] = list(reused)
-                seq.kept, seq.kept_parent = len(reused), reused[-1]
-                seq.computed = len(reused) * self.block_size
+            if k:
+                seq.tables = reused
+                seq.kept, seq.kept_parent = k, reused[0][-1]
+                seq.computed = k * self.block_size
                 self.prefix.reused += seq.computed
             self.waiting.popleft()
             n = min(seq.pending, budget)

@@ -153,7 +153,7 @@ class Paging:
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
 
-    def _first_kept(self, window: int, lowest: int) -> int:
+    def first_kept(self, window: int, lowest: int) -> int:
         """Index of the first block a window group keeps when no row reads below ``lowest - window + 1``."""
         return max(0, lowest - window + 1) // self.block_size if window > 0 else 0
 
@@ -163,7 +163,7 @@ class Paging:
         Freed entries form a prefix of each table, so this costs what it frees."""
         freed = 0
         for t, w in zip(tables, self.windows):
-            j = min(self._first_kept(w, lowest), len(t)) - 1
+            j = min(self.first_kept(w, lowest), len(t)) - 1
             while j >= 0 and t[j]:
                 self.pool.release([t[j]])
                 t[j] = 0
@@ -178,7 +178,7 @@ class Paging:
         """Blocks :meth:`extend` would take to cover ``positions`` positions (or one count a group),
         rows from ``lowest`` on."""
         return sum(
-            max(0, self.blocks_for(p) - max(len(t), self._first_kept(w, lowest)))
+            max(0, self.blocks_for(p) - max(len(t), self.first_kept(w, lowest)))
             for t, w, p in zip(tables, self.windows, self._each(positions))
         )
 
@@ -189,7 +189,7 @@ class Paging:
         for t, w, p in zip(tables, self.windows, self._each(positions)):
             n = self.blocks_for(p)
             if len(t) < n:
-                skip = max(0, min(self._first_kept(w, lowest), n) - len(t))
+                skip = max(0, min(self.first_kept(w, lowest), n) - len(t))
                 t += [0] * skip + self.pool.allocate(n - len(t) - skip)
 
     def share(self, tables: list[list[int]]) -> None:
