@@ -458,7 +458,7 @@ def _steps(
                     penalize_rows(logits, list(range(len(running))), [penalties] * len(running),
                                   [histories[r] for r in running])  # fmt: skip
                 if matchers is not None:  # each row's disallowed tokens to -inf, from its own matcher
-                    mask_rows(logits, list(range(len(rows))), [matchers[r] for r in rows.tolist()])
+                    mask_rows(logits, list(range(len(rows))), [matchers[r] for r in rows.tolist()], restorable=False)
                 tokens = sample(logits, sampling)  # (b,)
                 if histories is not None:
                     for r, t in zip(rows.tolist(), tokens.tolist()):
