@@ -255,6 +255,23 @@ def test_a_text_answer_streams_its_words_and_equals_the_whole(client, tokenizer)
     assert chunks[-1].finish_reason == "length"
 
 
+def test_several_streamed_answers_with_logprobs_each_end_with_their_own_calls(client):
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=120, temperature=1.0, seed=3, n=2, logprobs=True)  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})]
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        calls = [t for c in mine for t in c.delta.tool_calls or ()]
+        assert [(t.function.name, t.function.arguments) for t in calls] == [
+            (t.function.name, t.function.arguments) for t in choice.message.tool_calls
+        ]
+        assert mine[-1].finish_reason == choice.finish_reason == "tool_calls"
+        streamed = [t.logprob for c in mine if c.logprobs for t in c.logprobs.content]
+        assert streamed == [t.logprob for t in choice.logprobs.content]  # every token's, JSON syntax included
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
 def test_a_conversation_with_earlier_calls_and_their_results(client):
     history = [*ASK,
                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
