@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -187,16 +188,20 @@ def workloads(draw, sampled: bool, cached: bool = False):
         num_blocks=1 + need + draw(st.sampled_from([0, 0, 1, 3, 100])),  # 0: one request fills the cache
         prefix_caching=cached or draw(st.booleans()),  # (the solo runs: without)
         speculative=draw(st.sampled_from([0, 0, 1, 3])),  # draft tokens a step (the solo runs: none)
+        # priorities reorder the queue and preempt for blocks (the solo runs: first come, first served)
+        priorities=draw(st.one_of(st.none(), st.lists(st.integers(-2, 2), min_size=n, max_size=n))),
     )
 
 
 def invariant_results(w, threads: int = 1, engines: list | None = None) -> tuple[list, list, int]:
     """Run workload ``w`` in one engine: each request's ``(tokens, logprobs, finish reason)`` there, the
     same of its solo run, and the most preemptions seen."""
-    requests = [(list(r[0]), params_of(*r[1:])) for r in w["requests"]]
+    priorities = w.get("priorities") or [0] * len(w["requests"])
+    requests = [(list(r[0]), replace(params_of(*r[1:]), priority=p)) for r, p in zip(w["requests"], priorities)]
     engine = engine_of(
         w["variant"], num_blocks=w["num_blocks"], block_size=w["block_size"], max_batch_tokens=w["max_batch_tokens"],
         prefix_caching=w.get("prefix_caching", False), speculative_tokens=w.get("speculative", 0),
+        scheduling="priority" if w.get("priorities") else "fcfs",
     )  # fmt: skip
     if engines is not None:  # the caller's, for its statistics
         engines.append(engine)
@@ -260,6 +265,12 @@ PREEMPTING = dict(
 
 def test_preempted_requests_are_bitwise_their_solo_runs():
     assert check_invariant(PREEMPTING) > 0, "this workload is meant to preempt"
+
+
+def test_prioritized_requests_are_bitwise_their_solo_runs():
+    """Later arrivals of higher priority (lower values) preempt the earlier ones for blocks: each answer is
+    still its solo run's."""
+    assert check_invariant({**PREEMPTING, "priorities": [3, 2, 1, 0, -1]}) > 0, "this workload is meant to preempt"
 
 
 def test_prefix_cached_requests_are_bitwise_their_solo_runs_through_preemption():

@@ -223,3 +223,42 @@ def test_a_prefix_chain_never_runs_through_a_block_given_to_other_tokens():
     cache.keep(b)
     assert cache.match([7, 8, 3, 4, 9], 4) == (1, [c.tables[0]])  # c's block, and nothing of b's after it
     assert cache.match([1, 2, 3, 4, 9], 4) == (0, [[]])
+
+
+def prioritized(name: str, prompt_len: int, priority: int) -> Sequence:
+    s = seq(name, prompt_len)
+    s.priority = priority
+    return s
+
+
+def test_priorities_order_the_queue():
+    """``policy="priority"``: lower first, then first come; one at a time (``max_seqs`` 1)."""
+    sched = Scheduler(BlockPool(30), 4, max_batch_tokens=64, max_seqs=1, policy="priority")
+    for name, p in (("low", 5), ("mid", 1), ("late mid", 1), ("urgent", 0)):
+        sched.add(prioritized(name, 3, p))
+    order = []
+    for _ in range(4):
+        order.append(advance(sched)[0][0])
+        sched.finish(sched.running[0])
+    assert order == ["urgent", "mid", "late mid", "low"]
+    with pytest.raises(ValueError, match="policy must be one of fcfs, priority"):
+        Scheduler(BlockPool(4), 4, policy="lottery")
+
+
+def test_a_higher_priority_preempts_lower_ones_for_its_blocks_but_not_equal_ones():
+    sched = Scheduler(BlockPool(9), 4, max_batch_tokens=64, policy="priority")  # 8 blocks of 4
+    low, mid = prioritized("low", 12, 5), prioritized("mid", 12, 1)
+    sched.add(low)
+    sched.add(mid)
+    assert [c[0] for c in advance(sched)] == ["mid", "low"]  # admitted by priority: 3 + 3 blocks
+    sched.add(prioritized("urgent", 16, 0))  # 4 blocks; 2 free: the lowest priority running makes way
+    assert [c[0] for c in advance(sched)] == ["mid", "urgent"]
+    assert [s.request_id for s in sched.waiting] == ["low"] and low.computed == 0 and low.preemptions == 1
+    # one of the same priority waits for blocks rather than preempt
+    sched = Scheduler(BlockPool(9), 4, max_batch_tokens=64, policy="priority")
+    a, b = prioritized("a", 28, 1), prioritized("b", 8, 1)  # 7 blocks, then 2 (1 free)
+    sched.add(a)
+    advance(sched)
+    sched.add(b)
+    assert [c[0] for c in advance(sched)] == ["a"]
+    assert list(sched.waiting) == [b] and a.preemptions == 0

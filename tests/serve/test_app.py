@@ -194,6 +194,22 @@ def test_n_answers_each_prompt_with_seeds_that_repeat(client):
     assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message == chat.choices[1].message
 
 
+def test_priorities_need_priority_scheduling_and_change_no_answer(client, model, tokenizer):
+    kw = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError, match="needs priority scheduling"):
+        client.completions.create(prompt="ab", **{**kw, "extra_body": {"priority": 1}})
+    with pytest.raises(openai.BadRequestError, match="'priority' must be an integer"):
+        client.completions.create(prompt="ab", **{**kw, "extra_body": {"priority": "high"}})
+    prompts = ["ab", "a longer prompt", "xyz"]
+    want = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    engine = Engine(model, kv_cache_mib=1, eos_ids=[tokenizer.eos_id], tokenizer=tokenizer, scheduling="priority")
+    with serve(engine, tokenizer) as s, openai.OpenAI(base_url=s.base_url, api_key="-", timeout=TIMEOUT) as c:
+        got = c.completions.create(
+            prompt=prompts, model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True, "priority": -3}
+        )
+        assert [choice.text for choice in got.choices] == want
+
+
 def test_penalties_and_logit_bias_are_the_engines(client, model, tokenizer):
     """OpenAI's penalties and ``logit_bias``, vLLM's ``repetition_penalty``: the engine's own answer with
     the same settings, and not the plain one."""

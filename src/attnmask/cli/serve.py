@@ -112,6 +112,14 @@ def add_parser(sub) -> None:
         "step; the same answers bit for bit, sooner where text repeats its context (code edits, quotes, JSON); "
         "0: off",
     )
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=("fcfs", "priority"),
+        help="fcfs: first come, first served; priority: requests' 'priority' field (lower first, then first "
+        "come), a higher priority preempting lower ones for cache blocks (vLLM's). Which requests run together "
+        "never changes an answer",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads; none given: torch's own choice")
     p.add_argument(
         "--device",
@@ -270,6 +278,7 @@ def serve(args, sock: socket.socket) -> int:
         tokenizer=tokenizer,  # stop strings, structured output
         prefix_caching=caching,
         speculative_tokens=args.speculative_tokens,
+        scheduling=getattr(args, "scheduling_policy", "fcfs"),
     )
     ops.available()  # build the native kernels now (once, about a minute) rather than in the first request
     engine.prepare_structured_output()  # likewise llguidance's view of the tokenizer (~0.2 s)

@@ -42,7 +42,7 @@ from attnmask.decode.grammar import Grammar, Matcher, grammar_tokenizer, mask_ro
 from attnmask.decode.sampling import GREEDY, NO_PENALTIES, Penalties, Sampling, TokenHistory, penalize_rows, sample
 from attnmask.engine.cache import PagedKVCache, blocks_for_memory, layer_groups
 from attnmask.engine.draft import PromptLookup
-from attnmask.engine.scheduler import Chunk, Scheduler
+from attnmask.engine.scheduler import POLICIES, Chunk, Scheduler
 from attnmask.engine.scheduler import Sequence as SeqState
 from attnmask.engine.step import check_servable, fused_plan, packed_forward
 from attnmask.errors import UserError
@@ -75,7 +75,8 @@ class RequestParams:
     request has generated that many tokens (vLLM's; stop strings still end it). ``grammar``: what the
     answer's text must be (:class:`~attnmask.decode.grammar.Grammar`: JSON, a JSON schema, a regex, a
     choice, a Lark grammar; needs an engine with a ``tokenizer``); the request stops when it is complete
-    (an end-of-sequence token the grammar allows completes it, ``ignore_eos`` or not)."""
+    (an end-of-sequence token the grammar allows completes it, ``ignore_eos`` or not). ``priority``: with
+    an engine of ``scheduling="priority"``, lower runs first (vLLM's); 0 otherwise."""
 
     max_tokens: int = 16
     sampling: Sampling = GREEDY
@@ -89,6 +90,7 @@ class RequestParams:
     penalties: Penalties = NO_PENALTIES
     min_tokens: int = 0
     grammar: Grammar | None = None
+    priority: int = 0
 
     def __post_init__(self):
         least = 0 if self.prompt_logprobs else 1
@@ -111,6 +113,8 @@ class RequestParams:
             raise UserError(f"min_tokens must be an int from 0 to max_tokens ({self.max_tokens}), got {m!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise UserError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise UserError(f"priority must be an int (lower runs first), got {self.priority!r}")
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,9 @@ class Engine:
         prefix_caching: keep the cache blocks of computed tokens after their requests end, and start a
             request whose tokens begin the same way from them (:class:`~attnmask.engine.scheduler.PrefixCache`;
             the same answers, bit for bit; with windows, every layer group's blocks are kept).
+        scheduling: ``"fcfs"`` (first come, first served) or ``"priority"``: requests' ``priority``, lower
+            first, a higher one preempting lower ones for blocks (:class:`~attnmask.engine.scheduler.Scheduler`);
+            when each request is answered changes, never what.
     """
 
     def __init__(
@@ -233,10 +240,13 @@ class Engine:
         prefix_caching: bool = False,
         tokenizer=None,
         speculative_tokens: int = 0,
+        scheduling: str = "fcfs",
     ):
         check_servable(model)
         if model.is_encoder_decoder:  # a request is a prompt: there is no source to encode
             raise UserError("the engine serves decoder-only models; translate with attnmask.decode.translate")
+        if scheduling not in POLICIES:
+            raise UserError(f"scheduling must be one of {', '.join(POLICIES)}; got {scheduling!r}")
         if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
             raise UserError(f"speculative_tokens must be an int >= 0 (0: off), got {speculative_tokens!r}")
         if block_size < 1 or max_batch_tokens < 1 or max_seqs < 1:
@@ -259,7 +269,7 @@ class Engine:
         self.cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=block_size, by_window=True)
         self.scheduler = Scheduler(
             self.cache.pool, block_size, windows=self.cache.windows, max_batch_tokens=max_batch_tokens,
-            max_seqs=max_seqs, prefix_caching=prefix_caching,
+            max_seqs=max_seqs, prefix_caching=prefix_caching, policy=scheduling,
         )  # fmt: skip
         self.plan = fused_plan(self.model)  # the whole step in one native call, where the model allows
         self.eos_ids = frozenset(int(i) for i in eos_ids)
@@ -307,6 +317,10 @@ class Engine:
             raise UserError(f"logit_bias token ids must be in [0, {vocab}); got {min(bias)}..{max(bias)}")
         if params.stop and self.detokenize is None:
             raise UserError("stop strings need an engine with a detokenize function (a tokenizer)")
+        if params.priority and self.scheduler.policy != "priority":
+            raise UserError(f"priority {params.priority} needs priority scheduling (Engine(scheduling='priority'), "
+                            "attnmask serve --scheduling-policy priority); this engine serves first come, first "
+                            "served")  # fmt: skip
         matcher = None
         if params.grammar is not None:  # compiled here, on the caller's thread, not the stepping one
             if self.tokenizer is None:
@@ -322,7 +336,8 @@ class Engine:
             else:
                 generator.manual_seed(params.seed)
             stops = frozenset(params.stop_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-            seq = SeqState(rid, list(prompt), len(prompt), params.max_tokens, reuse=not params.prompt_logprobs)
+            seq = SeqState(rid, list(prompt), len(prompt), params.max_tokens, reuse=not params.prompt_logprobs,
+                           priority=params.priority)  # fmt: skip
             scored = [] if params.prompt_logprobs else None
             history = TokenHistory(prompt) if params.penalties.active else None
             speculates = self.speculative_tokens and history is None and not params.min_tokens

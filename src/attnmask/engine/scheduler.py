@@ -19,6 +19,12 @@ waits for the blocks of everything a request has in the full groups plus that ma
 short request) in each window group, and allocates those of the full groups and of its first chunk; a
 later chunk that finds no block free preempts, as a decode token does.
 
+Priorities (``policy="priority"``, vLLM's): the waiting queue is ordered by each request's ``priority``
+(lower first), then by arrival; a request that finds too few free blocks preempts running sequences of
+a lower priority (a larger value), latest admitted first, and preemption for growth takes the lowest
+priority first. Which requests run together changes when each is answered, never what: the answers
+stay those of each request alone.
+
 Prefix caching (``prefix_caching=True``): the full blocks of tokens a sequence has computed are kept
 after it ends (:class:`PrefixCache`), and a sequence admitted with nothing computed starts from the
 longest run of kept blocks its tokens begin with, computing only the rest (at least its last token,
@@ -39,7 +45,9 @@ from dataclasses import dataclass, field
 
 from attnmask.engine.cache import BlockPool, Paging
 
-__all__ = ["Chunk", "PrefixCache", "Scheduler", "Sequence"]
+__all__ = ["POLICIES", "Chunk", "PrefixCache", "Scheduler", "Sequence"]
+
+POLICIES = ("fcfs", "priority")
 
 
 @dataclass(eq=False)
@@ -58,6 +66,8 @@ class Sequence:
     kept: int = 0  # its leading blocks handed to the prefix cache so far
     kept_parent: int = 0  # its last kept block (the next one's parent); -1: it keeps no more
     draft: list[int] = field(default_factory=list)  # tokens guessed to follow, checked by the next step
+    priority: int = 0  # lower first (the "priority" policy)
+    arrival: int = -1  # order of arrival in the scheduler (ties of priority)
 
     @property
     def blocks(self) -> list[int]:
@@ -219,6 +229,8 @@ class Scheduler:
         max_seqs: sequences running at once at most.
         prefix_caching: keep computed blocks for later sequences that begin the same way
             (:class:`PrefixCache`).
+        policy: ``"fcfs"`` (first come, first served) or ``"priority"`` (each sequence's ``priority``,
+            lower first; then first come).
     """
 
     def __init__(
@@ -230,14 +242,18 @@ class Scheduler:
         max_batch_tokens: int = 256,
         max_seqs: int = 64,
         prefix_caching: bool = False,
+        policy: str = "fcfs",
     ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        self.policy = policy
         self.prefix = PrefixCache(pool, block_size, tuple(windows)) if prefix_caching else None
         self.pool, self.block_size = pool, block_size
         self.paging = Paging(pool, block_size, tuple(windows))
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._admissions = 0
+        self._admissions = self._arrivals = 0
         self.preemptions = 0  # since the scheduler started
 
     def blocks_for(self, positions: int) -> int:
@@ -250,7 +266,25 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if len(seq.tables) != len(self.paging.windows):
             seq.tables = self.paging.new()
-        self.waiting.append(seq)
+        seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+        self._wait(seq)
+
+    def _wait(self, seq: Sequence) -> None:
+        """Queue ``seq`` in its place: last (first come, first served), or after every sequence of its
+        priority or a higher one that came before it (a preempted one goes back before those that came
+        after it, as it goes to the front under ``fcfs``)."""
+        if self.policy == "fcfs":
+            self.waiting.append(seq)
+            return
+        key = (seq.priority, seq.arrival)
+        at = next((i for i, w in enumerate(self.waiting) if (w.priority, w.arrival) > key), len(self.waiting))
+        self.waiting.insert(at, seq)
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the latest admitted (of the lowest priority, by ``priority``)."""
+        if self.policy == "fcfs":
+            return max(self.running, key=lambda s: s.admitted)
+        return max(self.running, key=lambda s: (s.priority, s.admitted))
 
     def finish(self, seq: Sequence) -> None:
         """Free a finished or cancelled sequence's blocks, wherever it is."""
@@ -272,7 +306,10 @@ class Scheduler:
         seq.kept = seq.kept_parent = 0
         seq.draft.clear()
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.policy == "fcfs":
+            self.waiting.appendleft(seq)
+        else:
+            self._wait(seq)
 
     def _grow(self, seq: Sequence, positions: int) -> bool:
         """Give ``seq`` blocks for ``positions`` positions (a window group's old ones given back first),
@@ -282,7 +319,7 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.make_room(need)
         while need > self.pool.free:
-            victim = max(self.running, key=lambda s: s.admitted)
+            victim = self._victim()
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -290,8 +327,26 @@ class Scheduler:
             self.paging.extend(seq.tables, positions, seq.computed)
         return True
 
+    def _make_way(self) -> None:
+        """``priority``: preempt running sequences of a lower priority than the head of the queue, lowest
+        and latest first, while the head cannot get the blocks (or the sequence slot) it needs."""
+        head = self.waiting[0] if self.waiting else None
+        if self.policy != "priority" or head is None:
+            return
+        need = self.most_blocks(len(head.tokens))
+        while self.running:
+            if self.prefix is not None:
+                self.prefix.make_room(need)
+            if need <= self.pool.free and len(self.running) < self.max_seqs:
+                return
+            victim = self._victim()
+            if victim.priority <= head.priority:
+                return
+            self._preempt(victim)
+
     def schedule(self) -> list[Chunk]:
         """The chunks of the next step (empty when nothing is running or admissible)."""
+        self._make_way()
         budget, chunks = self.max_batch_tokens, []
         for seq in list(self.running):
             if budget == 0:

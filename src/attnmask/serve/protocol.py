@@ -358,6 +358,7 @@ def _params(
             penalties=_penalties(body),
             min_tokens=min_tokens,
             grammar=tools.grammar() if tools is not None else _grammar(body),
+            priority=_int(body, "priority", minimum=-(2**31), maximum=2**31 - 1) or 0,  # vLLM's; lower first
         )
     except UserError as err:
         raise ApiError(400, str(err)) from err
