@@ -262,3 +262,30 @@ def test_a_higher_priority_preempts_lower_ones_for_its_blocks_but_not_equal_ones
     sched.add(b)
     assert [c[0] for c in advance(sched)] == ["a"]
     assert list(sched.waiting) == [b] and a.preemptions == 0
+
+
+def test_a_higher_priority_counts_the_kept_blocks_it_will_start_from():
+    """With prefix caching, the head's kept prefix blocks are its own: it preempts nobody for them."""
+
+    def step() -> list[tuple[str, int, int, bool]]:  # advance's part, kept blocks being the cache's too
+        chunks = sched.schedule()
+        out = [(c.seq.request_id, c.start, c.n, c.sample) for c in chunks]
+        for c in chunks:
+            c.seq.tokens += [NEW] if c.sample else []
+            c.seq.computed += c.n
+        return out
+
+    sched = Scheduler(BlockPool(13), 2, max_batch_tokens=64, prefix_caching=True, policy="priority")  # 12 of 2
+    first = prioritized("first", 8, 0)
+    sched.add(first)
+    step()
+    sched.prefix.keep(first)  # (the engine keeps after each step)
+    sched.finish(first)
+    assert len(sched.prefix) == 4  # its 4 full blocks
+    low = Sequence("low", list(range(50, 62)), 12, 8, priority=5)  # its own tokens: 6 blocks, 2 left free
+    sched.add(low)
+    step()
+    urgent = Sequence("urgent", [*range(1, 9), 70, 71], 10, 8, priority=0)  # 5 blocks, 4 of them kept
+    sched.add(urgent)
+    assert step() == [("low", 12, 1, True), ("urgent", 8, 2, True)]
+    assert low.preemptions == 0

@@ -329,20 +329,28 @@ class Scheduler:
 
     def _make_way(self) -> None:
         """``priority``: preempt running sequences of a lower priority than the head of the queue, lowest
-        and latest first, while the head cannot get the blocks (or the sequence slot) it needs."""
+        and latest first, while the head cannot get the blocks (or the sequence slot) it needs; the kept
+        prefix blocks it will start from count as its own (held meanwhile, so none is evicted for it)."""
         head = self.waiting[0] if self.waiting else None
         if self.policy != "priority" or head is None:
             return
-        need = self.most_blocks(len(head.tokens))
-        while self.running:
-            if self.prefix is not None:
-                self.prefix.make_room(need)
-            if need <= self.pool.free and len(self.running) < self.max_seqs:
-                return
-            victim = self._victim()
-            if victim.priority <= head.priority:
-                return
-            self._preempt(victim)
+        found = None
+        if self.prefix is not None and head.reuse and head.computed == 0:
+            found = self.prefix.match(head.tokens, len(head.tokens) - 1)[1]
+        need = self.most_blocks(len(head.tokens)) - (self.paging.held(found) if found else 0)
+        try:
+            while self.running:
+                if self.prefix is not None:
+                    self.prefix.make_room(need)
+                if need <= self.pool.free and len(self.running) < self.max_seqs:
+                    return
+                victim = self._victim()
+                if victim.priority <= head.priority:
+                    return
+                self._preempt(victim)
+        finally:
+            if found is not None:
+                self.paging.release(found)
 
     def schedule(self) -> list[Chunk]:
         """The chunks of the next step (empty when nothing is running or admissible)."""
