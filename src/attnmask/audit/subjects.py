@@ -60,6 +60,9 @@ class Subject:
     # sequences (lists of ids) -> each one's logits (T_i, V), all run together through the serving
     # engine's packed step over a paged cache, ``chunk`` tokens of each a step
     packed_forward: Callable[..., list[Tensor]] | None = None
+    # prompts, prefix caching on or off -> each prompt's greedy answer (tokens, log-probabilities) from one
+    # serving engine that answers them in turn, and the prompt positions it found kept
+    engine_answers: Callable[[list[list[int]], bool], tuple[list[tuple[list[int], list[float]]], int]] | None = None
     # each decoder layer's declared self-attention window (0: every earlier key; w: the last w keys)
     layer_windows: tuple[int, ...] | None = None
     # same arguments as forward -> each decoder layer alone, on what it received in that forward
@@ -204,6 +207,7 @@ def from_transformer(model, *, name: str | None = None) -> Subject:
         forward_with_embeds=lambda *args: run(args, embeds_hook=True),
         cached_forward=cached,
         packed_forward=None if enc_dec else lambda seqs, chunk=4: packed(model, seqs, chunk),
+        engine_answers=None if enc_dec else lambda prompts, caching: engine_answers(model, prompts, caching),
         layer_windows=tuple(cfg.layer_window(i) for i in range(cfg.n_layers)),
         layer_calls=lambda *args: record_layer_calls(model.layers, lambda: run(args, hidden=True)),
         vocab_size=cfg.vocab_size,
@@ -275,6 +279,21 @@ def packed(
                 out[i].append(row)
     empty = cache.k[0].new_zeros(0, model.config.vocab_size)  # a sequence with no tokens: no logits
     return [torch.stack(rows) if rows else empty for rows in out]
+
+
+def engine_answers(
+    model, prompts: list[list[int]], caching: bool, *, max_tokens: int = 4, block_size: int = 2
+) -> tuple[list[tuple[list[int], list[float]]], int]:
+    """Each prompt's greedy answer (tokens, log-probabilities) from one serving engine
+    (:class:`attnmask.engine.Engine`, blocks of ``block_size``) that answers them one after another, with
+    prefix caching on or off, and the prompt positions it found kept (0 without caching)."""
+    from attnmask.engine import Engine, RequestParams
+
+    engine = Engine(model, num_blocks=2 + 2 * sum(-(-(len(p) + max_tokens) // block_size) for p in prompts),
+                    block_size=block_size, prefix_caching=caching)  # fmt: skip
+    params = RequestParams(max_tokens=max_tokens, logprobs=True)
+    answers = [engine.generate([p], params)[0] for p in prompts]
+    return [(a.tokens, a.logprobs) for a in answers], engine.stats().tokens_cached
 
 
 def from_run(path: str | Path) -> Subject:

@@ -1,6 +1,8 @@
 """The cross-request check: requests packed into one step of the serving engine never see each other,
-and each gets the logits it gets alone, bit for bit. Watched catching a kernel that lets rows read
-another sequence's keys, and one whose result depends on how many rows it is given."""
+and each gets the logits it gets alone, bit for bit, and requests that start from another's kept cache
+blocks (prefix caching) answer as alone. Watched catching a kernel that lets rows read another
+sequence's keys, one whose result depends on how many rows it is given, and a prefix cache that hands
+a request the right blocks in the wrong order."""
 
 import pytest
 import torch
@@ -27,7 +29,10 @@ def test_an_attnmask_decoder_keeps_requests_apart():
     assert statuses(report) == {"cross-request": "PASS", "cache parity": "PASS"}
     check = report.check("cross-request")
     assert check.max_deviation == 0.0 and check.tolerance == "bitwise"
-    assert check.details[-1] == "each request alone = packed, bit for bit (3 requests, lengths [10, 7, 5])"
+    assert check.details[-2] == "each request alone = packed, bit for bit (3 requests, lengths [10, 7, 5])"
+    assert check.details[-1] == (
+        "requests starting from another's kept blocks answer as alone, bit for bit (20 prompt positions reused)"
+    )
     assert "packed step (paged cache, chunks of 3)" in report.check("cache parity").details
 
 
@@ -73,3 +78,41 @@ def test_without_native_kernels_the_step_stays_invariant(monkeypatch):
     assert not ops.available()
     report = audit(decoder(), length=8, checks=["cross-request"])
     assert report.passed, report.check("cross-request").problems
+
+
+def test_a_prefix_cache_that_hands_out_the_wrong_blocks_is_caught(monkeypatch):
+    from attnmask.engine import PrefixCache
+
+    real = PrefixCache.match
+
+    def swapped(self, tokens, most):
+        k, tables = real(self, tokens, most)
+        if k >= 2:  # the first two kept blocks in each other's place
+            tables[0][0], tables[0][1] = tables[0][1], tables[0][0]
+        return k, tables
+
+    monkeypatch.setattr(PrefixCache, "match", swapped)
+    report = audit(decoder(), length=10, checks=["cross-request"])
+    check = report.check("cross-request")
+    assert not report.passed
+    assert any("started from another request's kept cache blocks" in p for p in check.problems), check.problems
+
+
+def test_a_model_with_windows_reuses_every_layer_groups_blocks():
+    """Two layers of three see their last 3 positions: the reused start (10 positions) is longer."""
+    model = tiny_model(
+        "decoder",
+        vocab=24,
+        std=0.5,
+        positions="rotary",
+        n_heads=4,
+        n_kv_heads=2,
+        norm="rmsnorm",
+        activation="swiglu",
+        n_layers=3,
+        sliding_window=3,
+        layer_types=("sliding", "full", "sliding"),
+    )
+    report = audit(model.eval(), length=10, checks=["cross-request"])
+    assert report.passed, report.check("cross-request").problems
+    assert "(20 prompt positions reused)" in report.check("cross-request").details[-1]

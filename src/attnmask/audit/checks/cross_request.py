@@ -7,7 +7,10 @@ Several random sequences of different lengths run together through the serving e
   were, at every position: not within a tolerance, bit for bit (anything else means one request's
   answer depends on who else is in the batch, through the mask or through a kernel);
 - each request's logits must equal its logits when it runs alone, and when its prompt is fed in
-  chunks of another size, bit for bit.
+  chunks of another size, bit for bit;
+- requests that begin alike, answered in turn by the serving engine with prefix caching (the later
+  ones start from the cache blocks an earlier one computed, another request's keys and values), must
+  get the answers they get without it: tokens and log-probabilities, bit for bit.
 
 Skipped for a model the engine cannot serve (encoder-decoders, foreign models).
 """
@@ -61,6 +64,21 @@ def check_cross_request(probe: Probe) -> CheckResult:
                 f"(chunks of {CHUNKS[0]}): max |Δ| {delta:.3g}; its answer depends on the batch"
             )
     details.append(f"each request alone = packed, bit for bit ({len(seqs)} requests, lengths {lengths})")
+    if probe.subject.engine_answers is not None:
+        # a shared start of T tokens, then each request's own 2: the later ones reuse the first's blocks
+        prompts = [seqs[0] + seq[:2] for seq in seqs]
+        cached, found = probe.subject.engine_answers(prompts, True)
+        fresh, _ = probe.subject.engine_answers(prompts, False)
+        for j, (got, want) in enumerate(zip(cached, fresh)):
+            if got != want:
+                problems.append(
+                    f"request {j}, started from another request's kept cache blocks (prefix caching), answers "
+                    f"{got[0]} where it answers {want[0]} computing them itself: reused blocks are not its own bits"
+                )
+        if found == 0:
+            problems.append("prefix caching found nothing kept: the requests' shared start was not reused")
+        details.append(f"requests starting from another's kept blocks answer as alone, bit for bit ({found} "
+                       "prompt positions reused)")  # fmt: skip
     return CheckResult(
         "cross-request",
         passed=not problems,
