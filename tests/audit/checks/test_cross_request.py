@@ -13,6 +13,7 @@ from attnmask.model import fuse_projections_
 from attnmask.ops import decoding
 from tests.audit.helpers import statuses
 from tests.conftest import tiny_model
+from tests.engine.test_step import model_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,6 +23,13 @@ def decoder():
         tiny_model("decoder", vocab=24, std=0.5, positions="rotary", n_heads=4, n_kv_heads=2, norm="rmsnorm",
                    activation="swiglu", tie_embeddings=False)
     ).eval()  # fmt: skip
+
+
+def assert_caught(problem: str) -> None:
+    """The check on :func:`decoder` fails, with a problem that says ``problem``."""
+    report = audit(decoder(), length=10, checks=["cross-request"])
+    assert not report.passed
+    assert any(problem in p for p in report.check("cross-request").problems), report.check("cross-request").problems
 
 
 def test_an_attnmask_decoder_keeps_requests_apart():
@@ -58,10 +66,7 @@ def test_a_kernel_that_depends_on_the_batch_is_caught(monkeypatch):
         return out * (1 + 1e-7 * q.shape[0])  # a result that depends on the number of rows packed
 
     monkeypatch.setattr(decoding, "paged_attend", batch_dependent)
-    report = audit(decoder(), length=10, checks=["cross-request"])
-    check = report.check("cross-request")
-    assert not report.passed
-    assert any("alone (chunks of 1) differs from request" in p for p in check.problems), check.problems
+    assert_caught("alone (chunks of 1) differs from request")
 
 
 def test_encoder_decoders_are_not_served_so_skipped():
@@ -92,27 +97,11 @@ def test_a_prefix_cache_that_hands_out_the_wrong_blocks_is_caught(monkeypatch):
         return k, tables
 
     monkeypatch.setattr(PrefixCache, "match", swapped)
-    report = audit(decoder(), length=10, checks=["cross-request"])
-    check = report.check("cross-request")
-    assert not report.passed
-    assert any("started from another request's kept cache blocks" in p for p in check.problems), check.problems
+    assert_caught("started from another request's kept cache blocks")
 
 
 def test_a_model_with_windows_reuses_every_layer_groups_blocks():
     """Two layers of three see their last 3 positions: the reused start (10 positions) is longer."""
-    model = tiny_model(
-        "decoder",
-        vocab=24,
-        std=0.5,
-        positions="rotary",
-        n_heads=4,
-        n_kv_heads=2,
-        norm="rmsnorm",
-        activation="swiglu",
-        n_layers=3,
-        sliding_window=3,
-        layer_types=("sliding", "full", "sliding"),
-    )
-    report = audit(model.eval(), length=10, checks=["cross-request"])
+    report = audit(model_of("rotary-windows").eval(), length=10, checks=["cross-request"])
     assert report.passed, report.check("cross-request").problems
     assert "(20 prompt positions reused)" in report.check("cross-request").details[-1]
