@@ -278,7 +278,7 @@ def serve(args, sock: socket.socket) -> int:
         tokenizer=tokenizer,  # stop strings, structured output
         prefix_caching=caching,
         speculative_tokens=args.speculative_tokens,
-        scheduling=getattr(args, "scheduling_policy", "fcfs"),
+        scheduling=args.scheduling_policy,
     )
     ops.available()  # build the native kernels now (once, about a minute) rather than in the first request
     engine.prepare_structured_output()  # likewise llguidance's view of the tokenizer (~0.2 s)

@@ -138,13 +138,6 @@ class PrefixCache:
             tables.append([0] * first + [b if g == 0 else self._others[b][g - 1] for b in chain[first:k]])
         return tables
 
-    def _whole(self, chain: list[int], k: int) -> bool:
-        """Whether every block the rows from position ``k * block_size`` on read is kept, in every group."""
-        return all(
-            all(t[self.paging.first_kept(w, k * self.block_size) :])
-            for t, w in zip(self._reads(chain, k), self.paging.windows)
-        )
-
     def match(self, tokens: list[int], most: int) -> tuple[int, list[list[int]]]:
         """``(k, tables)``: the largest ``k`` with ``k * block_size <= most`` whose kept blocks hold
         ``tokens[:k * block_size]`` and, in every group, the blocks that rows from there on read; the
@@ -157,10 +150,12 @@ class PrefixCache:
             self._recent.move_to_end(block)
             chain.append(block)
             parent = block
-        k = len(chain)
-        while k and not self._whole(chain, k):
-            k -= 1  # a window group's block let go before it was kept
-        tables = self._reads(chain, k) if k else self.paging.new()
+        k, tables = len(chain), self.paging.new()
+        while k:  # cut back where a window group's block was let go before it was kept
+            tables = self._reads(chain, k)
+            if all(all(t[self.paging.first_kept(w, k * S) :]) for t, w in zip(tables, self.paging.windows)):
+                break
+            k, tables = k - 1, self.paging.new()
         self.paging.share([[b for b in t if b] for t in tables])
         return k, tables
 

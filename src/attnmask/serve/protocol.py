@@ -166,14 +166,20 @@ def _choices(body: dict, *, chat: bool) -> tuple[int, int]:
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's extensions
 
 
+def _structured_fields(body: dict) -> list[str]:
+    """The fields that ask for structured output (``response_format`` of type ``text`` does not)."""
+    fmt = body.get("response_format")
+    text = isinstance(fmt, dict) and fmt.get("type") == "text"
+    return [name for name in ("response_format", *GUIDED) if body.get(name) is not None and not (
+        name == "response_format" and text)]  # fmt: skip
+
+
 def _grammar(body: dict) -> Grammar | None:
     """The structured output a request asks for: ``response_format`` or one of vLLM's ``guided_*``."""
-    asked = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
+    asked = _structured_fields(body)
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object", "json_schema")):
         raise _bad("response_format", "{'type': 'text' | 'json_object' | 'json_schema', ...}", fmt)
-    if fmt is not None and fmt["type"] == "text":
-        asked.remove("response_format")
     if len(asked) > 1:
         raise ApiError(400, f"give one kind of structured output; got {', '.join(asked)}", param=asked[1])
     if not asked:
@@ -214,12 +220,9 @@ def _tools(body: dict) -> Tools | None:
         tools = parse_tools(body)
     except ToolError as err:
         raise ApiError(400, err.message, param=err.param) from err
-    if tools is not None:
-        asked = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
-        fmt = body.get("response_format")
-        if asked and not (asked == ["response_format"] and isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise ApiError(400, f"give 'tools' or structured output ('{asked[0]}'), not both: tool calls are "
-                           "JSON of their own form", param=asked[0])  # fmt: skip
+    if tools is not None and (asked := _structured_fields(body)):
+        raise ApiError(400, f"give 'tools' or structured output ('{asked[0]}'), not both: tool calls are "
+                       "JSON of their own form", param=asked[0])  # fmt: skip
     return tools
 
 

@@ -71,9 +71,10 @@ def check_cross_request(probe: Probe) -> CheckResult:
         fresh, _ = probe.subject.engine_answers(prompts, False)
         for j, (got, want) in enumerate(zip(cached, fresh)):
             if got != want:
+                what = f"tokens {got[0]} where it answers {want[0]}" if got[0] != want[0] else "other log-probabilities"
                 problems.append(
-                    f"request {j}, started from another request's kept cache blocks (prefix caching), answers "
-                    f"{got[0]} where it answers {want[0]} computing them itself: reused blocks are not its own bits"
+                    f"request {j}, started from another request's kept cache blocks (prefix caching), answers with "
+                    f"{what} computing them itself: reused blocks are not its own bits"
                 )
         if found == 0:
             problems.append("prefix caching found nothing kept: the requests' shared start was not reused")
