@@ -118,6 +118,54 @@ def test_a_rows_product_is_the_same_bits_in_any_batch(threads):
         torch.set_num_threads(before)
 
 
+def _first_largest(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The arg-max of the exact float32 logits, as greedy decoding takes it without the screen."""
+    return decoding.linear_panels(h, decoding.panels(w), None, w.shape[0]).max(dim=-1).indices
+
+
+@pytest.mark.parametrize(("n", "k"), [(50, 7), (1000, 64), (3001, 600)])
+def test_the_screened_arg_max_matches_its_definition_bit_for_bit(n, k):
+    """head_argmax answers each row's first largest output of linear_panels, on random rows, rows that
+    tie exactly (the first wins), rows whose weights differ only in their low 16 bits (the screen
+    cannot tell them apart), and a row of x along one of the weight's rows."""
+    w, h = _randn(n, k, seed=7), _randn(9, k, seed=8)
+    w[n // 2] = w[3]  # an exact tie with an earlier row
+    w[n - 1] = torch.nextafter(w[5], torch.full_like(w[5], torch.inf))  # above row 5 in the low bits only
+    h[1] = w[3] * 3
+    h[2], h[3] = w[5].clamp(min=0), w[n - 1]
+    want = _first_largest(h, w)
+    assert torch.equal(decoding.head_argmax(h, w, *decoding.screen(w)), want)
+    assert int(want[1]) == 3, "the exact tie goes to the first row"
+
+
+def test_the_screen_bounds_its_estimates_and_keeps_the_row_it_ranks_lower():
+    """Row b's weights sit just below the next bfloat16 value (their upper halves lose almost 2^-7 of
+    each), row a's are bfloat16 values with one raised a step: the screen ranks a above b, the exact
+    logits b above a. Only a bound on the screen's error keeps b in the running."""
+    k = 256
+    v = (1 + torch.arange(k) % 7 / 8).float()  # bfloat16 values: their low 16 bits are zero
+    a = v.clone()
+    a[0] = torch.nextafter(v[0].bfloat16(), torch.tensor(9.0, dtype=torch.bfloat16)).float()
+    below = (v.view(torch.int32) + 0xFFFF).view(torch.float32)  # the largest float32 with v's upper half
+    w = torch.stack([_randn(k, seed=9) * 1e-3, a, below])  # rows: noise, a, b
+    h = torch.ones(1, k)
+    screen, bound = decoding.screen(w)
+    exact = decoding.linear_panels(h, decoding.panels(w), None, 3)[0]
+    estimate = h[0] @ (w.view(torch.int32) & ~0xFFFF).view(torch.float32).T
+    assert estimate[1] > estimate[2] and exact[2] > exact[1]  # the case is what it says
+    assert int(decoding.head_argmax(h, w, screen, bound)[0]) == 2
+    assert int(decoding.head_argmax(h, w, screen, torch.zeros_like(bound))[0]) == 1  # without the bound: wrong
+
+
+def test_rows_the_screen_leaves_open_are_answered_from_the_whole_head():
+    """Non-finite inputs: head_argmax answers -1 and argmax_rows the whole product's arg-max."""
+    w, h = _randn(5000, 64, seed=10), _randn(3, 64, seed=11)
+    h[1, 5] = torch.inf
+    found = decoding.head_argmax(h, w, *decoding.screen(w))
+    assert found[1] == -1 and found[0] >= 0 and found[2] >= 0
+    torch.testing.assert_close(decoding.argmax_rows(h, w), _first_largest(h, w), rtol=0, atol=0)
+
+
 def _fused_model():
     return fuse_projections_(
         tiny_model(
@@ -193,6 +241,27 @@ def test_one_call_is_its_definition_call_by_call(monkeypatch):
     by_calls = _decoded(model)
     assert torch.equal(by_calls, whole), f"differ by up to {(by_calls - whole).abs().max():.3g}"
     assert calls == {"paged_attend": 6 * len(model.layers)}
+
+
+def test_greedy_decoding_takes_the_screened_arg_max_and_the_tokens_of_the_logits(monkeypatch):
+    """Greedy decoding without penalties or grammars asks the step for arg-max tokens: packed_step ends at
+    the final norm's rows and head_argmax picks each token (made to screen this small head too), the tokens
+    that the logits' arg-max gives, in one call a step and through the step's definition alike. Sampling
+    still gets logits."""
+    model = tiny_model("decoder", vocab=300, std=0.3, positions="rotary", n_heads=4, n_kv_heads=2, norm="rmsnorm",
+                       activation="swiglu", tie_embeddings=False)  # fmt: skip
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [4]]
+    want = decode.greedy(model, prompts=prompts, max_new_tokens=12, eos_id=None)  # a small head: the logits' max
+    monkeypatch.setattr(decoding, "SCREEN_MIN_WEIGHTS", 0)
+    calls = _counted(monkeypatch, "head_argmax", "packed_step")
+    assert decode.greedy(model, prompts=prompts, max_new_tokens=12, eos_id=None) == want
+    assert calls == {"head_argmax": 12, "packed_step": 12}  # the prefill and 11 steps, 3 rows each
+    monkeypatch.setattr(decoding, "packed_step", decoding.packed_step_reference)
+    assert decode.greedy(model, prompts=prompts, max_new_tokens=12, eos_id=None) == want
+    calls["head_argmax"] = 0
+    decode.generate_ids(model, prompts=prompts, max_new_tokens=3, eos_id=None, temperature=0.7,
+                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert calls["head_argmax"] == 0
 
 
 SOURCES = [[5, 6, 7, 8, 9, 2], [10, 11, 2], [4, 2]]

@@ -446,6 +446,19 @@ def _layer_window(cfg, i: int) -> int:
     return int(window(i)) if window is not None else int(getattr(cfg, "sliding_window", 0) or 0)
 
 
+def _screened_head(model) -> Tensor | None:
+    """The head's weight where :func:`attnmask.ops.decoding.argmax_rows` can find its arg-max without the
+    logits: a plain float32 CPU linear map without a bias, unwatched, large enough to pay, native kernels
+    built; else None."""
+    head = model.lm_head
+    if type(head) not in (nn.Linear, Linear) or head.bias is not None or _watched(head):
+        return None
+    w = head.weight
+    if w.numel() < decoding.SCREEN_MIN_WEIGHTS or not (w.is_contiguous() and _native(w)):
+        return None
+    return w
+
+
 def _operands(proj: nn.Module | None) -> tuple[int, list[Tensor]] | None:
     """A product as ``packed_step`` takes it: GGUF blocks, or a float32 weight in panels and its bias."""
     if proj is None or _watched(proj):
@@ -718,8 +731,10 @@ def packed_forward(
     memory: SourceMemory | None = None,
     row_src: Tensor | None = None,
     flex: bool | None = None,
+    argmax: bool = False,
 ) -> Tensor:
-    """One step of ``model`` over packed rows; returns the logits of ``logit_rows`` only ``(M, V)``.
+    """One step of ``model`` over packed rows; returns the logits of ``logit_rows`` only ``(M, V)``, or with
+    ``argmax`` their arg-max tokens ``(M,)``.
 
     Args:
         tokens, positions, row_seq: ``(N,)`` int64: each row's token, its position in its sequence,
@@ -737,6 +752,10 @@ def packed_forward(
             the index of its sequence's source in ``memory``.
         flex: self-attention through FlexAttention and a ``BlockMask`` of :func:`paged_mask` (None: on
             CUDA, where FlexAttention is available; the CPU keeps ``paged_attend``).
+        argmax: return each logit row's first largest logit's token, as ``logits.max(-1).indices`` of
+            the logits would: for a large float32 head on the CPU found exactly without computing the
+            logits (:func:`attnmask.ops.decoding.argmax_rows`: half of the head's bytes read, and a few
+            of its rows), the whole head where the step cannot do that. Greedy decoding's step.
 
     Keys and values of every row are written into ``cache`` before the rows attend, so a chunk's
     rows see each other causally, and later steps see them all.
@@ -757,23 +776,31 @@ def packed_forward(
         if cfg.positions == "rotary":
             cos, sin = model.rotary.cos_sin(positions[None])  # (1, 1, N, D)
             cos, signed = cos[0, 0].contiguous(), Rotary.signed_sin(sin)[0, 0].contiguous()  # (N, D)
-        return decoding.seq2seq_step(
+        logits = decoding.seq2seq_step(
             x.contiguous(), cos, signed, plan.norms, plan.eps, plan.pre, plan.rms, plan.products, plan.kinds,
             plan.activation, cache.k, cache.v, tables, cache.layer_group, plan.windows, memory.k, memory.v,
             memory.tables, row_seq, positions, row_src, (lengths - 1).clamp(min=0), src_real, logit_rows, plan.heads,
             plan.kv_heads, plan.head_dim**-0.5,
         )  # fmt: skip
+        return logits.max(dim=-1).indices if argmax else logits
+    screened = _screened_head(model) if argmax else None
     if isinstance(plan, FusedPlan) and memory is None and not flex:
         cos, signed = x.new_empty(0), x.new_empty(0)
         if plan.rotaries:
             factors = [rotary.cos_sin(positions[None]) for rotary in plan.rotaries]  # (1, 1, N, D) each
             cos = torch.cat([c[0] for c, _ in factors])  # (R, N, D)
             signed = torch.cat([Rotary.signed_sin(s)[0] for _, s in factors])  # (R, N, D)
-        return decoding.packed_step(
-            x.contiguous(), cos, signed, plan.layer_rope, plan.norms, plan.eps, plan.products, plan.kinds,
+        products, kinds = plan.products, plan.kinds
+        if screened is not None:  # the step ends at the final norm's rows (the head: NONE), argmax_rows does the rest
+            products, kinds = products[: -len(_operands(model.lm_head)[1])], [*kinds[:-1], decoding.NONE]
+        out = decoding.packed_step(
+            x.contiguous(), cos, signed, plan.layer_rope, plan.norms, plan.eps, products, kinds,
             plan.activation, cache.k, cache.v, tables, cache.layer_group, plan.windows, row_seq, positions,
             logit_rows, plan.heads, plan.kv_heads, plan.head_dim**-0.5,
         )  # fmt: skip
+        if screened is not None:
+            return decoding.argmax_rows(out, screened)
+        return out.max(dim=-1).indices if argmax else out
     slots = [slots_of(t, row_seq, positions, cache.block_size) for t in tables]  # (N,) each group
     flex_masks = _FlexMasks(cache, tables, row_seq, positions) if flex else None
     ropes = _rotaries(model, positions)
@@ -803,5 +830,8 @@ def packed_forward(
         sublayers.append((mods["mlp_norm"], lambda h, m=mods["mlp"]: _mlp(m, h), getattr(layer, "post_mlp_norm", None)))
         for norm, fn, post in sublayers:  # post: a norm of the sublayer's output (Gemma 3), or None
             x = x + _norm(post, fn(_norm(norm, x))) if layer.pre else _norm(norm, x + _norm(post, fn(x)))
-    h = x.index_select(0, logit_rows)  # (M, C)
-    return _product(model.lm_head, _norm(model.norm, h))  # (M, V)
+    h = _norm(model.norm, x.index_select(0, logit_rows))  # (M, C)
+    if screened is not None and _native(h):
+        return decoding.argmax_rows(h.contiguous(), screened)
+    logits = _product(model.lm_head, h)  # (M, V)
+    return logits.max(dim=-1).indices if argmax else logits

@@ -252,15 +252,18 @@ class DecodeState:
         self.tables = [[] for _ in self.tables]
         self._table_tensors = None
 
-    def forward(self, rows: list[int], positions: list[int], tokens: Tensor, logit_rows: Tensor) -> Tensor:
-        """One packed step: ``tokens (N,)`` of rows ``rows`` at ``positions`` -> the logits of ``logit_rows``."""
+    def forward(
+        self, rows: list[int], positions: list[int], tokens: Tensor, logit_rows: Tensor, argmax: bool = False
+    ) -> Tensor:
+        """One packed step: ``tokens (N,)`` of rows ``rows`` at ``positions`` -> the logits of ``logit_rows``
+        (with ``argmax``: their arg-max tokens, :func:`~attnmask.decode.step.packed_forward`)."""
         device = self.cache.k[0].device
         row_seq = torch.tensor(rows, dtype=torch.long, device=device)  # (N,)
         row_pos = torch.tensor(positions, dtype=torch.long, device=device)  # (N,)
         row_src = None if self.row_src is None else self.row_src.index_select(0, row_seq)
         return packed_forward(
             self.model, self.cache, tokens, row_pos, row_seq, self._tables(), logit_rows, self.plan,
-            memory=self.memory, row_src=row_src,
+            memory=self.memory, row_src=row_src, argmax=argmax,
         )  # fmt: skip
 
 
@@ -313,6 +316,7 @@ def start(
     max_new_tokens: int | Sequence[int] | None = None,
     beams: int = 1,
     sos_id: int = SOS_ID,
+    argmax: bool = False,
 ) -> tuple[DecodeState, Tensor, Tensor]:
     """Encode the sources once (encoder-decoder) or prefill the prompts (decoder-only).
 
@@ -326,7 +330,8 @@ def start(
         beams: hypotheses per row the cache must have room for (beam search forks rows); 1: rows
             that never share a block (greedy, sampling), each row's blocks held once.
 
-    Returns ``(state, logits (B, V), limits (B,))``.
+    Returns ``(state, logits (B, V), limits (B,))``; with ``argmax``, each row's arg-max token ``(B,)``
+    in place of its logits (greedy decoding: see :func:`~attnmask.decode.step.packed_forward`).
 
     Raises ValueError for the wrong input kind, empty inputs, or inputs longer than the model's
     maximum.
@@ -391,7 +396,7 @@ def start(
         last = [i for i, (r, p, _) in enumerate(chunk) if p == len(seqs[r]) - 1]
         tokens = torch.tensor([t for _, _, t in chunk], dtype=torch.long, device=device)
         out = state.forward([r for r, _, _ in chunk], [p for _, p, _ in chunk], tokens,
-                            torch.tensor(last, dtype=torch.long, device=device))  # fmt: skip
+                            torch.tensor(last, dtype=torch.long, device=device), argmax)  # fmt: skip
         for i, row in zip(last, out):
             logits[chunk[i][0]] = row
     state.forget()
@@ -399,13 +404,15 @@ def start(
 
 
 @torch.inference_mode()
-def decode_step(model, state: DecodeState, tokens: Tensor) -> Tensor:
-    """Feed one token per row ``(b,)``; returns the next logits ``(b, V)``."""
+def decode_step(model, state: DecodeState, tokens: Tensor, argmax: bool = False) -> Tensor:
+    """Feed one token per row ``(b,)``; returns the next logits ``(b, V)`` (``argmax``: the next greedy
+    tokens ``(b,)``, found without the whole head where it can be, see
+    :func:`~attnmask.decode.step.packed_forward`)."""
     positions = state.next_pos.tolist()
     state._writable(positions)
     b = len(positions)
     rows = torch.arange(b, device=tokens.device)
-    logits = state.forward(list(range(b)), positions, tokens.reshape(b), rows)  # (b, V)
+    logits = state.forward(list(range(b)), positions, tokens.reshape(b), rows, argmax)  # (b, V) or (b,)
     state.next_pos += 1
     return logits
 
@@ -445,8 +452,13 @@ def _steps(
     grammar is complete finishes.
     """
     stops = stop_set(eos_id)
+    # greedy without penalties or grammars needs no logits, only each row's arg-max: the step finds it
+    # without reading the whole head where it can, the same tokens as sample() on the logits
+    argmax = sampling.greedy and not penalties.active and matchers is None
     with eval_mode(model):
-        state, logits, limits = start(model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, sos_id=sos_id)
+        state, logits, limits = start(
+            model, src=src, prompts=prompts, max_new_tokens=max_new_tokens, sos_id=sos_id, argmax=argmax
+        )
         B = state.rows
         rows = torch.arange(B, device=limits.device)  # (b,) original row of each running row
         histories = _histories(prompts, B, model.config.pad_id) if penalties.active else None
@@ -459,7 +471,7 @@ def _steps(
                                   [histories[r] for r in running])  # fmt: skip
                 if matchers is not None:  # each row's disallowed tokens to -inf, from its own matcher
                     mask_rows(logits, list(range(len(rows))), [matchers[r] for r in rows.tolist()], restorable=False)
-                tokens = sample(logits, sampling)  # (b,)
+                tokens = logits if argmax else sample(logits, sampling)  # (b,)
                 if histories is not None:
                     for r, t in zip(rows.tolist(), tokens.tolist()):
                         histories[r].add(t)
@@ -481,7 +493,7 @@ def _steps(
                     # finished rows leave the batch: their blocks are freed, not computed on
                     state.select(running)
                     rows, tokens = rows[running], tokens[running]
-                logits = decode_step(model, state, tokens)  # (b, V)
+                logits = decode_step(model, state, tokens, argmax)  # (b, V), or (b,) tokens
         finally:
             state.release()
 

@@ -16,6 +16,11 @@ operators do the same work in one call each (figures: the SmolLM2 sections of ``
   each output one chain of multiply-adds over ``k`` in order whatever the number of rows
   (batch-invariant), the panels split over PyTorch's threads; ``linear_rows(x, weight, bias)`` is the
   same product, bit for bit, for a row-major ``W`` packed at each call;
+- ``torch.ops.attnmask.head_argmax(h, weight, screen, bound)``: each row's arg-max of ``h W^T`` as
+  ``linear_panels`` computes it (the first of equal largest), exactly, from half of ``W``'s bytes: estimates
+  from the upper 16 bits of each weight (``pack_screen``), a proven bound on how far each estimate can be
+  from the exact output, and the exact outputs of the few rows that can still win (:func:`screen` keeps the
+  screen and bounds of a weight; :func:`argmax_rows` the whole step: greedy decoding's head);
 - ``torch.ops.attnmask.paged_attend(q, k_pool, v_pool, tables, row_seq, row_pos, window, heads, scale)``:
   packed rows of several sequences, each attending to its own sequence's cached keys up to its own
   position (and within ``window``), read through a block table: the serving engine's attention
@@ -60,6 +65,12 @@ __all__ = [
     "pack_panels",
     "pack_panels_reference",
     "panels",
+    "argmax_rows",
+    "head_argmax",
+    "head_argmax_reference",
+    "pack_screen",
+    "pack_screen_reference",
+    "screen",
     "packed_step",
     "packed_step_reference",
     "paged_attend",
@@ -125,6 +136,17 @@ def unpack_panels(panels: Tensor, n: int) -> Tensor:
 
 def linear_panels_reference(x: Tensor, panels: Tensor, bias: Tensor | None, n: int) -> Tensor:
     return F.linear(x, unpack_panels(panels, n), bias)
+
+
+def pack_screen_reference(weight: Tensor) -> Tensor:
+    """The upper 16 bits of each weight (its bfloat16 bits, truncated toward zero) as int16 panels."""
+    return pack_panels_reference((weight.float().view(torch.int32) >> 16).to(torch.int16))
+
+
+def head_argmax_reference(h: Tensor, weight: Tensor, screen: Tensor, bound: Tensor) -> Tensor:
+    """What ``head_argmax`` answers: the first largest output of each row of ``h W^T``, from the whole
+    product (the screen and bounds unread)."""
+    return linear_rows_reference(h, weight, None).max(dim=-1).indices
 
 
 _PANELS = torch.utils.weak.WeakIdKeyDictionary()  # weight -> ((version, address, shape), its panels)
@@ -289,7 +311,8 @@ def packed_step_reference(
             a = gated_reference(project(p + GATE_UP, h), project(p + UP, h), activation)
         delta = norm(n + POST_MLP_NORM, project(p + DOWN, a.contiguous()))
         x, h = add_rms_norm(x, delta, norms[n + NORMS], eps[n + NORMS])
-    return project(PRODUCTS * L, h.index_select(0, logit_rows).contiguous())
+    h = h.index_select(0, logit_rows).contiguous()
+    return h if kinds[PRODUCTS * L] == NONE else project(PRODUCTS * L, h)
 
 
 # seq2seq_step's slots, per decoder layer: its norms (self-attention, cross-attention, MLP), each a
@@ -416,6 +439,8 @@ _LIBRARY.define("silu_mul(Tensor gate_up) -> Tensor")
 _LIBRARY.define("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("pack_panels(Tensor weight) -> Tensor")
 _LIBRARY.define("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor")
+_LIBRARY.define("pack_screen(Tensor weight) -> Tensor")
+_LIBRARY.define("head_argmax(Tensor h, Tensor weight, Tensor screen, Tensor bound) -> Tensor")
 _LIBRARY.define(
     "packed_step(Tensor x, Tensor cos, Tensor signed_sin, int[] layer_rope, Tensor[] norms, float[] eps, "
     "Tensor[] products, int[] kinds, str activation, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
@@ -465,10 +490,21 @@ def _(x, panels, bias, n):
     return x.new_empty(x.shape[0], n)
 
 
+@torch.library.register_fake("attnmask::pack_screen", lib=_LIBRARY)
+def _(weight):
+    return pack_screen_reference(weight)
+
+
+@torch.library.register_fake("attnmask::head_argmax", lib=_LIBRARY)
+def _(h, weight, screen, bound):
+    return h.new_empty(h.shape[0], dtype=torch.long)
+
+
 @torch.library.register_fake("attnmask::packed_step", lib=_LIBRARY)
 def _(x, cos, signed_sin, layer_rope, norms, eps, products, kinds, activation, k_pools, v_pools, tables, layer_group,
       windows, row_seq, row_pos, logit_rows, heads, kv_heads, scale):  # fmt: skip
-    return x.new_empty(logit_rows.shape[0], _outputs(products, kinds, len(kinds) - 1))
+    head = x.shape[1] if kinds[-1] == NONE else _outputs(products, kinds, len(kinds) - 1)  # NONE: the normed rows
+    return x.new_empty(logit_rows.shape[0], head)
 
 
 @torch.library.register_fake("attnmask::seq2seq_step", lib=_LIBRARY)
@@ -490,6 +526,8 @@ for _name, _definition in [
     ("linear_rows", linear_rows_reference),
     ("pack_panels", pack_panels_reference),
     ("linear_panels", linear_panels_reference),
+    ("pack_screen", pack_screen_reference),
+    ("head_argmax", head_argmax_reference),
     ("paged_attend", paged_attend_reference),
     ("packed_step", packed_step_reference),
     ("seq2seq_step", seq2seq_step_reference),
@@ -505,3 +543,55 @@ seq2seq_step = torch.ops.attnmask.seq2seq_step.default
 linear_rows = torch.ops.attnmask.linear_rows.default
 pack_panels = torch.ops.attnmask.pack_panels.default
 linear_panels = torch.ops.attnmask.linear_panels.default
+pack_screen = torch.ops.attnmask.pack_screen.default
+head_argmax = torch.ops.attnmask.head_argmax.default
+
+SCREEN_MIN_WEIGHTS = 1 << 22  # heads smaller than this (4M weights, 16 MiB) are read whole: little to save
+# more rows than this read the head whole: the screen's products, each weight widened before its multiply-adds,
+# cost about what the exact ones do from 16 rows on (Intel Xeon, 2 threads: docs/benchmarks.md)
+SCREEN_MAX_ROWS = 16
+_SCREENS = torch.utils.weak.WeakIdKeyDictionary()  # weight -> ((version, address, shape), (screen, bound))
+
+
+def screen(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``weight (N, K)``'s screen and bounds for ``head_argmax``, made once and kept while ``weight`` lives
+    (made again when it changes), as :func:`panels` keeps its panels: the upper 16 bits of each weight in
+    panels (half the weight's bytes, a third copy of it beside the weight and its panels) and, per row,
+    ``||w - h|| + 3 gamma_K ||w||`` (``h``: the row's upper halves as floats; ``gamma_K = K u / (1 - K u)``,
+    ``u = 2^-24``) in float64, rounded up: with ``||x||`` it bounds how far a row's estimate can be from
+    its exact output (``csrc/decoding.cpp``)."""
+    key = (weight._version, weight.data_ptr(), tuple(weight.shape))
+    held = _SCREENS.get(weight)
+    if held is not None and held[0] == key:
+        return held[1]
+    w = weight.detach()
+    n, k = w.shape
+    if k * 2.0**-24 >= 0.5:
+        raise ValueError(f"head_argmax bounds sums of at most 2^23 products; the weight has {k} columns")
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+    bound = torch.empty(n, dtype=torch.float64)
+    for a in range(0, n, 8192):  # float64 copies of a few rows at a time
+        rows = w[a : a + 8192]
+        hi = (rows.view(torch.int32) & ~0xFFFF).view(torch.float32)  # exact: the low bits are cleared
+        rest = (rows - hi).double()  # exact too: the low 16 bits, at most 16 significant ones
+        bound[a : a + 8192] = rest.norm(dim=1) + 3 * gamma * rows.double().norm(dim=1)
+    bound = (bound * (1 + 1e-9)).contiguous()  # above float64's rounding of the norms
+    made = (pack_screen(w), bound)
+    _SCREENS[weight] = (key, made)
+    return made
+
+
+def argmax_rows(h: Tensor, weight: Tensor) -> Tensor:
+    """Each row's first largest output of ``h (M, K) weight (N, K)^T`` as ``linear_panels`` computes it,
+    ``(M,)`` int64: through ``head_argmax`` (half of the weight's bytes and a few rows) where the weight
+    is large enough and the rows few enough for that to pay, the whole product for the rows it leaves
+    open (non-finite values, too many rows within reach of the top). Call it with the native kernels
+    loaded: without them the screen is the PyTorch definition's, which reads the whole weight."""
+    if weight.numel() < SCREEN_MIN_WEIGHTS or h.shape[0] > SCREEN_MAX_ROWS:
+        return linear_panels(h, panels(weight), None, weight.shape[0]).max(dim=-1).indices
+    found = head_argmax(h, weight, *screen(weight))
+    open_rows = (found < 0).nonzero().squeeze(1)
+    if open_rows.numel():
+        whole = linear_panels(h.index_select(0, open_rows).contiguous(), panels(weight), None, weight.shape[0])
+        found[open_rows] = whole.max(dim=-1).indices
+    return found

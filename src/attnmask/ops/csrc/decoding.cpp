@@ -813,6 +813,98 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
     return out;
 }
 
+// W (N, K) float32's screen for head_argmax: the upper 16 bits of each weight in the panel layout of this
+// build, (P, K, width) int16.
+at::Tensor pack_screen(const at::Tensor &weight) {
+    const char *op = "pack_screen";
+    check_rows(weight, op, "weight");
+    TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight has shape ", weight.sizes(), "; expected (N, K)");
+    const int64_t N = weight.size(0), K = weight.size(1), width = attnmask::panel_width();
+    at::Tensor panels = at::empty({(N + width - 1) / width, K, width}, weight.options().dtype(at::kShort));
+    attnmask::pack_hi_panels(weight.const_data_ptr<float>(), N, K,
+                             reinterpret_cast<uint16_t *>(panels.mutable_data_ptr<int16_t>()));
+    return panels;
+}
+
+// The arg-max over n of each row's x_m . w_n as linear_panels computes it (the first of equal largest), for
+// W (N, K) float32 without a bias, reading half of W's bytes and a few of its rows:
+//   1. estimates e_n = x_m . h_n from the screen (pack_screen: h_n, w_n truncated to its upper 16 bits), in
+//      float32 in any order;
+//   2. how far an estimate can be from the exact output: |x.w - e| <= |x.(w - h)| + (the rounding of both
+//      sums) <= (||w_n - h_n|| + 3 gamma_K ||w_n||) ||x_m|| = bound[n] ||x_m|| (Cauchy-Schwarz; gamma_K =
+//      K u / (1 - K u), u = 2^-24, bounds any order of K multiply-adds, and |h| <= |w|); `bound` (N,)
+//      float64 is computed once with the screen, rounded up;
+//   3. the winner's exact output is at least every output, so its estimate plus its bound reaches the
+//      largest estimate minus its bound: only the rows n with e_n + B_n >= max_j (e_j - B_j) can win;
+//   4. those rows' exact outputs by rows_matmul (the bits of linear_panels) and their first largest.
+// The comparisons run in float64, with a margin over their own rounding. A row of x whose estimates or
+// candidates are not all finite, or that leaves more than N / 8 candidates (and more than 64), is answered -1: the caller
+// computes that row's logits whole.
+at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const at::Tensor &screen,
+                       const at::Tensor &bound) {
+    const char *op = "head_argmax";
+    check_rows(h, op, "h");
+    check_rows(weight, op, "weight");
+    const int64_t width = attnmask::panel_width();
+    TORCH_CHECK_VALUE(h.dim() == 2 && weight.dim() == 2 && h.size(1) == weight.size(1), op, ": h has shape ",
+                      h.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
+    const int64_t M = h.size(0), N = weight.size(0), K = weight.size(1);
+    TORCH_CHECK_VALUE(screen.scalar_type() == at::kShort && screen.is_contiguous() && screen.dim() == 3 &&
+                          screen.size(0) == (N + width - 1) / width && screen.size(1) == K && screen.size(2) == width,
+                      op, ": screen has shape ", screen.sizes(), " and dtype ", screen.scalar_type(),
+                      "; expected int16 (ceil(N / ", width, "), K, ", width, ") from pack_screen of this build");
+    TORCH_CHECK_VALUE(bound.scalar_type() == at::kDouble && bound.is_contiguous() && bound.dim() == 1 &&
+                          bound.size(0) == N,
+                      op, ": bound has shape ", bound.sizes(), " and dtype ", bound.scalar_type(),
+                      "; expected float64 (", N, ",)");
+    at::Tensor out = at::empty({M}, h.options().dtype(at::kLong));
+    int64_t *o = out.mutable_data_ptr<int64_t>();
+    if (M == 0) return out;
+    TORCH_CHECK_VALUE(N > 0, op, ": weight has no rows");
+    at::Tensor est = at::empty({M, N}, h.options());
+    const float *x = h.const_data_ptr<float>(), *w = weight.const_data_ptr<float>();
+    attnmask::screen_matmul(x, M, reinterpret_cast<const uint16_t *>(screen.const_data_ptr<int16_t>()), N, K,
+                            est.mutable_data_ptr<float>());
+    const double *b = bound.const_data_ptr<double>();
+    const double MARGIN = 1.0 + 1e-6;  // over float64's rounding of the norms and the comparisons
+    // each row alone (its candidates' exact outputs: rows_matmul, run inline inside this loop's threads)
+    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> cand;
+        std::vector<float> rows, vals;
+        for (int64_t m = begin; m < end; m++) {
+            const float *xm = x + m * K, *e = est.const_data_ptr<float>() + m * N;
+            double sq = 0;
+            for (int64_t k = 0; k < K; k++) sq += static_cast<double>(xm[k]) * xm[k];
+            const double nx = std::sqrt(sq) * MARGIN;
+            o[m] = -1;
+            if (!std::isfinite(nx)) continue;
+            double top = -std::numeric_limits<double>::infinity();  // max_j (e_j - B_j)
+            bool finite = true;
+            for (int64_t n = 0; n < N; n++) {
+                finite &= std::isfinite(e[n]);
+                top = std::max(top, e[n] - b[n] * nx);
+            }
+            if (!finite) continue;
+            cand.clear();
+            for (int64_t n = 0; n < N; n++)
+                if (e[n] + b[n] * nx >= top) cand.push_back(n);
+            const int64_t c = static_cast<int64_t>(cand.size());
+            if (c > std::max<int64_t>(64, N / 8)) continue;
+            rows.resize(static_cast<size_t>(c * K));
+            vals.resize(static_cast<size_t>(c));
+            for (int64_t i = 0; i < c; i++) std::copy(w + cand[i] * K, w + (cand[i] + 1) * K, rows.data() + i * K);
+            attnmask::rows_matmul(xm, 1, rows.data(), c, K, nullptr, vals.data());
+            int64_t best = 0;
+            for (int64_t i = 0; i < c && finite; i++) {
+                finite &= std::isfinite(vals[i]);
+                if (vals[i] > vals[best]) best = i;
+            }
+            if (finite) o[m] = cand[best];
+        }
+    });
+    return out;
+}
+
 // One product of packed_step, by kind: DENSE is a float32 weight in panels and its bias (N,) or, for none,
 // an empty (N, 0) tensor that gives N, through linear_panels. Q4_1, Q8_0 and Q6_K are a block layer's
 // weight in one of the kernel's layouts (Q4_1 the 4-bit one: Q4_1, and Q4_K repacked into it; Q8_0 the
@@ -895,7 +987,8 @@ std::vector<int64_t> check_layers(const char *op, int64_t L, int64_t C, int64_t 
     std::vector<int64_t> first(kinds.size() + 1, 0);
     for (size_t i = 0; i < kinds.size(); i++) {
         const int64_t slot = i < static_cast<size_t>(PRODUCTS * L) ? static_cast<int64_t>(i) % PRODUCTS : QKV;
-        const bool optional = slot == K || slot == V || slot == UP;
+        const bool head = i == static_cast<size_t>(PRODUCTS * L);  // none: the step returns the final norm's rows
+        const bool optional = slot == K || slot == V || slot == UP || head;
         TORCH_CHECK_VALUE((optional && kinds[i] == NONE) || (DENSE <= kinds[i] && kinds[i] <= Q6_K + INT8), op,
                           ": product kind ", kinds[i], " in slot ", i, " is not one of 0 (float32), 1 (4-bit "
                           "blocks), 2 (8-bit), 3 (8-bit, a scale per 16), 4-6 (those with int8 activations)",
@@ -1103,7 +1196,8 @@ at::Tensor packed_step(const at::Tensor &x0, const at::Tensor &cos, const at::Te
         const int64_t next = n + NORMS;  // the next layer's self_norm, or the final norm
         std::tie(x, h) = add_rms_norm(x, delta, norms[next], eps[next]);
     }
-    return project(PRODUCTS * L, h.index_select(0, logit_rows).contiguous());
+    h = h.index_select(0, logit_rows).contiguous();
+    return kinds[PRODUCTS * L] == NONE ? h : project(PRODUCTS * L, h);
 }
 
 // The slots of seq2seq_step's lists, per decoder layer: its norms (self-attention, cross-attention, MLP),
@@ -1328,6 +1422,8 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("pack_panels", &pack_panels);
     lib.impl("linear_panels", &linear_panels);
     lib.impl("linear_rows", &linear_rows);
+    lib.impl("pack_screen", &pack_screen);
+    lib.impl("head_argmax", &head_argmax);
     lib.impl("paged_attend", &paged_attend);
     lib.impl("packed_step", &packed_step);
     lib.impl("seq2seq_step", &seq2seq_step);
