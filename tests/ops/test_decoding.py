@@ -118,24 +118,27 @@ def test_a_rows_product_is_the_same_bits_in_any_batch(threads):
         torch.set_num_threads(before)
 
 
-def _first_largest(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _first_largest(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """The arg-max of the exact float32 logits, as greedy decoding takes it without the screen."""
-    return decoding.linear_panels(h, decoding.panels(w), None, w.shape[0]).max(dim=-1).indices
+    return decoding.linear_panels(h, decoding.panels(w), b, w.shape[0]).max(dim=-1).indices
 
 
 @pytest.mark.parametrize(("n", "k"), [(50, 7), (1000, 64), (3001, 600)])
 def test_the_screened_arg_max_matches_its_definition_bit_for_bit(n, k):
     """head_argmax answers each row's first largest output of linear_panels, on random rows, rows that
     tie exactly (the first wins), rows whose weights differ only in their low 16 bits (the screen
-    cannot tell them apart), and a row of x along one of the weight's rows."""
+    cannot tell them apart), and a row of x along one of the weight's rows; without a bias and with one."""
     w, h = _randn(n, k, seed=7), _randn(9, k, seed=8)
     w[n // 2] = w[3]  # an exact tie with an earlier row
     w[n - 1] = torch.nextafter(w[5], torch.full_like(w[5], torch.inf))  # above row 5 in the low bits only
     h[1] = w[3] * 3
     h[2], h[3] = w[5].clamp(min=0), w[n - 1]
     want = _first_largest(h, w)
-    assert torch.equal(decoding.head_argmax(h, w, *decoding.screen(w)), want)
+    assert torch.equal(decoding.head_argmax(h, w, None, *decoding.screen(w)), want)
     assert int(want[1]) == 3, "the exact tie goes to the first row"
+    b = _randn(n, seed=12)  # with a bias: added to the estimates, and after each exact chain
+    b[n // 2] = b[3]
+    assert torch.equal(decoding.head_argmax(h, w, b, *decoding.screen(w)), _first_largest(h, w, b))
 
 
 def test_the_screen_bounds_its_estimates_and_keeps_the_row_it_ranks_lower():
@@ -153,15 +156,15 @@ def test_the_screen_bounds_its_estimates_and_keeps_the_row_it_ranks_lower():
     exact = decoding.linear_panels(h, decoding.panels(w), None, 3)[0]
     estimate = h[0] @ (w.view(torch.int32) & ~0xFFFF).view(torch.float32).T
     assert estimate[1] > estimate[2] and exact[2] > exact[1]  # the case is what it says
-    assert int(decoding.head_argmax(h, w, screen, bound)[0]) == 2
-    assert int(decoding.head_argmax(h, w, screen, torch.zeros_like(bound))[0]) == 1  # without the bound: wrong
+    assert int(decoding.head_argmax(h, w, None, screen, bound)[0]) == 2
+    assert int(decoding.head_argmax(h, w, None, screen, torch.zeros_like(bound))[0]) == 1  # without the bound: wrong
 
 
 def test_rows_the_screen_leaves_open_are_answered_from_the_whole_head():
     """Non-finite inputs: head_argmax answers -1 and argmax_rows the whole product's arg-max."""
     w, h = _randn(5000, 64, seed=10), _randn(3, 64, seed=11)
     h[1, 5] = torch.inf
-    found = decoding.head_argmax(h, w, *decoding.screen(w))
+    found = decoding.head_argmax(h, w, None, *decoding.screen(w))
     assert found[1] == -1 and found[0] >= 0 and found[2] >= 0
     torch.testing.assert_close(decoding.argmax_rows(h, w), _first_largest(h, w), rtol=0, atol=0)
 

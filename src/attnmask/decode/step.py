@@ -446,17 +446,16 @@ def _layer_window(cfg, i: int) -> int:
     return int(window(i)) if window is not None else int(getattr(cfg, "sliding_window", 0) or 0)
 
 
-def _screened_head(model) -> Tensor | None:
-    """The head's weight where :func:`attnmask.ops.decoding.argmax_rows` can find its arg-max without the
-    logits: a plain float32 CPU linear map without a bias, unwatched, large enough to pay, native kernels
-    built; else None."""
+def _screened_head(model) -> nn.Module | None:
+    """The head where :func:`attnmask.ops.decoding.argmax_rows` can find its arg-max without the logits: a
+    plain float32 CPU linear map, unwatched, large enough to pay, native kernels built; else None."""
     head = model.lm_head
-    if type(head) not in (nn.Linear, Linear) or head.bias is not None or _watched(head):
+    if type(head) not in (nn.Linear, Linear) or _watched(head):
         return None
-    w = head.weight
+    w, b = head.weight, head.bias
     if w.numel() < decoding.SCREEN_MIN_WEIGHTS or not (w.is_contiguous() and _native(w)):
         return None
-    return w
+    return head if b is None or (b.dtype == torch.float32 and b.is_contiguous()) else None
 
 
 def _operands(proj: nn.Module | None) -> tuple[int, list[Tensor]] | None:
@@ -799,7 +798,7 @@ def packed_forward(
             logit_rows, plan.heads, plan.kv_heads, plan.head_dim**-0.5,
         )  # fmt: skip
         if screened is not None:
-            return decoding.argmax_rows(out, screened)
+            return decoding.argmax_rows(out, screened.weight, screened.bias)
         return out.max(dim=-1).indices if argmax else out
     slots = [slots_of(t, row_seq, positions, cache.block_size) for t in tables]  # (N,) each group
     flex_masks = _FlexMasks(cache, tables, row_seq, positions) if flex else None
@@ -832,6 +831,6 @@ def packed_forward(
             x = x + _norm(post, fn(_norm(norm, x))) if layer.pre else _norm(norm, x + _norm(post, fn(x)))
     h = _norm(model.norm, x.index_select(0, logit_rows))  # (M, C)
     if screened is not None and _native(h):
-        return decoding.argmax_rows(h.contiguous(), screened)
+        return decoding.argmax_rows(h.contiguous(), screened.weight, screened.bias)
     logits = _product(model.lm_head, h)  # (M, V)
     return logits.max(dim=-1).indices if argmax else logits

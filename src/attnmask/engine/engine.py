@@ -408,8 +408,10 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return events
-        # (M, V): the prompt rows to score, one row a sampling chunk, then the rows that check drafts
-        logits, scoring = self._forward(chunks)
+        # (M, V): the prompt rows to score, one row a sampling chunk, then the rows that check drafts; or,
+        # where no row needs more than its arg-max, each sampling chunk's token (M,)
+        argmax = self._argmax_only(chunks)
+        logits, scoring = self._forward(chunks, argmax)
         sampling = [c for c in chunks if c.sample]
         drafts = [list(c.seq.draft) for c in sampling]  # what each chunk checks (cleared below)
         if scoring:  # a chunk's rows in order: the scores in order
@@ -427,7 +429,10 @@ class Engine:
             if prefix is not None:  # before its window groups let blocks go: they are kept too
                 prefix.keep(c.seq)  # its full blocks, for requests that begin the same way
             self.scheduler.forget(c.seq)  # window groups: blocks the next chunk will not read go back now
-        if sampling:
+        if sampling and argmax:
+            for c, token in zip(sampling, logits.tolist()):
+                events.append(self._emit(self._requests[c.seq.request_id], None, token))
+        elif sampling:
             requests = [self._requests[c.seq.request_id] for c in sampling]
             # penalties, biases, min_tokens: in place on the rows of the requests that have them, for the
             # choice only (the log-probabilities are the model's own: restored before they are read)
@@ -532,9 +537,30 @@ class Engine:
             banned.append(tuple(sorted(r.stops)) if holding else ())
         return penalize_rows(logits, rows, penalties, histories, banned) if rows else None
 
-    def _forward(self, chunks: list[Chunk]) -> tuple[Tensor, list[tuple[Chunk, int]]]:
+    def _argmax_only(self, chunks: list[Chunk]) -> bool:
+        """Whether this step's rows need nothing but their arg-max: some chunk samples, and every such
+        chunk's request is greedy, wants no log-probabilities, has no penalties, grammar or ``min_tokens``
+        to apply and checks no draft; no prompt is scored. Then the step finds each token without the
+        logits (:func:`~attnmask.decode.step.packed_forward`'s ``argmax``: exact, so a request's tokens
+        are the same whichever kind of step it is in)."""
+        some = False
+        for c in chunks:
+            request = self._requests[c.seq.request_id]
+            params = request.params
+            if request.scored is not None:
+                return False
+            if not c.sample:
+                continue
+            some = True
+            if (not params.sampling.greedy or params.logprobs or params.top_logprobs or c.drafted
+                    or request.history is not None or request.matcher is not None or params.max_tokens == 0
+                    or c.seq.generated < params.min_tokens):  # fmt: skip
+                return False
+        return some
+
+    def _forward(self, chunks: list[Chunk], argmax: bool = False) -> tuple[Tensor, list[tuple[Chunk, int]]]:
         """The step over ``chunks``: logits of the prompt rows to score (``(chunk, position)`` each, returned
-        too), then of each sampling chunk's last row."""
+        too), then of each sampling chunk's last row (``argmax``: those rows' arg-max tokens only)."""
         device = self.cache.k[0].device
         tokens, positions, row_seq, logit_rows, scoring, sample_rows, draft_rows = [], [], [], [], [], [], []
         for i, c in enumerate(chunks):
@@ -561,7 +587,7 @@ class Engine:
         with torch.inference_mode():
             logits = packed_forward(
                 self.model, self.cache, as_long(tokens), as_long(positions), as_long(row_seq), tables,
-                as_long(logit_rows), self.plan,
+                as_long(logit_rows), self.plan, argmax=argmax,
             )  # fmt: skip
         return logits, scoring
 
@@ -577,7 +603,7 @@ class Engine:
         draw = Sampling(s.temperature, s.top_k, s.top_p, generator=request.generator)
         return int(sample(row[None].cpu(), draw)[0])
 
-    def _emit(self, request: _Request, row: Tensor, token) -> TokenEvent:
+    def _emit(self, request: _Request, row: Tensor | None, token) -> TokenEvent:
         """``token`` appended to the request, as an event (with its log-probabilities from ``row``, the
         model's own logits); the request finishes when it stops or reaches its length."""
         seq, params = request.seq, request.params

@@ -16,7 +16,7 @@ operators do the same work in one call each (figures: the SmolLM2 sections of ``
   each output one chain of multiply-adds over ``k`` in order whatever the number of rows
   (batch-invariant), the panels split over PyTorch's threads; ``linear_rows(x, weight, bias)`` is the
   same product, bit for bit, for a row-major ``W`` packed at each call;
-- ``torch.ops.attnmask.head_argmax(h, weight, screen, bound)``: each row's arg-max of ``h W^T`` as
+- ``torch.ops.attnmask.head_argmax(h, weight, bias, screen, bound)``: each row's arg-max of ``h W^T + b`` as
   ``linear_panels`` computes it (the first of equal largest), exactly, from half of ``W``'s bytes: estimates
   from the upper 16 bits of each weight (``pack_screen``), a proven bound on how far each estimate can be
   from the exact output, and the exact outputs of the few rows that can still win (:func:`screen` keeps the
@@ -143,10 +143,10 @@ def pack_screen_reference(weight: Tensor) -> Tensor:
     return pack_panels_reference((weight.float().view(torch.int32) >> 16).to(torch.int16))
 
 
-def head_argmax_reference(h: Tensor, weight: Tensor, screen: Tensor, bound: Tensor) -> Tensor:
-    """What ``head_argmax`` answers: the first largest output of each row of ``h W^T``, from the whole
+def head_argmax_reference(h: Tensor, weight: Tensor, bias: Tensor | None, screen: Tensor, bound: Tensor) -> Tensor:
+    """What ``head_argmax`` answers: the first largest output of each row of ``h W^T + b``, from the whole
     product (the screen and bounds unread)."""
-    return linear_rows_reference(h, weight, None).max(dim=-1).indices
+    return linear_rows_reference(h, weight, bias).max(dim=-1).indices
 
 
 _PANELS = torch.utils.weak.WeakIdKeyDictionary()  # weight -> ((version, address, shape), its panels)
@@ -440,7 +440,7 @@ _LIBRARY.define("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("pack_panels(Tensor weight) -> Tensor")
 _LIBRARY.define("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor")
 _LIBRARY.define("pack_screen(Tensor weight) -> Tensor")
-_LIBRARY.define("head_argmax(Tensor h, Tensor weight, Tensor screen, Tensor bound) -> Tensor")
+_LIBRARY.define("head_argmax(Tensor h, Tensor weight, Tensor? bias, Tensor screen, Tensor bound) -> Tensor")
 _LIBRARY.define(
     "packed_step(Tensor x, Tensor cos, Tensor signed_sin, int[] layer_rope, Tensor[] norms, float[] eps, "
     "Tensor[] products, int[] kinds, str activation, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
@@ -496,7 +496,7 @@ def _(weight):
 
 
 @torch.library.register_fake("attnmask::head_argmax", lib=_LIBRARY)
-def _(h, weight, screen, bound):
+def _(h, weight, bias, screen, bound):
     return h.new_empty(h.shape[0], dtype=torch.long)
 
 
@@ -581,17 +581,18 @@ def screen(weight: Tensor) -> tuple[Tensor, Tensor]:
     return made
 
 
-def argmax_rows(h: Tensor, weight: Tensor) -> Tensor:
-    """Each row's first largest output of ``h (M, K) weight (N, K)^T`` as ``linear_panels`` computes it,
-    ``(M,)`` int64: through ``head_argmax`` (half of the weight's bytes and a few rows) where the weight
-    is large enough and the rows few enough for that to pay, the whole product for the rows it leaves
-    open (non-finite values, too many rows within reach of the top). Call it with the native kernels
-    loaded: without them the screen is the PyTorch definition's, which reads the whole weight."""
+def argmax_rows(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Each row's first largest output of ``h (M, K) weight (N, K)^T (+ bias)`` as ``linear_panels``
+    computes it, ``(M,)`` int64: through ``head_argmax`` (half of the weight's bytes and a few rows) where
+    the weight is large enough and the rows few enough for that to pay, the whole product for the rows it
+    leaves open (non-finite values, too many rows within reach of the top). Call it with the native
+    kernels loaded: without them the screen is the PyTorch definition's, which reads the whole weight."""
+    n = weight.shape[0]
     if weight.numel() < SCREEN_MIN_WEIGHTS or h.shape[0] > SCREEN_MAX_ROWS:
-        return linear_panels(h, panels(weight), None, weight.shape[0]).max(dim=-1).indices
-    found = head_argmax(h, weight, *screen(weight))
+        return linear_panels(h, panels(weight), bias, n).max(dim=-1).indices
+    found = head_argmax(h, weight, bias, *screen(weight))
     open_rows = (found < 0).nonzero().squeeze(1)
     if open_rows.numel():
-        whole = linear_panels(h.index_select(0, open_rows).contiguous(), panels(weight), None, weight.shape[0])
+        whole = linear_panels(h.index_select(0, open_rows).contiguous(), panels(weight), bias, n)
         found[open_rows] = whole.max(dim=-1).indices
     return found

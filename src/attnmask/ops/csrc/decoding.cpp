@@ -826,22 +826,24 @@ at::Tensor pack_screen(const at::Tensor &weight) {
     return panels;
 }
 
-// The arg-max over n of each row's x_m . w_n as linear_panels computes it (the first of equal largest), for
-// W (N, K) float32 without a bias, reading half of W's bytes and a few of its rows:
+// The arg-max over n of each row's x_m . w_n (+ bias_n) as linear_panels computes it (the first of equal
+// largest), for W (N, K) float32, reading half of W's bytes and a few of its rows:
 //   1. estimates e_n = x_m . h_n from the screen (pack_screen: h_n, w_n truncated to its upper 16 bits), in
 //      float32 in any order;
 //   2. how far an estimate can be from the exact output: |x.w - e| <= |x.(w - h)| + (the rounding of both
 //      sums) <= (||w_n - h_n|| + 3 gamma_K ||w_n||) ||x_m|| = bound[n] ||x_m|| (Cauchy-Schwarz; gamma_K =
 //      K u / (1 - K u), u = 2^-24, bounds any order of K multiply-adds, and |h| <= |w|); `bound` (N,)
 //      float64 is computed once with the screen, rounded up;
+//      with a bias, the estimate is e_n + bias_n and the bound grows by the exact output's last rounding,
+//      2^-23 (|e_n + bias_n| + B_n) (twice float32's unit roundoff: the margin covers the float64 sums);
 //   3. the winner's exact output is at least every output, so its estimate plus its bound reaches the
 //      largest estimate minus its bound: only the rows n with e_n + B_n >= max_j (e_j - B_j) can win;
 //   4. those rows' exact outputs by rows_matmul (the bits of linear_panels) and their first largest.
 // The comparisons run in float64, with a margin over their own rounding. A row of x whose estimates or
 // candidates are not all finite, or that leaves more than N / 8 candidates (and more than 64), is answered -1: the caller
 // computes that row's logits whole.
-at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const at::Tensor &screen,
-                       const at::Tensor &bound) {
+at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
+                       const at::Tensor &screen, const at::Tensor &bound) {
     const char *op = "head_argmax";
     check_rows(h, op, "h");
     check_rows(weight, op, "weight");
@@ -866,11 +868,12 @@ at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const at::
     attnmask::screen_matmul(x, M, reinterpret_cast<const uint16_t *>(screen.const_data_ptr<int16_t>()), N, K,
                             est.mutable_data_ptr<float>());
     const double *b = bound.const_data_ptr<double>();
+    const float *bias_n = checked_bias(bias, N, op);  // added to each estimate, and after each exact chain
     const double MARGIN = 1.0 + 1e-6;  // over float64's rounding of the norms and the comparisons
     // each row alone (its candidates' exact outputs: rows_matmul, run inline inside this loop's threads)
     at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
         std::vector<int64_t> cand;
-        std::vector<float> rows, vals;
+        std::vector<float> rows, vals, picked;
         for (int64_t m = begin; m < end; m++) {
             const float *xm = x + m * K, *e = est.const_data_ptr<float>() + m * N;
             double sq = 0;
@@ -878,22 +881,32 @@ at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const at::
             const double nx = std::sqrt(sq) * MARGIN;
             o[m] = -1;
             if (!std::isfinite(nx)) continue;
+            // with a bias: e_n + bias_n, and the exact output's last rounding (the bias added) in the bound
+            auto estimate = [&](int64_t n) { return bias_n ? static_cast<double>(e[n]) + bias_n[n] : e[n]; };
+            auto reach = [&](int64_t n) {
+                const double B = b[n] * nx;
+                return bias_n ? B + 0x1p-23 * (std::fabs(estimate(n)) + B) : B;
+            };
             double top = -std::numeric_limits<double>::infinity();  // max_j (e_j - B_j)
             bool finite = true;
             for (int64_t n = 0; n < N; n++) {
                 finite &= std::isfinite(e[n]);
-                top = std::max(top, e[n] - b[n] * nx);
+                top = std::max(top, estimate(n) - reach(n));
             }
             if (!finite) continue;
             cand.clear();
             for (int64_t n = 0; n < N; n++)
-                if (e[n] + b[n] * nx >= top) cand.push_back(n);
+                if (estimate(n) + reach(n) >= top) cand.push_back(n);
             const int64_t c = static_cast<int64_t>(cand.size());
             if (c > std::max<int64_t>(64, N / 8)) continue;
             rows.resize(static_cast<size_t>(c * K));
             vals.resize(static_cast<size_t>(c));
-            for (int64_t i = 0; i < c; i++) std::copy(w + cand[i] * K, w + (cand[i] + 1) * K, rows.data() + i * K);
-            attnmask::rows_matmul(xm, 1, rows.data(), c, K, nullptr, vals.data());
+            picked.resize(bias_n ? static_cast<size_t>(c) : 0);
+            for (int64_t i = 0; i < c; i++) {
+                std::copy(w + cand[i] * K, w + (cand[i] + 1) * K, rows.data() + i * K);
+                if (bias_n) picked[i] = bias_n[cand[i]];
+            }
+            attnmask::rows_matmul(xm, 1, rows.data(), c, K, bias_n ? picked.data() : nullptr, vals.data());
             int64_t best = 0;
             for (int64_t i = 0; i < c && finite; i++) {
                 finite &= std::isfinite(vals[i]);
