@@ -14,8 +14,8 @@ tokens/s = B * new tokens / wall time, prefill of the short prompt included; the
 attnmask and Hugging Face taking turns, after one warm-up run each.
 
 Memory-bandwidth bound: a greedy step reads every weight matrix once for the whole batch (the tied
-embedding as ``W_pred``; the KV cache reads are < 1% here and not counted; blocks count their codes,
-scales and minimums), so tokens/s can be at
+embedding as ``W_pred``, or in float32 up to 16 rows its screen, half its bytes; the KV cache reads are
+< 1% here and not counted; blocks count their codes, scales and minimums), so tokens/s can be at
 most ``B * bandwidth / weight bytes``, with ``bandwidth`` the rate a large tensor copy moves bytes
 (read + written) on the same machine, measured in the same run.
 
@@ -49,6 +49,8 @@ import torch
 
 from attnmask import decode
 from attnmask.decode import steps
+from attnmask.decode.step import screened_head
+from attnmask.ops import decoding
 from attnmask.pretrained import load
 from attnmask.pretrained.hf import llama_key_map
 from attnmask.pretrained.quantized import BlockLinear, kernel_status
@@ -137,10 +139,14 @@ def llama_cpp_runner(threads: int, prompt_ids: list[int], n: int):
     return run
 
 
-def weight_bytes(model) -> int:
-    """Bytes of weights a decoding step reads: every linear layer (``W_pred`` included, once when
-    tied to the embedding) and norm; the embedding table itself is only indexed (one row a token)."""
-    seen, total = set(), 0
+def weight_bytes(model, rows: int = 1) -> int:
+    """Bytes of weights a greedy decoding step of ``rows`` rows reads: every linear layer (``W_pred``
+    included, once when tied to the embedding) and norm; the embedding table itself is only indexed (one
+    row a token). Where the step screens a float32 head for its arg-max (``attnmask.decode.step.
+    screened_head``, up to ``SCREEN_MAX_ROWS`` rows), it reads the screen, half the head's bytes (and a
+    few of its rows, not counted)."""
+    head = screened_head(model) if rows <= decoding.SCREEN_MAX_ROWS else None
+    seen, total = set(), -(head.weight.numel() * 2 if head is not None else 0)
     for module in model.modules():
         if isinstance(module, BlockLinear):
             tensors = [t for t in (module.codes, module.d, module.m) if t is not None]
@@ -241,7 +247,6 @@ def main(argv=None) -> None:
         else:  # the layout is chosen per dtype at load time
             model = load("smollm2", dtype=getattr(torch, variant))[0]
         hf = hf32 if hf_dtype == "float32" else copy.deepcopy(hf32).to(getattr(torch, hf_dtype))
-        bound_per_step = bw / weight_bytes(model)
         for B in args.batches or [1, 16]:
             prompts = [ids] * B
             batch = torch.tensor(prompts)
@@ -260,7 +265,7 @@ def main(argv=None) -> None:
             times, outs = interleaved(fns, args.repeats)
             rate = {k: B * N / t for k, t in times.items()}
             best = max(rate["ours"], rate.get("compiled", 0.0))
-            bound = B * bound_per_step
+            bound = B * bw / weight_bytes(model, B)
             same = ["yes" if outs["ours"] == outs["hf"] else "no"]
             if "compiled" in outs:
                 same[0] += "" if outs["compiled"] == outs["ours"] else " (compiled: differs)"
@@ -381,7 +386,7 @@ def bench_cuda(args) -> None:
             print(f"# batch {B}: first {name} run (compiling) {time.perf_counter() - t:.0f} s")
         times, outs = interleaved(fns, args.repeats)
         rate = {k: B * N / t for k, t in times.items()}
-        bound = B * bw / weight_bytes(model)
+        bound = B * bw / weight_bytes(model, B)
         same = "yes" if outs["eager"] == outs["hf"] else "no"
         print(
             f"| {B} | {rate['eager']:.0f} | {rate['hf']:.0f} | "

@@ -59,7 +59,7 @@ from attnmask.ops import decoding
 
 __all__ = [
     "FusedPlan", "Seq2SeqPlan", "SourceMemory", "check_servable", "fused_plan", "logical_blocks", "packed_forward",
-    "packed_mask", "paged_mask", "slots_of",
+    "packed_mask", "paged_mask", "screened_head", "slots_of",
 ]  # fmt: skip
 
 
@@ -446,7 +446,7 @@ def _layer_window(cfg, i: int) -> int:
     return int(window(i)) if window is not None else int(getattr(cfg, "sliding_window", 0) or 0)
 
 
-def _screened_head(model) -> nn.Module | None:
+def screened_head(model) -> nn.Module | None:
     """The head where :func:`attnmask.ops.decoding.argmax_rows` can find its arg-max without the logits: a
     plain float32 CPU linear map, unwatched, large enough to pay, native kernels built; else None."""
     head = model.lm_head
@@ -782,7 +782,7 @@ def packed_forward(
             plan.kv_heads, plan.head_dim**-0.5,
         )  # fmt: skip
         return logits.max(dim=-1).indices if argmax else logits
-    screened = _screened_head(model) if argmax else None
+    screened = screened_head(model) if argmax else None
     if isinstance(plan, FusedPlan) and memory is None and not flex:
         cos, signed = x.new_empty(0), x.new_empty(0)
         if plan.rotaries:
