@@ -15,7 +15,7 @@ from attnmask import decode, masks, ops
 from attnmask.decode import steps
 from attnmask.decode.step import Seq2SeqPlan
 from attnmask.model import fuse_projections_
-from attnmask.ops import decoding
+from attnmask.ops import blocks, decoding
 from tests.conftest import run_python, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -123,48 +123,65 @@ def _first_largest(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     return decoding.linear_panels(h, decoding.panels(w), b, w.shape[0]).max(dim=-1).indices
 
 
-@pytest.mark.parametrize(("n", "k"), [(50, 7), (1000, 64), (3001, 600)])
+def _screened(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """head_argmax on the estimates of w's screen."""
+    panels, bound = decoding.screen(w)
+    return decoding.head_argmax(h, w, b, blocks.block_panels_matmul(panels, h, w.shape[0]), bound)
+
+
+@pytest.mark.parametrize(("n", "k"), [(50, 32), (1000, 64), (3001, 640)])
 def test_the_screened_arg_max_matches_its_definition_bit_for_bit(n, k):
     """head_argmax answers each row's first largest output of linear_panels, on random rows, rows that
-    tie exactly (the first wins), rows whose weights differ only in their low 16 bits (the screen
-    cannot tell them apart), and a row of x along one of the weight's rows; without a bias and with one."""
+    tie exactly (the first wins), rows that differ in the last bit (the screen cannot tell them apart),
+    and a row of x along one of the weight's rows; without a bias and with one."""
     w, h = _randn(n, k, seed=7), _randn(9, k, seed=8)
     w[n // 2] = w[3]  # an exact tie with an earlier row
-    w[n - 1] = torch.nextafter(w[5], torch.full_like(w[5], torch.inf))  # above row 5 in the low bits only
+    w[n - 1] = torch.nextafter(w[5], torch.full_like(w[5], torch.inf))  # above row 5 in the last bit only
     h[1] = w[3] * 3
     h[2], h[3] = w[5].clamp(min=0), w[n - 1]
     want = _first_largest(h, w)
-    assert torch.equal(decoding.head_argmax(h, w, None, *decoding.screen(w)), want)
+    assert torch.equal(_screened(h, w), want)
     assert int(want[1]) == 3, "the exact tie goes to the first row"
     b = _randn(n, seed=12)  # with a bias: added to the estimates, and after each exact chain
     b[n // 2] = b[3]
-    assert torch.equal(decoding.head_argmax(h, w, b, *decoding.screen(w)), _first_largest(h, w, b))
+    assert torch.equal(_screened(h, w, b), _first_largest(h, w, b))
 
 
-def test_the_screen_bounds_its_estimates_and_keeps_the_row_it_ranks_lower():
-    """Row b's weights sit just below the next bfloat16 value (their upper halves lose almost 2^-7 of
-    each), row a's are bfloat16 values with one raised a step: the screen ranks a above b, the exact
-    logits b above a. Only a bound on the screen's error keeps b in the running."""
-    k = 256
-    v = (1 + torch.arange(k) % 7 / 8).float()  # bfloat16 values: their low 16 bits are zero
-    a = v.clone()
-    a[0] = torch.nextafter(v[0].bfloat16(), torch.tensor(9.0, dtype=torch.bfloat16)).float()
-    below = (v.view(torch.int32) + 0xFFFF).view(torch.float32)  # the largest float32 with v's upper half
-    w = torch.stack([_randn(k, seed=9) * 1e-3, a, below])  # rows: noise, a, b
-    h = torch.ones(1, k)
-    screen, bound = decoding.screen(w)
+@pytest.mark.parametrize("scale", [1.0, 1e-6, 3e4])
+def test_the_screens_estimates_stay_within_their_bounds(scale):
+    """Each estimate from the 8-bit screen lies within bound * ||x|| of the exact output, at scales where
+    the float16 block scales round coarsely or go subnormal, and on rows of outliers."""
+    w, h = _randn(2000, 640, seed=13) * scale, _randn(16, 640, seed=14)
+    w[::7, ::33] *= 40  # outliers: a block's scale set by one weight
+    w[5, :32] = 0.0  # a block of zeros
+    panels, bound = decoding.screen(w)
+    est = blocks.block_panels_matmul(panels, h, 2000).double()
+    exact = decoding.linear_panels(h, decoding.panels(w), None, 2000).double()
+    reach = bound[None] * h.double().norm(dim=1, keepdim=True)
+    assert bool(((est - exact).abs() <= reach).all())
+    assert float(((est - exact).abs() / reach).max()) > 1e-3, "the bound should not be vacuous either"
+
+
+def test_the_bound_keeps_a_row_the_estimates_rank_lower():
+    """Estimates within their bounds that rank row 1 above row 2 while the exact outputs rank row 2 first:
+    head_argmax answers 2, and 1 with zero bounds (so the answer comes from the bound)."""
+    w, h = _randn(3, 64, seed=15), _randn(1, 64, seed=16)
     exact = decoding.linear_panels(h, decoding.panels(w), None, 3)[0]
-    estimate = h[0] @ (w.view(torch.int32) & ~0xFFFF).view(torch.float32).T
-    assert estimate[1] > estimate[2] and exact[2] > exact[1]  # the case is what it says
-    assert int(decoding.head_argmax(h, w, None, screen, bound)[0]) == 2
-    assert int(decoding.head_argmax(h, w, None, screen, torch.zeros_like(bound))[0]) == 1  # without the bound: wrong
+    order = exact.argsort(descending=True)  # the winner, the runner-up, the last
+    est = exact.clone()
+    gap = float(exact[order[0]] - exact[order[1]])
+    est[order[0]] -= 0.6 * gap
+    est[order[1]] += 0.6 * gap  # the runner-up now estimated first
+    bound = torch.full((3,), gap / float(h.norm()), dtype=torch.float64)  # covers the 0.6 gap moved
+    assert int(decoding.head_argmax(h, w, None, est[None], bound)[0]) == int(order[0])
+    assert int(decoding.head_argmax(h, w, None, est[None], torch.zeros_like(bound))[0]) == int(order[1])
 
 
 def test_rows_the_screen_leaves_open_are_answered_from_the_whole_head():
     """Non-finite inputs: head_argmax answers -1 and argmax_rows the whole product's arg-max."""
     w, h = _randn(5000, 64, seed=10), _randn(3, 64, seed=11)
     h[1, 5] = torch.inf
-    found = decoding.head_argmax(h, w, None, *decoding.screen(w))
+    found = _screened(h, w)
     assert found[1] == -1 and found[0] >= 0 and found[2] >= 0
     torch.testing.assert_close(decoding.argmax_rows(h, w), _first_largest(h, w), rtol=0, atol=0)
 

@@ -16,11 +16,11 @@ operators do the same work in one call each (figures: the SmolLM2 sections of ``
   each output one chain of multiply-adds over ``k`` in order whatever the number of rows
   (batch-invariant), the panels split over PyTorch's threads; ``linear_rows(x, weight, bias)`` is the
   same product, bit for bit, for a row-major ``W`` packed at each call;
-- ``torch.ops.attnmask.head_argmax(h, weight, bias, screen, bound)``: each row's arg-max of ``h W^T + b`` as
-  ``linear_panels`` computes it (the first of equal largest), exactly, from half of ``W``'s bytes: estimates
-  from the upper 16 bits of each weight (``pack_screen``), a proven bound on how far each estimate can be
-  from the exact output, and the exact outputs of the few rows that can still win (:func:`screen` keeps the
-  screen and bounds of a weight; :func:`argmax_rows` the whole step: greedy decoding's head);
+- ``torch.ops.attnmask.head_argmax(h, weight, bias, estimates, bound)``: each row's arg-max of ``h W^T + b``
+  as ``linear_panels`` computes it (the first of equal largest), exactly, from estimates of every output, a
+  proven bound on how far each can be from the exact output, and the exact outputs of the few rows that can
+  still win (:func:`screen` keeps a weight's screen, its copy in 8-bit blocks, and bounds;
+  :func:`argmax_rows` the whole: greedy decoding's head, from about a quarter of its bytes);
 - ``torch.ops.attnmask.paged_attend(q, k_pool, v_pool, tables, row_seq, row_pos, window, heads, scale)``:
   packed rows of several sequences, each attending to its own sequence's cached keys up to its own
   position (and within ``window``), read through a block table: the serving engine's attention
@@ -68,8 +68,6 @@ __all__ = [
     "argmax_rows",
     "head_argmax",
     "head_argmax_reference",
-    "pack_screen",
-    "pack_screen_reference",
     "screen",
     "packed_step",
     "packed_step_reference",
@@ -138,14 +136,9 @@ def linear_panels_reference(x: Tensor, panels: Tensor, bias: Tensor | None, n: i
     return F.linear(x, unpack_panels(panels, n), bias)
 
 
-def pack_screen_reference(weight: Tensor) -> Tensor:
-    """The upper 16 bits of each weight (its bfloat16 bits, truncated toward zero) as int16 panels."""
-    return pack_panels_reference((weight.float().view(torch.int32) >> 16).to(torch.int16))
-
-
-def head_argmax_reference(h: Tensor, weight: Tensor, bias: Tensor | None, screen: Tensor, bound: Tensor) -> Tensor:
+def head_argmax_reference(h: Tensor, weight: Tensor, bias: Tensor | None, estimates: Tensor, bound: Tensor) -> Tensor:
     """What ``head_argmax`` answers: the first largest output of each row of ``h W^T + b``, from the whole
-    product (the screen and bounds unread)."""
+    product (the estimates and bounds unread)."""
     return linear_rows_reference(h, weight, bias).max(dim=-1).indices
 
 
@@ -439,8 +432,7 @@ _LIBRARY.define("silu_mul(Tensor gate_up) -> Tensor")
 _LIBRARY.define("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("pack_panels(Tensor weight) -> Tensor")
 _LIBRARY.define("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor")
-_LIBRARY.define("pack_screen(Tensor weight) -> Tensor")
-_LIBRARY.define("head_argmax(Tensor h, Tensor weight, Tensor? bias, Tensor screen, Tensor bound) -> Tensor")
+_LIBRARY.define("head_argmax(Tensor h, Tensor weight, Tensor? bias, Tensor estimates, Tensor bound) -> Tensor")
 _LIBRARY.define(
     "packed_step(Tensor x, Tensor cos, Tensor signed_sin, int[] layer_rope, Tensor[] norms, float[] eps, "
     "Tensor[] products, int[] kinds, str activation, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
@@ -490,13 +482,8 @@ def _(x, panels, bias, n):
     return x.new_empty(x.shape[0], n)
 
 
-@torch.library.register_fake("attnmask::pack_screen", lib=_LIBRARY)
-def _(weight):
-    return pack_screen_reference(weight)
-
-
 @torch.library.register_fake("attnmask::head_argmax", lib=_LIBRARY)
-def _(h, weight, bias, screen, bound):
+def _(h, weight, bias, estimates, bound):
     return h.new_empty(h.shape[0], dtype=torch.long)
 
 
@@ -526,7 +513,6 @@ for _name, _definition in [
     ("linear_rows", linear_rows_reference),
     ("pack_panels", pack_panels_reference),
     ("linear_panels", linear_panels_reference),
-    ("pack_screen", pack_screen_reference),
     ("head_argmax", head_argmax_reference),
     ("paged_attend", paged_attend_reference),
     ("packed_step", packed_step_reference),
@@ -543,54 +529,67 @@ seq2seq_step = torch.ops.attnmask.seq2seq_step.default
 linear_rows = torch.ops.attnmask.linear_rows.default
 pack_panels = torch.ops.attnmask.pack_panels.default
 linear_panels = torch.ops.attnmask.linear_panels.default
-pack_screen = torch.ops.attnmask.pack_screen.default
 head_argmax = torch.ops.attnmask.head_argmax.default
 
 SCREEN_MIN_WEIGHTS = 1 << 22  # heads smaller than this (4M weights, 16 MiB) are read whole: little to save
-# more rows than this read the head whole: the screen's products, each weight widened before its multiply-adds,
-# cost about what the exact ones do from 16 rows on (Intel Xeon, 2 threads: docs/benchmarks.md)
+# more rows than this read the head whole: from 16 rows on a step's products cost about what reading them
+# does, and the screen's products are a second set (Intel Xeon, 2 threads: docs/benchmarks.md)
 SCREEN_MAX_ROWS = 16
-_SCREENS = torch.utils.weak.WeakIdKeyDictionary()  # weight -> ((version, address, shape), (screen, bound))
+_SCREENS = torch.utils.weak.WeakIdKeyDictionary()  # weight -> ((version, address, shape), (panels, bound) or None)
 
 
-def screen(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """``weight (N, K)``'s screen and bounds for ``head_argmax``, made once and kept while ``weight`` lives
-    (made again when it changes), as :func:`panels` keeps its panels: the upper 16 bits of each weight in
-    panels (half the weight's bytes, a third copy of it beside the weight and its panels) and, per row,
-    ``||w - h|| + 3 gamma_K ||w||`` (``h``: the row's upper halves as floats; ``gamma_K = K u / (1 - K u)``,
-    ``u = 2^-24``) in float64, rounded up: with ``||x||`` it bounds how far a row's estimate can be from
-    its exact output (``csrc/decoding.cpp``)."""
+def screen(weight: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``weight (N, K)``'s screen for ``head_argmax``, made once and kept while ``weight`` lives (made again
+    when it changes), as :func:`panels` keeps its panels; None where ``K`` is not a multiple of 32 or a
+    row's values are too large for float16 scales.
+
+    The screen is the weight in 8-bit blocks (Q8_0: a float16 scale ``d = max |w| / 127`` per 32 weights,
+    ``q = round(w / d)``), in :mod:`~attnmask.ops.blocks`' panels (``block_panels_matmul`` gives the
+    estimates): 1.06 bytes a weight, a quarter of the float32 weight's, kept beside it and its panels.
+    The bound of row ``n``, float64, rounded up: ``||w - d q|| + 3 gamma (||d q|| + ||w||)``, ``gamma =
+    2K u / (1 - 2K u)``, ``u = 2^-24`` (no product meets more than ``32 + K / 32 + 1 <= 2K`` roundings in
+    either sum); with ``||x||`` it bounds how far an estimate can be from the exact output
+    (``csrc/decoding.cpp``)."""
     key = (weight._version, weight.data_ptr(), tuple(weight.shape))
     held = _SCREENS.get(weight)
     if held is not None and held[0] == key:
         return held[1]
     w = weight.detach()
     n, k = w.shape
-    if k * 2.0**-24 >= 0.5:
-        raise ValueError(f"head_argmax bounds sums of at most 2^23 products; the weight has {k} columns")
-    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
-    bound = torch.empty(n, dtype=torch.float64)
-    for a in range(0, n, 8192):  # float64 copies of a few rows at a time
-        rows = w[a : a + 8192]
-        hi = (rows.view(torch.int32) & ~0xFFFF).view(torch.float32)  # exact: the low bits are cleared
-        rest = (rows - hi).double()  # exact too: the low 16 bits, at most 16 significant ones
-        bound[a : a + 8192] = rest.norm(dim=1) + 3 * gamma * rows.double().norm(dim=1)
-    bound = (bound * (1 + 1e-9)).contiguous()  # above float64's rounding of the norms
-    made = (pack_screen(w), bound)
+    made = None
+    if k % blocks.QK == 0 and 2 * k * 2.0**-24 < 0.5:
+        gamma = 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24)
+        raw, bound = torch.empty(n, k // blocks.QK * 34, dtype=torch.uint8), torch.empty(n, dtype=torch.float64)
+        finite = True
+        for a in range(0, n, 8192):  # float64 copies of a few rows at a time
+            rows = w[a : a + 8192].reshape(-1, k // blocks.QK, blocks.QK)
+            d = (rows.abs().amax(dim=-1, keepdim=True) / 127).half()  # (r, k / 32, 1)
+            finite &= bool(d.isfinite().all())
+            d32 = d.float()
+            q = torch.where(d32 > 0, rows / d32, 0.0).round().clamp(-127, 127).to(torch.int8)
+            raw[a : a + 8192] = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows.shape[0], -1)
+            s = (q.double() * d32.double()).reshape(rows.shape[0], k)  # exact: 8 and 11 significant bits
+            exact = rows.reshape(-1, k).double()
+            bound[a : a + 8192] = (exact - s).norm(dim=1) + 3 * gamma * (s.norm(dim=1) + exact.norm(dim=1))
+        if finite:
+            packed = blocks.repack(raw, "Q8_0", k)
+            made = (blocks.pack_block_panels(packed["codes"], packed["d"], None, "Q8_0", k), bound * (1 + 1e-9))
     _SCREENS[weight] = (key, made)
     return made
 
 
 def argmax_rows(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Each row's first largest output of ``h (M, K) weight (N, K)^T (+ bias)`` as ``linear_panels``
-    computes it, ``(M,)`` int64: through ``head_argmax`` (half of the weight's bytes and a few rows) where
-    the weight is large enough and the rows few enough for that to pay, the whole product for the rows it
-    leaves open (non-finite values, too many rows within reach of the top). Call it with the native
-    kernels loaded: without them the screen is the PyTorch definition's, which reads the whole weight."""
+    computes it, ``(M,)`` int64: through ``head_argmax`` on the estimates of the weight's :func:`screen`
+    (about a quarter of its bytes, and a few of its rows) where the weight is large enough and the rows few
+    enough for that to pay, the whole product for the rows it leaves open (non-finite values, too many
+    rows within reach of the top). Call it with the native kernels loaded: without them the screen's
+    product is the PyTorch definition's, slower than the whole head."""
     n = weight.shape[0]
-    if weight.numel() < SCREEN_MIN_WEIGHTS or h.shape[0] > SCREEN_MAX_ROWS:
+    made = screen(weight) if weight.numel() >= SCREEN_MIN_WEIGHTS and h.shape[0] <= SCREEN_MAX_ROWS else None
+    if made is None:
         return linear_panels(h, panels(weight), bias, n).max(dim=-1).indices
-    found = head_argmax(h, weight, bias, *screen(weight))
+    found = head_argmax(h, weight, bias, blocks.block_panels_matmul(made[0], h, n), made[1])
     open_rows = (found < 0).nonzero().squeeze(1)
     if open_rows.numel():
         whole = linear_panels(h.index_select(0, open_rows).contiguous(), panels(weight), bias, n)

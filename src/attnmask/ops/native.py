@@ -47,7 +47,6 @@ OPERATORS = {
     "linear_rows": decoding,
     "pack_panels": decoding,
     "linear_panels": decoding,
-    "pack_screen": decoding,
     "head_argmax": decoding,
 }
 

@@ -813,48 +813,33 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
     return out;
 }
 
-// W (N, K) float32's screen for head_argmax: the upper 16 bits of each weight in the panel layout of this
-// build, (P, K, width) int16.
-at::Tensor pack_screen(const at::Tensor &weight) {
-    const char *op = "pack_screen";
-    check_rows(weight, op, "weight");
-    TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight has shape ", weight.sizes(), "; expected (N, K)");
-    const int64_t N = weight.size(0), K = weight.size(1), width = attnmask::panel_width();
-    at::Tensor panels = at::empty({(N + width - 1) / width, K, width}, weight.options().dtype(at::kShort));
-    attnmask::pack_hi_panels(weight.const_data_ptr<float>(), N, K,
-                             reinterpret_cast<uint16_t *>(panels.mutable_data_ptr<int16_t>()));
-    return panels;
-}
-
 // The arg-max over n of each row's x_m . w_n (+ bias_n) as linear_panels computes it (the first of equal
-// largest), for W (N, K) float32, reading half of W's bytes and a few of its rows:
-//   1. estimates e_n = x_m . h_n from the screen (pack_screen: h_n, w_n truncated to its upper 16 bits), in
-//      float32 in any order;
-//   2. how far an estimate can be from the exact output: |x.w - e| <= |x.(w - h)| + (the rounding of both
-//      sums) <= (||w_n - h_n|| + 3 gamma_K ||w_n||) ||x_m|| = bound[n] ||x_m|| (Cauchy-Schwarz; gamma_K =
-//      K u / (1 - K u), u = 2^-24, bounds any order of K multiply-adds, and |h| <= |w|); `bound` (N,)
-//      float64 is computed once with the screen, rounded up;
+// largest), for W (N, K) float32, from estimates of every output and the exact outputs of a few rows:
+//   1. `estimates` (M, N): x_m . s_n for a screen s_n of each row, computed by the caller in float32 in any
+//      order (attnmask.ops.decoding.argmax_rows: W in 8-bit blocks, about a quarter of W's bytes);
+//   2. how far an estimate can be from the exact output: |x.w - e| <= |x.(w - s)| + (the rounding of both
+//      sums) <= (||w_n - s_n|| + 3 gamma (||s_n|| + ||w_n||)) ||x_m|| = bound[n] ||x_m|| (Cauchy-Schwarz;
+//      gamma = n u / (1 - n u), u = 2^-24, for n at least the roundings any one product meets); `bound`
+//      (N,) float64 is computed once with the screen, rounded up;
 //      with a bias, the estimate is e_n + bias_n and the bound grows by the exact output's last rounding,
 //      2^-23 (|e_n + bias_n| + B_n) (twice float32's unit roundoff: the margin covers the float64 sums);
 //   3. the winner's exact output is at least every output, so its estimate plus its bound reaches the
 //      largest estimate minus its bound: only the rows n with e_n + B_n >= max_j (e_j - B_j) can win;
 //   4. those rows' exact outputs by rows_matmul (the bits of linear_panels) and their first largest.
 // The comparisons run in float64, with a margin over their own rounding. A row of x whose estimates or
-// candidates are not all finite, or that leaves more than N / 8 candidates (and more than 64), is answered -1: the caller
-// computes that row's logits whole.
+// candidates are not all finite, or that leaves more than N / 8 candidates (and more than 64), is
+// answered -1: the caller computes that row's logits whole.
 at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
-                       const at::Tensor &screen, const at::Tensor &bound) {
+                       const at::Tensor &estimates, const at::Tensor &bound) {
     const char *op = "head_argmax";
     check_rows(h, op, "h");
     check_rows(weight, op, "weight");
-    const int64_t width = attnmask::panel_width();
+    check_rows(estimates, op, "estimates");
     TORCH_CHECK_VALUE(h.dim() == 2 && weight.dim() == 2 && h.size(1) == weight.size(1), op, ": h has shape ",
                       h.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
     const int64_t M = h.size(0), N = weight.size(0), K = weight.size(1);
-    TORCH_CHECK_VALUE(screen.scalar_type() == at::kShort && screen.is_contiguous() && screen.dim() == 3 &&
-                          screen.size(0) == (N + width - 1) / width && screen.size(1) == K && screen.size(2) == width,
-                      op, ": screen has shape ", screen.sizes(), " and dtype ", screen.scalar_type(),
-                      "; expected int16 (ceil(N / ", width, "), K, ", width, ") from pack_screen of this build");
+    TORCH_CHECK_VALUE(estimates.dim() == 2 && estimates.size(0) == M && estimates.size(1) == N, op,
+                      ": estimates has shape ", estimates.sizes(), "; expected (", M, ", ", N, ")");
     TORCH_CHECK_VALUE(bound.scalar_type() == at::kDouble && bound.is_contiguous() && bound.dim() == 1 &&
                           bound.size(0) == N,
                       op, ": bound has shape ", bound.sizes(), " and dtype ", bound.scalar_type(),
@@ -863,10 +848,8 @@ at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std:
     int64_t *o = out.mutable_data_ptr<int64_t>();
     if (M == 0) return out;
     TORCH_CHECK_VALUE(N > 0, op, ": weight has no rows");
-    at::Tensor est = at::empty({M, N}, h.options());
+    const at::Tensor &est = estimates;
     const float *x = h.const_data_ptr<float>(), *w = weight.const_data_ptr<float>();
-    attnmask::screen_matmul(x, M, reinterpret_cast<const uint16_t *>(screen.const_data_ptr<int16_t>()), N, K,
-                            est.mutable_data_ptr<float>());
     const double *b = bound.const_data_ptr<double>();
     const float *bias_n = checked_bias(bias, N, op);  // added to each estimate, and after each exact chain
     const double MARGIN = 1.0 + 1e-6;  // over float64's rounding of the norms and the comparisons
@@ -1435,7 +1418,6 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("pack_panels", &pack_panels);
     lib.impl("linear_panels", &linear_panels);
     lib.impl("linear_rows", &linear_rows);
-    lib.impl("pack_screen", &pack_screen);
     lib.impl("head_argmax", &head_argmax);
     lib.impl("paged_attend", &paged_attend);
     lib.impl("packed_step", &packed_step);

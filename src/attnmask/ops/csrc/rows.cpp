@@ -31,7 +31,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -50,10 +49,6 @@ inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline void store(float *p, Vec a) { _mm512_storeu_ps(p, a); }
 inline Vec load_first(const float *p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
 inline void store_first(float *p, Vec a, int n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), a); }
-inline Vec load_hi(const uint16_t *p) {  // V upper halves -> the floats they are the top of
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int V = 8;
 constexpr int NV = 2, MR = 6;  // 12 accumulators, 2 weight vectors and a broadcast: 15 of the 16 registers
@@ -71,10 +66,6 @@ inline __m256i first_lanes(int n) {
 }
 inline Vec load_first(const float *p, int n) { return _mm256_maskload_ps(p, first_lanes(n)); }
 inline void store_first(float *p, Vec a, int n) { _mm256_maskstore_ps(p, first_lanes(n), a); }
-inline Vec load_hi(const uint16_t *p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 #else
 constexpr int V = 8;
 constexpr int NV = 2, MR = 4, G = 1;
@@ -110,14 +101,6 @@ inline Vec load_first(const float *p, int n) {
 }
 inline void store_first(float *p, Vec a, int n) {
     for (int l = 0; l < n; l++) p[l] = a.v[l];
-}
-inline Vec load_hi(const uint16_t *p) {
-    Vec a;
-    for (int l = 0; l < V; l++) {
-        const uint32_t bits = static_cast<uint32_t>(p[l]) << 16;
-        std::memcpy(&a.v[l], &bits, sizeof(float));
-    }
-    return a;
 }
 #endif
 
@@ -209,67 +192,6 @@ constexpr auto streams(std::integer_sequence<int, g...>) {
 
 const auto STREAMS = streams(std::make_integer_sequence<int, G>());  // STREAMS[g - 1]: g panels at once
 
-// stream's loop over panels of upper halves (pack_hi_panels): half the bytes a k, the same prefetch distance
-// in bytes. The estimate's order of operations is free (the caller bounds its error), this one is stream's.
-template <int g>
-void screen_stream(const float *x, const uint16_t *b, int64_t K, float *out, int c) {
-    Vec acc[g][NV];
-    for (int p = 0; p < g; p++)
-        for (int j = 0; j < NV; j++) acc[p][j] = zero();
-    for (int64_t k = 0; k < K; k++) {
-        const Vec a = broadcast(x + k);
-        for (int p = 0; p < g; p++) {
-            const uint16_t *w = b + (p * K + k) * NR;
-            for (int j = 0; j < NV; j++) {
-                if ((j * V) % (2 * LINE) == 0) __builtin_prefetch(w + j * V + 2 * AHEAD, 0, 2);
-                acc[p][j] = fma(a, load_hi(w + j * V), acc[p][j]);
-            }
-        }
-    }
-    for (int p = 0; p < g; p++) {
-        const int cp = p + 1 < g ? NR : c;
-        for (int j = 0; j < NV; j++) store_cols(out + p * NR + j * V, acc[p][j], cp - j * V);
-    }
-}
-
-template <int... g>
-constexpr auto screen_streams(std::integer_sequence<int, g...>) {
-    using Stream = void (*)(const float *, const uint16_t *, int64_t, float *, int);
-    return std::array<Stream, sizeof...(g)>{&screen_stream<g + 1>...};
-}
-
-const auto SCREEN_STREAMS = screen_streams(std::make_integer_sequence<int, G>());
-
-// R rows of x (K apart) against one whole panel of upper halves, each weight vector widened once for all R
-// rows (tile's register blocking); `next` (null: none): the panel the thread takes next, asked into L2 a
-// k's worth at each k, so that it comes from memory while this one is multiplied.
-template <int R>
-void screen_tile(const float *x, const uint16_t *b, int64_t K, float *out, int64_t ldo, int c, const uint16_t *next) {
-    Vec acc[R][NV];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < NV; j++) acc[i][j] = zero();
-    for (int64_t k = 0; k < K; k++) {
-        if (next != nullptr)
-            for (int j = 0; j < NR; j += 2 * LINE) __builtin_prefetch(next + k * NR + j, 0, 2);
-        Vec w[NV];
-        for (int j = 0; j < NV; j++) w[j] = load_hi(b + k * NR + j * V);
-        for (int i = 0; i < R; i++) {
-            const Vec a = broadcast(x + i * K + k);
-            for (int j = 0; j < NV; j++) acc[i][j] = fma(a, w[j], acc[i][j]);
-        }
-    }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < NV; j++) store_cols(out + i * ldo + j * V, acc[i][j], c - j * V);
-}
-
-template <int... R>
-constexpr auto screen_tiles(std::integer_sequence<int, R...>) {
-    using Tile = void (*)(const float *, const uint16_t *, int64_t, float *, int64_t, int, const uint16_t *);
-    return std::array<Tile, sizeof...(R)>{&screen_tile<R + 1>...};
-}
-
-const auto SCREEN_TILES = screen_tiles(std::make_integer_sequence<int, MR>());  // [r - 1]: r rows
-
 }  // namespace
 
 namespace attnmask {
@@ -336,58 +258,6 @@ void panels_matmul(const float *x, int64_t M, const float *panels, int64_t N, in
                                      next ? next + t * share * LINE : nullptr, asked);
                     }
                 }
-            }
-        }
-    });
-}
-
-void pack_hi_panels(const float *w, int64_t N, int64_t K, uint16_t *panels) {
-    constexpr int64_t KB = 64;
-    at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t p = begin; p < end; p++) {
-            uint16_t *panel = panels + p * K * NR;
-            for (int64_t k0 = 0; k0 < K; k0 += KB) {
-                const int64_t k1 = std::min(K, k0 + KB);
-                for (int64_t j = 0; j < NR; j++) {
-                    const int64_t n = p * NR + j;
-                    for (int64_t k = k0; k < k1; k++) {
-                        uint32_t bits = 0;
-                        if (n < N) std::memcpy(&bits, w + n * K + k, sizeof(float));
-                        panel[k * NR + j] = static_cast<uint16_t>(bits >> 16);
-                    }
-                }
-            }
-        }
-    });
-}
-
-void screen_matmul(const float *x, int64_t M, const uint16_t *panels, int64_t N, int64_t K, float *out) {
-    if (M <= 0 || N <= 0) return;
-    if (K <= 0) {
-        std::fill(out, out + M * N, 0.0f);
-        return;
-    }
-    const int64_t P = (N + NR - 1) / NR;
-    const int64_t grain = std::max<int64_t>(G, ((int64_t{1} << 16) / std::max<int64_t>(1, K) + NR - 1) / NR);
-    if (M == 1) {  // each thread one contiguous run of panels, G at a time, as one stream
-        at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
-            for (int64_t p = begin; p < end; p += G) {
-                const int g = static_cast<int>(std::min<int64_t>(G, end - p));
-                SCREEN_STREAMS[g - 1](x, panels + p * K * NR, K, out + p * NR,
-                                      static_cast<int>(std::min<int64_t>(NR, N - (p + g - 1) * NR)));
-            }
-        });
-        return;
-    }
-    // a panel (K * NR halves, 60 KiB for K = 640 with AVX-512) against every tile of MR rows, from L2
-    at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t p = begin; p < end; p++) {
-            const uint16_t *b = panels + p * K * NR;
-            const int c = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
-            for (int64_t m = 0; m < M; m += MR) {
-                const int r = static_cast<int>(std::min<int64_t>(MR, M - m));
-                const uint16_t *next = m == 0 && p + 1 < end ? b + K * NR : nullptr;
-                SCREEN_TILES[r - 1](x + m * K, b, K, out + m * N + p * NR, N, c, next);
             }
         }
     });

@@ -22,11 +22,4 @@ void panels_matmul(const float *x, int64_t M, const float *panels, int64_t N, in
 // The same product for W (N, K) row-major, packed into panels for the call: the same bits.
 void rows_matmul(const float *x, int64_t M, const float *w, int64_t N, int64_t K, const float *bias, float *out);
 
-// The screen of an exact arg-max (decoding.cpp's head_argmax): H, the upper 16 bits of each float32 weight
-// (its bfloat16 bits, the weight truncated toward zero), in panels of the same width, and estimates
-// out (M, N) = x (M, K) H^T accumulated in float32 in whatever order is fastest. Half the bytes of W;
-// the caller bounds how far an estimate can be from panels_matmul's output.
-void pack_hi_panels(const float *w, int64_t N, int64_t K, uint16_t *panels);
-void screen_matmul(const float *x, int64_t M, const uint16_t *panels, int64_t N, int64_t K, float *out);
-
 }  // namespace attnmask
