@@ -559,21 +559,28 @@ def screen(weight: Tensor) -> tuple[Tensor, Tensor] | None:
     made = None
     if k % blocks.QK == 0 and 2 * k * 2.0**-24 < 0.5:
         gamma = 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24)
-        raw, bound = torch.empty(n, k // blocks.QK * 34, dtype=torch.uint8), torch.empty(n, dtype=torch.float64)
-        finite = True
-        for a in range(0, n, 8192):  # float64 copies of a few rows at a time
-            rows = w[a : a + 8192].reshape(-1, k // blocks.QK, blocks.QK)
+        step = 2048  # rows at a time (a multiple of the panels' 16): the float64 copies stay small
+        groups = -(-n // blocks.PANEL_COLUMNS)
+        panels = torch.empty(groups, k // blocks.QK, blocks.PANEL_UNIT["8-bit"], dtype=torch.uint8)
+        bound = torch.empty(n, dtype=torch.float64)
+        for a in range(0, n, step):
+            rows = w[a : a + step].reshape(-1, k // blocks.QK, blocks.QK)
             d = (rows.abs().amax(dim=-1, keepdim=True) / 127).half()  # (r, k / 32, 1)
-            finite &= bool(d.isfinite().all())
+            if not bool(d.isfinite().all()):
+                break  # too large for float16 scales: no screen
             d32 = d.float()
             q = torch.where(d32 > 0, rows / d32, 0.0).round().clamp(-127, 127).to(torch.int8)
-            raw[a : a + 8192] = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows.shape[0], -1)
+            raw = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows.shape[0], -1)
+            packed = blocks.repack(raw, "Q8_0", k)  # GGUF's Q8_0 bytes, as a block layer's
+            g = a // blocks.PANEL_COLUMNS
+            panels[g : g + -(-rows.shape[0] // blocks.PANEL_COLUMNS)] = blocks.pack_block_panels(
+                packed["codes"], packed["d"], None, "Q8_0", k
+            )
             s = (q.double() * d32.double()).reshape(rows.shape[0], k)  # exact: 8 and 11 significant bits
             exact = rows.reshape(-1, k).double()
-            bound[a : a + 8192] = (exact - s).norm(dim=1) + 3 * gamma * (s.norm(dim=1) + exact.norm(dim=1))
-        if finite:
-            packed = blocks.repack(raw, "Q8_0", k)
-            made = (blocks.pack_block_panels(packed["codes"], packed["d"], None, "Q8_0", k), bound * (1 + 1e-9))
+            bound[a : a + step] = (exact - s).norm(dim=1) + 3 * gamma * (s.norm(dim=1) + exact.norm(dim=1))
+        else:
+            made = (panels, bound * (1 + 1e-9))
     _SCREENS[weight] = (key, made)
     return made
 
