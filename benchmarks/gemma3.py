@@ -15,9 +15,9 @@ contenders taking turns, after one warm-up run each; for each of ``--threads`` (
 llama.cpp (``llama-cpp-python``, the same GGUF file, ``top_k=1``) joins when it is importable; it is not
 one of attnmask's dependencies.
 
-Then, per thread count and variant, one decoded token's step against its head product alone (the
-262,144 x 640 output product, timed as the step multiplies by it): the head's share of a token
-(``--no-breakdown`` skips it).
+Then, per thread count and variant, one greedy decoding step against its head alone (the 262,144 x 640
+output product for blocks; for float32 the arg-max from the head's 8-bit screen, as greedy decoding finds
+it): the head's share of a token (``--no-breakdown`` skips it).
 
 Run: ``python benchmarks/gemma3.py [--new-tokens 64] [--threads 1 2] [--repeats 3]
 [--variants float32 blocks blocks-int8]``.
@@ -79,24 +79,29 @@ def llama_cpp_runner(threads: int, ids: list[int], n: int):
 
 
 def head_share(model, ids: list[int], steps: int = 30) -> tuple[float, float]:
-    """(ms of one decoded token's step, ms of its head product alone): batch 1, medians of ``steps``.
-    The head (262,144 x 640, tied to the embedding) is timed as the step multiplies by it: the block
-    product for block weights, ``linear_panels`` on the weight's panels for float32."""
+    """(ms of one greedy decoding step, ms of its head alone): batch 1, medians of ``steps``. The head
+    (262,144 x 640, tied to the embedding) is timed as greedy decoding runs it: the block product for block
+    weights; for float32 the arg-max from the head's 8-bit screen and a few exact rows
+    (``decoding.argmax_rows``), on the step's own last hidden row."""
     with torch.inference_mode():
-        state, first, _ = decode.start(model, prompts=[ids], max_new_tokens=steps + 2)
-        token, step_s = first.argmax(-1), []
+        state, token, _ = decode.start(model, prompts=[ids], max_new_tokens=steps + 2, argmax=True)
+        step_s = []
         for _ in range(steps):
             start = time.perf_counter()
-            token = decode.decode_step(model, state, token).argmax(-1)
+            token = decode.decode_step(model, state, token, argmax=True)
             step_s.append(time.perf_counter() - start)
         head, head_s = model.lm_head, []
-        x = torch.randn(1, model.config.dim)
+        seen = []
+        hook = model.norm.register_forward_hook(lambda module, args, out: seen.append(out.reshape(-1, out.shape[-1])))
+        model(torch.tensor([ids]))  # a real last hidden row: the screen's candidates are those of decoding
+        hook.remove()
+        x = seen[-1][-1:].contiguous()
         for _ in range(steps):
             start = time.perf_counter()
             if hasattr(head, "matmul_rows"):
                 head.matmul_rows(x)
             else:
-                decoding.linear_panels(x, decoding.panels(head.weight), head.bias, head.weight.shape[0])
+                decoding.argmax_rows(x, head.weight, head.bias)
             head_s.append(time.perf_counter() - start)
     return 1e3 * statistics.median(step_s), 1e3 * statistics.median(head_s)
 
@@ -166,7 +171,7 @@ def main(argv=None) -> None:
             for name, model in models.items():
                 step_ms, head_ms = head_share(model, ids)
                 print(
-                    f"{threads:>7}  attnmask {name}: a decoded token {step_ms:.2f} ms, its head product "
+                    f"{threads:>7}  attnmask {name}: a decoded token {step_ms:.2f} ms, its head "
                     f"{head_ms:.2f} ms ({100 * head_ms / step_ms:.0f}%), the rest {step_ms - head_ms:.2f} ms"
                 )
     print(f"greedy text (attnmask): {tok.decode(outputs[next(iter(outputs))])!r}")
