@@ -154,6 +154,18 @@ def test_answers_parse_into_calls_or_text():
     assert call.arguments == '{"x": "\ufffd"}'
 
 
+def assembled(deltas) -> dict[int, tuple[str, str, str]]:
+    """Streamed tool call deltas put together as a client does: ``{index: (id, name, arguments)}``."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        d = d if isinstance(d, dict) else d.model_dump(exclude_none=True)
+        call = calls.setdefault(d["index"], ["", "", ""])
+        call[0] += d.get("id") or ""
+        call[1] += (d.get("function") or {}).get("name") or ""
+        call[2] += (d.get("function") or {}).get("arguments") or ""
+    return {i: tuple(c) for i, c in calls.items()}
+
+
 @pytest.mark.parametrize("cut", range(1, 8))
 def test_a_streamed_text_answer_is_its_words_as_they_come(cut):
     """Pushed in pieces of ``cut`` characters (escapes and surrogate pairs split anywhere), the deltas add up
@@ -162,17 +174,47 @@ def test_a_streamed_text_answer_is_its_words_as_they_come(cut):
     answer = '{"response":"' + text + '"}'
     stream, deltas = ToolStream(tools_of()), []
     for i in range(0, len(answer), cut):
-        deltas.append(stream.push(answer[i : i + cut]))
+        content, calls = stream.push(answer[i : i + cut])
+        deltas.append(content)
+        assert not calls
     rest, calls, finish = stream.finish("stop")
     assert "".join(deltas) + rest == json.loads(f'"{text}"') and not calls and finish == "stop"
     assert sum(bool(d) for d in deltas) > 5 and rest == ""
-    calls_answer = '{"tool_calls":[{"name":"stop","arguments":{}}]}'
-    stream = ToolStream(tools_of())
-    assert [stream.push(calls_answer[i : i + cut]) for i in range(0, len(calls_answer), cut)] == [""] * len(
-        range(0, len(calls_answer), cut)
-    )
+
+
+@pytest.mark.parametrize("cut", range(1, 8))
+def test_streamed_calls_are_their_names_then_their_arguments_as_they_come(cut):
+    """Each call's id and name as soon as the name is whole, then its arguments' JSON text in pieces (braces
+    and quotes inside strings do not end them), adding up to the arguments the whole answer parses to."""
+    answer = ('{"tool_calls":[{"name":"paint","arguments":{"color":"r\\"e}d","glossy":true}},'
+              '{"name":"stop","arguments":{}}]}')  # fmt: skip
+    stream, deltas, pieces = ToolStream(tools_of()), [], 0
+    for i in range(0, len(answer), cut):
+        content, calls = stream.push(answer[i : i + cut])
+        assert content == ""
+        deltas += calls
+        pieces += bool(calls)
     rest, calls, finish = stream.finish("stop")
-    assert rest is None and [c.name for c in calls] == ["stop"] and finish == "tool_calls"
+    assert rest is None and finish == "tool_calls"
+    got = assembled(deltas + calls)
+    whole = tools_of().parse(answer, "stop")[1]
+    assert [(name, json.loads(arguments)) for _, name, arguments in got.values()] == [
+        (c.name, json.loads(c.arguments)) for c in whole
+    ]
+    assert all(i.startswith("call_") for i, _, _ in got.values()) and len({i for i, _, _ in got.values()}) == 2
+    assert pieces > (3 if cut < 5 else 1), "the arguments should come in pieces"
+
+
+def test_calls_cut_while_streaming_end_with_length_and_other_shapes_come_whole():
+    stream = ToolStream(tools_of())
+    _, deltas = stream.push('{"tool_calls":[{"name":"paint","arguments":{"col')
+    assert assembled(deltas) == {0: (deltas[0]["id"], "paint", '{"col')}
+    assert stream.finish("length") == (None, [], "length")  # the deltas sent stand
+    spaced = '{"tool_calls": [{"name": "stop", "arguments": {}}]}'  # not the grammar's shape: whole at the end
+    stream = ToolStream(tools_of())
+    assert all(stream.push(c) == ("", []) for c in spaced)
+    rest, calls, finish = stream.finish("stop")
+    assert rest is None and [(c["index"], c["function"]["name"]) for c in calls] == [(0, "stop")]
 
 
 def test_the_protocol_refuses_tools_where_they_cannot_be_honoured():
@@ -234,10 +276,11 @@ def test_tool_calls_through_the_openai_client_streamed_or_not(client):
     assert valid_call({"name": call.function.name, "arguments": json.loads(call.function.arguments)})
     chunks = list(client.chat.completions.create(**kw, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    streamed = [t for d in deltas for t in d.tool_calls or ()]
-    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == [
-        (0, call.function.name, call.function.arguments)
+    streamed = assembled(t for d in deltas for t in d.tool_calls or ())
+    assert [(i, name, json.loads(arguments)) for i, (_, name, arguments) in streamed.items()] == [
+        (0, call.function.name, json.loads(call.function.arguments))
     ]
+    assert sum(bool(d.tool_calls) for d in deltas) > 2, "the arguments should stream in pieces"
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert r.usage.completion_tokens > 10
 
@@ -262,9 +305,9 @@ def test_several_streamed_answers_with_logprobs_each_end_with_their_own_calls(cl
     chunks = [c for c in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})]
     for choice in whole.choices:
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
-        calls = [t for c in mine for t in c.delta.tool_calls or ()]
-        assert [(t.function.name, t.function.arguments) for t in calls] == [
-            (t.function.name, t.function.arguments) for t in choice.message.tool_calls
+        calls = assembled(t for c in mine for t in c.delta.tool_calls or ())
+        assert [(name, json.loads(arguments)) for _, name, arguments in calls.values()] == [
+            (t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls
         ]
         assert mine[-1].finish_reason == choice.finish_reason == "tool_calls"
         streamed = [t.logprob for c in mine if c.logprobs for t in c.logprobs.content]

@@ -365,9 +365,10 @@ class _Service:
                 completion_tokens += piece.generated
                 if shape.tools is not None:
                     answer = answers.setdefault(index, ToolStream(shape.tools))
-                    end, piece.text, piece.finish_reason = piece.finish_reason, answer.push(piece.text), None
-                    if piece.text or piece.tokens:
-                        yield _sse(shape.chunk(piece, index=index))
+                    end, piece.finish_reason = piece.finish_reason, None
+                    piece.text, calls = answer.push(piece.text)
+                    if piece.text or piece.tokens or calls:
+                        yield _sse(shape.chunk(piece, index=index, tool_calls=calls))
                     if end:
                         yield _sse(shape.tool_end(*answers.pop(index).finish(end), index=index))
                 elif piece.text or piece.tokens or piece.finish_reason:

@@ -120,17 +120,19 @@ class Shape:
             message["tool_calls"] = [call.message() for call in calls]
         return message, finish
 
-    def tool_end(self, content: str | None, calls: list, finish: str | None, *, index: int = 0) -> dict:
-        """The last chunk of a streamed chat answer that offered tools: its unsent text or its calls."""
+    def tool_end(self, content: str | None, calls: list[dict], finish: str | None, *, index: int = 0) -> dict:
+        """The last chunk of a streamed chat answer that offered tools: its unsent text or call deltas."""
         delta = {} if not content else {"content": content}
         if calls:
-            delta["tool_calls"] = [call.message(index=k) for k, call in enumerate(calls)]
+            delta["tool_calls"] = calls
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-    def chunk(self, piece: Piece, *, role: bool = False, index: int = 0) -> dict:
+    def chunk(self, piece: Piece, *, role: bool = False, index: int = 0, tool_calls: list | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": piece.text} if piece.text else {})
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": piece.finish_reason}
             if piece.tokens:
                 choice["logprobs"] = self._logprobs(piece.tokens)

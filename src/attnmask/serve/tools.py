@@ -22,14 +22,16 @@ llama.cpp's server used to give such templates) rather than a per-model one:
   the content and the finish reason ``length``, as vLLM answers.
 
 Streamed (:class:`ToolStream`), a text answer's words are sent as they come (the JSON string's text,
-decoded, without its quotes and escapes); calls are sent when the answer ends and its JSON is whole. A
-text answer cut by ``max_tokens`` is the text it had, streamed or not.
+decoded, without its quotes and escapes), and calls as OpenAI streams them: a call's id and name once its
+name is whole, then its arguments' JSON text in pieces as it is written. A text answer cut by
+``max_tokens`` is the text it had, streamed or not; calls cut while streaming end with ``length``.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -181,26 +183,109 @@ def _string_so_far(body: str) -> str:
 
 
 class ToolStream:
-    """One streamed answer of a chat that offered tools: :meth:`push` each piece of its text and send the
-    content it returns (a text answer's words as they come); :meth:`finish` gives the rest, or the calls."""
+    """One streamed answer of a chat that offered tools: :meth:`push` each piece of its text and send what it
+    returns, :meth:`finish` at the end.
+
+    A text answer's words are sent as they come. Calls are sent as OpenAI streams them: each call's first
+    delta has its ``index``, ``id``, ``type`` and ``function.name`` (and empty ``arguments``) once its name
+    is whole, then its ``arguments`` follow in pieces as the model writes them (the JSON text as written,
+    without the spaces the whole answer's re-serialized ``arguments`` have: the same JSON value). An answer
+    whose JSON takes another shape than the grammar's usual one is sent whole at the end, as before."""
 
     def __init__(self, tools: Tools):
         self.tools, self.text, self.sent = tools, "", 0
+        self.calls: list[str] = []  # the ids of the calls whose first delta was sent
+        self._phase = "head"  # head: a call's {"name": ..., "arguments": next; args: inside them; after; done
+        self._at = len(CALLS)  # where the text of the current phase begins
+        self._args: list = []  # [scanned up to, depth, in a string, after a backslash, sent up to]
 
-    def push(self, text: str) -> str:
+    def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """``(content delta, tool call deltas)`` for the answer's text so far, ``text`` appended."""
         self.text += text
-        if not self.text.startswith(RESPONSE):  # calls, or not yet known: held until the end
-            return ""
-        content = _string_so_far(self.text[len(RESPONSE) :])
-        delta, self.sent = content[self.sent :], len(content)
-        return delta
+        if self.text.startswith(RESPONSE):
+            content = _string_so_far(self.text[len(RESPONSE) :])
+            delta, self.sent = content[self.sent :], len(content)
+            return delta, []
+        if self._phase == "done" or not self.text.startswith(CALLS):
+            if not CALLS.startswith(self.text):  # neither calls nor text in the usual shape: whole at the end
+                self._phase = "done"
+            return "", []
+        return "", self._scan()
 
-    def finish(self, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
-        """``(content not yet sent or None, calls, finish_reason)``, as :meth:`Tools.parse` reads the whole."""
+    def _scan(self) -> list[dict[str, Any]]:
+        deltas, text = [], self.text
+        while True:
+            if self._phase == "head":
+                found = _CALL_HEAD.match(text, self._at)
+                if found is None:
+                    if not _could_be_head(text[self._at :]):
+                        self._phase = "done"
+                    return deltas
+                call_id = f"call_{uuid.uuid4().hex[:24]}"
+                deltas.append({"index": len(self.calls), "id": call_id, "type": "function",
+                               "function": {"name": found.group(1), "arguments": ""}})  # fmt: skip
+                self.calls.append(call_id)
+                self._phase, self._at = "args", found.end()
+                self._args = [found.end(), 0, False, False, found.end()]
+            elif self._phase == "args":
+                i, depth, quoted, escaped, sent = self._args
+                end = None
+                while i < len(text) and end is None:
+                    c = text[i]
+                    i += 1
+                    if quoted:
+                        escaped, quoted = (False, True) if escaped else (c == "\\", c != '"')
+                    elif c == '"':
+                        quoted = True
+                    elif c in "{[":
+                        depth += 1
+                    elif c in "}]":
+                        depth -= 1
+                        end = i if depth == 0 else None
+                if i > sent:
+                    deltas.append({"index": len(self.calls) - 1, "function": {"arguments": text[sent:i]}})
+                self._args = [i, depth, quoted, escaped, i]
+                if end is None:
+                    return deltas
+                self._phase, self._at = "after", end
+            elif self._phase == "after":  # the call's "}", then "," and the next call, or "]"
+                if len(text) < self._at + 2:
+                    return deltas
+                closing = text[self._at : self._at + 2]
+                self._phase = "head" if closing == "}," else "done"
+                self._at += 2
+            else:
+                return deltas
+
+    def finish(self, finish_reason: str | None) -> tuple[str | None, list[dict[str, Any]], str | None]:
+        """``(content not yet sent or None, tool call deltas not yet sent, finish_reason)``, as
+        :meth:`Tools.parse` reads the whole: the calls not streamed whole (indices after the streamed ones);
+        for an answer cut while its calls streamed, nothing more (the finish reason says ``length``)."""
         content, calls, finish = self.tools.parse(self.text, finish_reason)
+        if self.calls:
+            if not calls:  # cut: the calls' deltas stand as sent
+                return None, [], finish
+            rest = [call.message(index=len(self.calls) + k) for k, call in enumerate(calls[len(self.calls) :])]
+            return None, (self._scan() if self._phase != "done" else []) + rest, finish
         if content is not None:
             content = content[self.sent :] if self.text.startswith(RESPONSE) else content
-        return content, calls, finish
+        return content, [call.message(index=k) for k, call in enumerate(calls)], finish
+
+
+CALLS = '{"tool_calls":['  # how an answer of calls begins
+_CALL_HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')
+
+
+def _could_be_head(text: str) -> bool:
+    """Whether ``text`` may still grow into the start of a call: ``{"name":"<name>","arguments":``."""
+    start = '{"name":"'
+    if len(text) <= len(start):
+        return start.startswith(text)
+    if not text.startswith(start):
+        return False
+    name = re.match(r"[A-Za-z0-9_-]*", text[len(start) :]).group(0)
+    rest = text[len(start) + len(name) :]
+    return len(name) <= 64 and '","arguments":'.startswith(rest)
 
 
 def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
