@@ -14,7 +14,7 @@ tokens/s = B * new tokens / wall time, prefill of the short prompt included; the
 attnmask and Hugging Face taking turns, after one warm-up run each.
 
 Memory-bandwidth bound: a greedy step reads every weight matrix once for the whole batch (the tied
-embedding as ``W_pred``, or in float32 up to 16 rows its screen, half its bytes; the KV cache reads are
+embedding as ``W_pred``, or in float32 up to 8 rows its 8-bit screen, a quarter of its bytes; the KV cache reads are
 < 1% here and not counted; blocks count their codes, scales and minimums), so tokens/s can be at
 most ``B * bandwidth / weight bytes``, with ``bandwidth`` the rate a large tensor copy moves bytes
 (read + written) on the same machine, measured in the same run.
@@ -143,10 +143,11 @@ def weight_bytes(model, rows: int = 1) -> int:
     """Bytes of weights a greedy decoding step of ``rows`` rows reads: every linear layer (``W_pred``
     included, once when tied to the embedding) and norm; the embedding table itself is only indexed (one
     row a token). Where the step screens a float32 head for its arg-max (``attnmask.decode.step.
-    screened_head``, up to ``SCREEN_MAX_ROWS`` rows), it reads the screen, half the head's bytes (and a
-    few of its rows, not counted)."""
+    screened_head``, up to ``SCREEN_MAX_ROWS`` rows), it reads the head's screen instead (about a quarter
+    of its bytes; and a few of its rows, not counted)."""
     head = screened_head(model) if rows <= decoding.SCREEN_MAX_ROWS else None
-    seen, total = set(), -(head.weight.numel() * 2 if head is not None else 0)
+    screen = decoding.screen(head.weight) if head is not None else None
+    seen, total = set(), screen[0].numel() - head.weight.numel() * 4 if screen is not None else 0
     for module in model.modules():
         if isinstance(module, BlockLinear):
             tensors = [t for t in (module.codes, module.d, module.m) if t is not None]

@@ -753,8 +753,9 @@ def packed_forward(
             CUDA, where FlexAttention is available; the CPU keeps ``paged_attend``).
         argmax: return each logit row's first largest logit's token, as ``logits.max(-1).indices`` of
             the logits would: for a large float32 head on the CPU found exactly without computing the
-            logits (:func:`attnmask.ops.decoding.argmax_rows`: half of the head's bytes read, and a few
-            of its rows), the whole head where the step cannot do that. Greedy decoding's step.
+            logits (:func:`attnmask.ops.decoding.argmax_rows`: the head's 8-bit screen read, about a
+            quarter of its bytes, and a few of its rows), the whole head where the step cannot do that.
+            Greedy decoding's step.
 
     Keys and values of every row are written into ``cache`` before the rows attend, so a chunk's
     rows see each other causally, and later steps see them all.

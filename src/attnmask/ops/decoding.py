@@ -532,9 +532,10 @@ linear_panels = torch.ops.attnmask.linear_panels.default
 head_argmax = torch.ops.attnmask.head_argmax.default
 
 SCREEN_MIN_WEIGHTS = 1 << 22  # heads smaller than this (4M weights, 16 MiB) are read whole: little to save
-# more rows than this read the head whole: from 16 rows on a step's products cost about what reading them
-# does, and the screen's products are a second set (Intel Xeon, 2 threads: docs/benchmarks.md)
-SCREEN_MAX_ROWS = 16
+# more rows than this read the head whole: by 16 rows the products, not the reading, set the pace, and the
+# screen's are a second set (Intel Xeon, 2 threads, benchmarks/greedy_head.py: SmolLM2's head at 16 rows
+# 0.81x, at 8 rows 1.02x; Gemma 3's 1.28x and 1.99x)
+SCREEN_MAX_ROWS = 8
 _SCREENS = torch.utils.weak.WeakIdKeyDictionary()  # weight -> ((version, address, shape), (panels, bound) or None)
 
 
