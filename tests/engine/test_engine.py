@@ -245,6 +245,15 @@ def screening_every_head():
         decoding.SCREEN_MIN_WEIGHTS = least
 
 
+def test_an_engine_makes_its_heads_screen_before_the_first_request(monkeypatch):
+    """The screen of a large float32 head is made with the engine (like its panels), not in the first
+    greedy step, whose request would wait for it."""
+    monkeypatch.setattr(decoding, "SCREEN_MIN_WEIGHTS", 0)
+    decoding._SCREENS.pop(model("rotary-gqa").lm_head.weight, None)  # made by an earlier test, if any
+    engine = engine_of("rotary-gqa")
+    assert engine.model.lm_head.weight in decoding._SCREENS
+
+
 @settings(max_examples=60, deadline=None)
 @given(workloads(sampled=False))
 def test_greedy_requests_are_bitwise_their_solo_runs(w):

@@ -4,6 +4,14 @@ cache offset, ``document & causal`` with per-sequence offsets lowered to the nat
 the whole step one native ``packed_step`` call where :func:`fused_plan` allows). See
 :mod:`attnmask.decode.step` for the step and its batch invariance."""
 
-from attnmask.decode.step import SourceMemory, check_servable, fused_plan, packed_forward, packed_mask, slots_of
+from attnmask.decode.step import (
+    SourceMemory,
+    check_servable,
+    fused_plan,
+    packed_forward,
+    packed_mask,
+    screened_head,
+    slots_of,
+)
 
-__all__ = ["SourceMemory", "check_servable", "fused_plan", "packed_forward", "packed_mask", "slots_of"]
+__all__ = ["SourceMemory", "check_servable", "fused_plan", "packed_forward", "packed_mask", "screened_head", "slots_of"]
