@@ -792,7 +792,7 @@ def packed_forward(
             signed = torch.cat([Rotary.signed_sin(s)[0] for _, s in factors])  # (R, N, D)
         products, kinds = plan.products, plan.kinds
         if screened is not None:  # the step ends at the final norm's rows (the head: NONE), argmax_rows does the rest
-            products, kinds = products[: -len(_operands(model.lm_head)[1])], [*kinds[:-1], decoding.NONE]
+            products, kinds = products[:-2], [*kinds[:-1], decoding.NONE]  # a float32 head: panels and bias
         out = decoding.packed_step(
             x.contiguous(), cos, signed, plan.layer_rope, plan.norms, plan.eps, products, kinds,
             plan.activation, cache.k, cache.v, tables, cache.layer_group, plan.windows, row_seq, positions,

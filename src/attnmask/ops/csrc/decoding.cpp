@@ -848,7 +848,6 @@ at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std:
     int64_t *o = out.mutable_data_ptr<int64_t>();
     if (M == 0) return out;
     TORCH_CHECK_VALUE(N > 0, op, ": weight has no rows");
-    const at::Tensor &est = estimates;
     const float *x = h.const_data_ptr<float>(), *w = weight.const_data_ptr<float>();
     const double *b = bound.const_data_ptr<double>();
     const float *bias_n = checked_bias(bias, N, op);  // added to each estimate, and after each exact chain
@@ -858,7 +857,7 @@ at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std:
         std::vector<int64_t> cand;
         std::vector<float> rows, vals, picked;
         for (int64_t m = begin; m < end; m++) {
-            const float *xm = x + m * K, *e = est.const_data_ptr<float>() + m * N;
+            const float *xm = x + m * K, *e = estimates.const_data_ptr<float>() + m * N;
             double sq = 0;
             for (int64_t k = 0; k < K; k++) sq += static_cast<double>(xm[k]) * xm[k];
             const double nx = std::sqrt(sq) * MARGIN;
