@@ -200,8 +200,8 @@ def test_panels_hold_the_weight_and_give_block_matmuls_bits(kind):
         want = blocks.pack_block_panels_reference(codes, d, m, kind, k)
         assert want.shape == (
             -(-n // 16),
-            k // blocks.PANEL_BLOCK[blocks.LAYOUT[kind]],
-            blocks.PANEL_UNIT[blocks.LAYOUT[kind]],
+            k // blocks.PANEL_BLOCK[blocks.PANEL_LAYOUT[kind]],
+            blocks.PANEL_UNIT[blocks.PANEL_LAYOUT[kind]],
         )
         assert torch.equal(blocks.unpack_block_panels(want, n), w), f"{kind} {n}: the definition's panels"
         x = torch.randn(5, k, generator=g)
@@ -214,6 +214,32 @@ def test_panels_hold_the_weight_and_give_block_matmuls_bits(kind):
             assert torch.equal(got, blocks.block_matmul(codes, d, m, x, kind, k)), f"{kind} {n}"
             err, bound = float32_error(got, x, w)
             assert err <= bound, f"{kind} {n}: error {err:.3g}, allowed {bound:.3g}"
+            if blocks.PANEL_LAYOUT[kind].endswith("/f16"):  # float16 scales: fewer bytes, the same bits
+                wide = blocks.pack_block_panels_reference(codes, d, m, kind, k, half=False)
+                assert wide.shape[-1] > panels.shape[-1]
+                assert torch.equal(blocks.unpack_block_panels(wide, n), w)
+                assert torch.equal(blocks.block_panels_matmul(wide, x, n), got), f"{kind} {n}: float32 scales"
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_float16_panels_need_float16_scales(kind):
+    """A Q4_1/Q8_0 scale that is not a float16 value (made by hand: a GGUF block stores float16) is an error
+    for pack_block_panels, whose panels' shape is the format's, and block_matmul, which packs for itself,
+    takes the float32 layout for it: the same bits as those panels."""
+    raw, _ = random_bytes_blocks(kind, 20, 64, seed=4)
+    t = repack(torch.from_numpy(raw), kind, 64)
+    d = t["d"].clone()
+    d[3, 1] = 1 / 3  # not a float16 value
+    with pytest.raises(ValueError, match=f"a {kind} scale is not a float16 value"):
+        blocks.pack_block_panels_reference(t["codes"], d, t.get("m"), kind, 64)
+    if ops.available():
+        with pytest.raises(ValueError, match=f"a {kind} scale is not a float16 value"):
+            blocks.pack_block_panels(t["codes"], d, t.get("m"), kind, 64)
+        x = torch.randn(3, 64)
+        wide = blocks.pack_block_panels_reference(t["codes"], d, t.get("m"), kind, 64, half=False)
+        assert torch.equal(
+            blocks.block_matmul(t["codes"], d, t.get("m"), x, kind, 64), blocks.block_panels_matmul(wide, x, 20)
+        )
 
 
 def test_panels_are_checked():
@@ -335,12 +361,13 @@ def test_q4_k_q5_0_and_q6_k_take_the_decoding_steps_block_kinds():
 
 def test_formats_of_one_layout_concatenate_into_one_product():
     """Gemma's q/k (Q5_0) and v (Q8_0) projections stack into one 8-bit product, Q4_K with Q4_1 into one
-    4-bit product: each output the same bits as its own layer's; other mixes are refused."""
+    4-bit product (named Q4_K: float32 panels, as Q4_K's scales need): each output the same bits as its own
+    layer's; other mixes are refused."""
     native_or_skip()
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(6))
     for kinds, fused_kind in (
         (["Q5_0", "Q5_0", "Q8_0"], "Q8_0"),
-        (["Q4_K", "Q4_1"], "Q4_1"),
+        (["Q4_K", "Q4_1"], "Q4_K"),
         (["Q6_K", "Q6_K"], "Q6_K"),
     ):
         layers = [layer_of(kind, 8 + i, 512, seed=i) for i, kind in enumerate(kinds)]

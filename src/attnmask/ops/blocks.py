@@ -41,7 +41,8 @@ threads with OpenMP):
 - ``torch.ops.attnmask.pack_block_panels(codes, d, m, kind, in_features)`` and
   ``torch.ops.attnmask.block_panels_matmul(panels, x, out_features)``: ``block_matmul``'s float32
   product in two parts, the weight moved once into panels (its rows 16 at a time side by side, one unit
-  of bytes per block: :data:`PANEL_UNIT`), then the product from them, the same bits as
+  of bytes per block: :data:`PANEL_UNIT`; the scales in float16 where the format stores them so,
+  :data:`PANEL_LAYOUT`), then the product from them, the same bits as
   ``block_matmul``, which packs for each call. The panels are a second copy of the codes and scales,
   what a layer keeps to decode (:class:`attnmask.pretrained.quantized.BlockLinear`): with the weight's
   rows in vector lanes, a block's products are multiply-adds against one broadcast activation, with no
@@ -194,23 +195,39 @@ def unpack(packed: dict[str, Tensor], kind: str, in_features: int) -> Tensor:
 # Panels (csrc/blocks_kernel.c): weight rows PANEL_COLUMNS at a time, one unit of bytes per group and block:
 # 4-bit 4 x 64 bytes of codes (vector j, lane l: weight 8j + i of row l in bits 4i..4i+3), d[16], m[16];
 # 8-bit 32 x 16 signed bytes (row k, lane l: weight k of row l), d[16]; 8-bit/16 (blocks of 16) the same
-# with 16 rows of codes. PANEL_UNIT: bytes per unit; PANEL_BLOCK: weights per unit along K.
+# with 16 rows of codes, d[16] and 16 bytes of padding (every unit size its own: the product tells the
+# layout by it). Scales float32, or float16 in the "/f16" layouts: the formats whose GGUF blocks store
+# them as float16 (PANEL_LAYOUT), the same values in fewer bytes (a Q4_1 unit 320 bytes instead of 384).
+# PANEL_UNIT: bytes per unit; PANEL_BLOCK: weights per unit along K.
 PANEL_COLUMNS = 16
-PANEL_UNIT = {"4-bit": 384, "8-bit": 576, "8-bit/16": 320}
-PANEL_BLOCK = {"4-bit": QK, "8-bit": QK, "8-bit/16": 16}
+PANEL_UNIT = {"4-bit": 384, "8-bit": 576, "8-bit/16": 336, "4-bit/f16": 320, "8-bit/f16": 544}
+PANEL_BLOCK = {"4-bit": QK, "8-bit": QK, "8-bit/16": 16, "4-bit/f16": QK, "8-bit/f16": QK}
+PANEL_LAYOUT = {"Q4_1": "4-bit/f16", "Q4_K": "4-bit", "Q8_0": "8-bit/f16", "Q5_0": "8-bit/f16", "Q6_K": "8-bit/16"}
 
 
 def _float_bytes(t: Tensor) -> Tensor:
-    """float32 ``(..., 16)`` -> its bytes ``(..., 64)``."""
+    """float32 (or float16) ``(..., 16)`` -> its bytes ``(..., 64)`` (``(..., 32)``)."""
     return t.contiguous().view(torch.uint8)
 
 
-def pack_block_panels_reference(codes: Tensor, d: Tensor, m: Tensor | None, kind: str, in_features: int) -> Tensor:
+def pack_block_panels_reference(
+    codes: Tensor, d: Tensor, m: Tensor | None, kind: str, in_features: int, *, half: bool | None = None
+) -> Tensor:
     """What ``pack_block_panels`` computes, in PyTorch: :func:`repack`'s tensors in panels, uint8
-    ``(ceil(out / 16), in / block, unit)``, rows past ``out`` zero."""
+    ``(ceil(out / 16), in / block, unit)``, rows past ``out`` zero, in the layout :data:`PANEL_LAYOUT`
+    names (ValueError where a float16 layout's scale is not a float16 value). ``half=False`` gives the
+    float32-scale layout of the same codes (``"4-bit"``, ``"8-bit"``): the same products, bit for bit."""
     if codes.device.type == "cpu":
         check_buffers(codes, d, m, kind, in_features)
-    layout = LAYOUT[kind]
+    layout = PANEL_LAYOUT[kind] if half is not False else PANEL_LAYOUT[kind].removesuffix("/f16")
+    if layout.endswith("/f16"):
+        for t in (d, m):
+            if t is not None and not torch.equal(t.half().float(), t):
+                raise UserError(
+                    f"pack_block_panels: a {kind} scale is not a float16 value (a GGUF {kind} block stores its "
+                    f"scales as float16); expected d{' and m' if m is not None else ''} from "
+                    "attnmask.ops.blocks.repack"
+                )
     packed = {"codes": codes, "d": d} | ({"m": m} if m is not None else {})
     q = _weight_codes(packed, kind, in_features).view(torch.uint8)  # (n, nb, 32)
     n, blk = q.shape[0], PANEL_BLOCK[layout]
@@ -218,15 +235,18 @@ def pack_block_panels_reference(codes: Tensor, d: Tensor, m: Tensor | None, kind
     nblk = in_features // blk
     q = F.pad(q.reshape(n, nblk, blk), (0, 0, 0, 0, 0, rows - n)).reshape(-1, PANEL_COLUMNS, nblk, blk)
 
-    def scale(t: Tensor) -> Tensor:  # (n, nblk) float32 -> (groups, nblk, 64) bytes
+    def scale(t: Tensor) -> Tensor:  # (n, nblk) float32 -> (groups, nblk, 64 or 32) bytes
+        t = t.half() if layout.endswith("/f16") else t
         return _float_bytes(F.pad(t[:, :nblk], (0, 0, 0, rows - n)).reshape(-1, PANEL_COLUMNS, nblk).transpose(1, 2))
 
-    if layout == "4-bit":  # byte c of lane l in vector j: weights 8j + 2c (low nibble) and 8j + 2c + 1
+    if layout.startswith("4-bit"):  # byte c of lane l in vector j: weights 8j + 2c (low nibble) and 8j + 2c + 1
         q = q.reshape(-1, PANEL_COLUMNS, nblk, 4, 4, 2)
         lanes = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1, 4)  # (group, block, j, lane, byte)
         parts = [lanes.reshape(-1, nblk, 256), scale(d), scale(m)]
     else:
         parts = [q.permute(0, 2, 3, 1).reshape(-1, nblk, blk * PANEL_COLUMNS), scale(d)]
+        if layout == "8-bit/16":
+            parts.append(parts[0].new_zeros(parts[0].shape[0], nblk, 16))  # the padding
     return torch.cat(parts, dim=-1).contiguous()
 
 
@@ -236,17 +256,18 @@ def unpack_block_panels(panels: Tensor, out_features: int) -> Tensor:
     if panels.dim() != 3 or layout is None or panels.shape[0] != -(-out_features // PANEL_COLUMNS):
         raise UserError(
             f"panels of shape {tuple(panels.shape)} do not hold {out_features} outputs; expected "
-            f"(ceil(out_features / {PANEL_COLUMNS}), blocks, 384 | 576 | 320)"
+            f"(ceil(out_features / {PANEL_COLUMNS}), blocks, {' | '.join(map(str, PANEL_UNIT.values()))})"
         )
     groups, nblk, blk = panels.shape[0], panels.shape[1], PANEL_BLOCK[layout]
-    code_bytes = 256 if layout == "4-bit" else blk * PANEL_COLUMNS
-    floats = lambda at: panels[..., at : at + 64].contiguous().view(torch.float32)  # noqa: E731 (g, nblk, 16)
+    code_bytes = 256 if layout.startswith("4-bit") else blk * PANEL_COLUMNS
+    width, dtype = (32, torch.float16) if layout.endswith("/f16") else (64, torch.float32)
+    floats = lambda at: panels[..., at : at + width].contiguous().view(dtype).float()  # noqa: E731 (g, nblk, 16)
     d = floats(code_bytes)
-    if layout == "4-bit":
+    if layout.startswith("4-bit"):
         lanes = panels[..., :256].reshape(groups, nblk, 4, PANEL_COLUMNS, 4)  # (g, b, j, lane, byte)
         q = torch.stack([lanes & 15, lanes >> 4], dim=-1).reshape(groups, nblk, 4, PANEL_COLUMNS, 8)
         q = q.permute(0, 3, 1, 2, 4).reshape(groups, PANEL_COLUMNS, nblk, blk).float()
-        w = d.transpose(1, 2)[..., None] * q + floats(code_bytes + 64).transpose(1, 2)[..., None]
+        w = d.transpose(1, 2)[..., None] * q + floats(code_bytes + width).transpose(1, 2)[..., None]
     else:
         q = panels[..., :code_bytes].reshape(groups, nblk, blk, PANEL_COLUMNS).view(torch.int8)
         w = q.permute(0, 3, 1, 2).float() * d.transpose(1, 2)[..., None]
@@ -384,7 +405,7 @@ def _(codes, d, m, kind, in_features):
 
 @torch.library.register_fake("attnmask::pack_block_panels", lib=_LIBRARY)
 def _(codes, d, m, kind, in_features):
-    layout = LAYOUT[kind]
+    layout = PANEL_LAYOUT[kind]
     groups = -(-codes.shape[0] // PANEL_COLUMNS)
     return codes.new_empty(groups, in_features // PANEL_BLOCK[layout], PANEL_UNIT[layout])
 

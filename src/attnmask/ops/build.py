@@ -75,7 +75,7 @@ def simd_flags() -> list[str]:
     """Compiler flags for the vector instructions PyTorch found this CPU can run (``ATEN_CPU_CAPABILITY``
     lowers them, as it lowers PyTorch's own kernels)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
+    flags = ["-mavx2", "-mfma", "-mf16c"] if capability in ("AVX2", "AVX512") else []
     flags += ["-mavx512f", "-mavx512vl"] if capability == "AVX512" else []
     return flags + _vnni_flags(capability)
 

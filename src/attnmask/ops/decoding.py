@@ -546,7 +546,8 @@ def screen(weight: Tensor) -> tuple[Tensor, Tensor] | None:
 
     The screen is the weight in 8-bit blocks (Q8_0: a float16 scale ``d = max |w| / 127`` per 32 weights,
     ``q = round(w / d)``), in :mod:`~attnmask.ops.blocks`' panels (``block_panels_matmul`` gives the
-    estimates): 1.06 bytes a weight, a quarter of the float32 weight's, kept beside it and its panels.
+    estimates): 1.06 bytes a weight (its float16 scales kept as such), a quarter of the float32 weight's,
+    kept beside it and its panels.
     The bound of row ``n``, float64, rounded up: ``||w - d q|| + 3 gamma (||d q|| + ||w||)``, ``gamma =
     2K u / (1 - 2K u)``, ``u = 2^-24`` (no product meets more than ``32 + K / 32 + 1 <= 2K`` roundings in
     either sum); with ``||x||`` it bounds how far an estimate can be from the exact output
@@ -562,7 +563,7 @@ def screen(weight: Tensor) -> tuple[Tensor, Tensor] | None:
         gamma = 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24)
         step = 2048  # rows at a time (a multiple of the panels' 16): the float64 copies stay small
         groups = -(-n // blocks.PANEL_COLUMNS)
-        panels = torch.empty(groups, k // blocks.QK, blocks.PANEL_UNIT["8-bit"], dtype=torch.uint8)
+        panels = torch.empty(groups, k // blocks.QK, blocks.PANEL_UNIT[blocks.PANEL_LAYOUT["Q8_0"]], dtype=torch.uint8)
         bound = torch.empty(n, dtype=torch.float64)
         for a in range(0, n, step):
             rows = w[a : a + step].reshape(-1, k // blocks.QK, blocks.QK)

@@ -117,8 +117,9 @@ class BlockLinear(nn.Module):
         """One layer computing ``cat([layer(x) for layer in layers], -1)`` in one product (rows stacked).
 
         Formats repacked into one layout stack too (Q5_0 with Q8_0, Q4_K with Q4_1: ``LAYOUT``), each row
-        keeping its values; the fused layer is then named by the layout's first format (``Q8_0``,
-        ``Q4_1``), whose kernel it runs. Each output is the same bits as in its own layer."""
+        keeping its values; a mix is then named by the format whose panels hold every row's scales
+        (``Q8_0``: Q5_0's are float16 values too; ``Q4_K``: float32), whose kernel it runs. Each output
+        is the same bits as in its own layer."""
         kinds, ins = {layer.kind for layer in layers}, {layer.in_features for layer in layers}
         activations = {layer.activations for layer in layers}
         if len(activations) != 1:
@@ -129,7 +130,9 @@ class BlockLinear(nn.Module):
                 f"Q8_0, Q4_K and Q4_1); got {sorted(kinds)} and {sorted(ins)}"
             )
         layout = LAYOUT[next(iter(kinds))]
-        kind = kinds.pop() if len(kinds) == 1 else next(k for k in LAYOUT if LAYOUT[k] == layout)
+        # one format keeps its name; a mix is named by the format whose panels hold every row's scales: Q8_0
+        # (Q5_0's and Q8_0's are float16 values), Q4_K (a Q4_K scale is not: float32 panels)
+        kind = kinds.pop() if len(kinds) == 1 else "Q4_K" if layout == "4-bit" else "Q8_0"
         packed = {name: torch.cat([layer._packed()[name] for layer in layers]) for name in layers[0]._packed()}
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)

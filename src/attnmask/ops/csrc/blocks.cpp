@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
 #include <c10/core/ScalarType.h>
 #include <torch/library.h>
 
@@ -30,7 +31,7 @@ void attnmask_q8_0_dequantize(const uint32_t *codes, const float *d, float *out,
 void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads);
 int64_t attnmask_panel_unit(int layout);
 int64_t attnmask_panel_block(int layout);
-void attnmask_pack_block_panels(int layout, const uint32_t *codes, const float *d, const float *m, uint8_t *out,
+void attnmask_pack_block_panels(int layout, const uint32_t *codes, const void *d, const void *m, uint8_t *out,
                                 int64_t N, int64_t K, int threads);
 int attnmask_panel_matmul(int layout, const uint8_t *panels, const float *x, float *y, int64_t M, int64_t N, int64_t K,
                           int threads);
@@ -86,6 +87,17 @@ Format format_of(const std::string &kind) {
     return {Layout::eight_bit_16, 256};
 }
 
+// The panels' layouts (blocks_kernel.c): 4-bit codes with float32 scales (Q4_K), 8-bit (Q8_0 and Q5_0 whose
+// scales are not float16 values: block_matmul only), 8-bit per 16 (Q6_K), and the 4-bit and 8-bit ones with
+// float16 scales (Q4_1; Q8_0 and Q5_0), the GGUF's own halves.
+constexpr int P4 = 0, P8 = 1, P8_16 = 2, P4H = 3, P8H = 4, PANEL_LAYOUTS = 5;
+
+int panel_layout(const std::string &kind) {
+    if (kind == "Q4_1") return P4H;
+    if (kind == "Q8_0" || kind == "Q5_0") return P8H;
+    return format_of(kind).layout == Layout::four_bit ? P4 : P8_16;
+}
+
 // The checks shared by both operators; returns n (the weight's rows).
 int64_t check_blocks(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
                      const std::string &kind, int64_t in_features, Layout layout, int64_t block) {
@@ -104,6 +116,31 @@ int64_t check_blocks(const at::Tensor &codes, const at::Tensor &d, const std::op
     return n;
 }
 
+// strict: a Q4_1, Q8_0 or Q5_0 scale that is not a float16 value is an error (pack_block_panels: its
+// panels' shape is the format's); otherwise such a weight takes the float32 layout (block_matmul's own use).
+at::Tensor pack_panels(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
+                       const std::string &kind, int64_t in_features, bool strict) {
+    const Format f = format_of(kind);
+    const int64_t n = check_blocks(codes, d, m, kind, in_features, f.layout, f.block);
+    int layout = panel_layout(kind);
+    at::Tensor dh = d, mh = m ? *m : at::Tensor();
+    if (layout == P4H || layout == P8H) {
+        dh = d.to(at::kHalf);
+        if (m) mh = m->to(at::kHalf);
+        const bool exact = at::equal(dh.to(at::kFloat), d) && (!m || at::equal(mh.to(at::kFloat), *m));
+        TORCH_CHECK_VALUE(exact || !strict, "pack_block_panels: a ", kind, " scale is not a float16 value (a GGUF ", kind,
+                          " block stores its scales as float16); expected d", m ? " and m" : "",
+                          " from attnmask.ops.blocks.repack");
+        if (!exact) layout = layout == P4H ? P4 : P8, dh = d, mh = m ? *m : at::Tensor();
+    }
+    const int64_t groups = (n + PANEL_COLS - 1) / PANEL_COLS, blocks = in_features / attnmask_panel_block(layout);
+    at::Tensor out = at::empty({groups, blocks, attnmask_panel_unit(layout)}, codes.options());
+    attnmask_pack_block_panels(layout, static_cast<const uint32_t *>(codes.const_data_ptr()), dh.const_data_ptr(),
+                               m ? mh.const_data_ptr() : nullptr, out.mutable_data_ptr<uint8_t>(), n, in_features,
+                               at::get_num_threads());
+    return out;
+}
+
 }  // namespace
 
 namespace attnmask {
@@ -117,7 +154,7 @@ at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std:
     const int64_t rows = x.dim() == 2 ? x.size(0) : -1;
     check(x, "x", at::kFloat, {rows, in_features}, kind, n_known);
     if (!int8_activations)  // packed for the call: the bits of block_panels_matmul with the weight's panels
-        return block_panels_matmul(pack_block_panels(codes, d, m, kind, in_features), x, n);
+        return block_panels_matmul(pack_panels(codes, d, m, kind, in_features, false), x, n);
     at::Tensor out = at::empty({rows, n}, x.options());
     const int threads = at::get_num_threads();
     const auto *c = static_cast<const uint32_t *>(codes.const_data_ptr());
@@ -137,16 +174,7 @@ at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std:
 
 at::Tensor pack_block_panels(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
                              c10::string_view kind_view, int64_t in_features) {
-    const std::string kind(kind_view);
-    const Format f = format_of(kind);
-    const int64_t n = check_blocks(codes, d, m, kind, in_features, f.layout, f.block);
-    const int layout = static_cast<int>(f.layout);
-    const int64_t groups = (n + PANEL_COLS - 1) / PANEL_COLS, blocks = in_features / attnmask_panel_block(layout);
-    at::Tensor out = at::empty({groups, blocks, attnmask_panel_unit(layout)}, codes.options());
-    attnmask_pack_block_panels(layout, static_cast<const uint32_t *>(codes.const_data_ptr()), d.const_data_ptr<float>(),
-                               m ? m->const_data_ptr<float>() : nullptr, out.mutable_data_ptr<uint8_t>(), n,
-                               in_features, at::get_num_threads());
-    return out;
+    return pack_panels(codes, d, m, std::string(kind_view), in_features, true);
 }
 
 at::Tensor block_panels_matmul(const at::Tensor &panels, const at::Tensor &x, int64_t out_features) {
@@ -155,12 +183,12 @@ at::Tensor block_panels_matmul(const at::Tensor &panels, const at::Tensor &x, in
                       "block_panels_matmul: panels must be contiguous uint8 (groups, blocks, unit) on the CPU, from "
                       "pack_block_panels; got ", py_dtype(panels.scalar_type()), " ", py_shape(panels.sizes()), " on ",
                       panels.device().str());
-    int layout = -1;
-    for (int l = 0; l < 3; l++)
+    int layout = -1;  // each layout's unit has its own size
+    for (int l = 0; l < PANEL_LAYOUTS; l++)
         if (panels.size(2) == attnmask_panel_unit(l)) layout = l;
     TORCH_CHECK_VALUE(layout >= 0 && out_features > 0 && panels.size(0) == (out_features + PANEL_COLS - 1) / PANEL_COLS,
                       "block_panels_matmul: panels of shape ", py_shape(panels.sizes()), " do not hold ", out_features,
-                      " outputs; expected (ceil(out_features / ", PANEL_COLS, "), blocks, 384 | 576 | 320)");
+                      " outputs; expected (ceil(out_features / ", PANEL_COLS, "), blocks, 384 | 320 | 576 | 544 | 336)");
     const int64_t K = panels.size(1) * attnmask_panel_block(layout);
     TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K &&
                           x.is_contiguous(),

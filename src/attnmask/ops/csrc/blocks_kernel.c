@@ -167,10 +167,18 @@ void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out,
  * its rows in groups of PANEL_COLS, and per group and block one unit of bytes, the group's blocks in order
  * (a row past N: codes and scales zero). In a unit, weight row l of the group is lane l:
  *
- *   4-bit (P4; 384 bytes, a block of 32): 4 vectors of 16 uint32, vector j lane l holding in bits
+ *   4-bit (P4, Q4_K; 384 bytes, a block of 32): 4 vectors of 16 uint32, vector j lane l holding in bits
  *         4i..4i+3 the code of weight 8j + i (0..15); then d[16] and m[16] float32.
+ *   4-bit/f16 (P4H, Q4_1; 320 bytes): the same codes; then d[16] and m[16] float16.
  *   8-bit (P8; 576 bytes, a block of 32): 32 rows of 16 int8, row k lane l the code of weight k; then d[16].
- *   8-bit/16 (P8_16, Q6_K; 320 bytes, a block of 16): 16 rows of 16 int8; then d[16].
+ *   8-bit/f16 (P8H, Q8_0 and Q5_0; 544 bytes): the same codes; then d[16] float16.
+ *   8-bit/16 (P8_16, Q6_K; 336 bytes, a block of 16): 16 rows of 16 int8; then d[16] float32 and 16 bytes
+ *         of padding (each layout's unit has its own size: the product tells the layout by it).
+ *
+ * Scales in float16 where the format stores them so (Q4_1, Q8_0, Q5_0: the GGUF's own halves, converted
+ * exactly): the kernel widens them to float32 as it reads them (vcvtph2ps), the same values, so the
+ * same bits as float32 scales, from fewer bytes (Q4_1 one sixth fewer, Q8_0 one eighteenth). A Q4_K or
+ * Q6_K scale is a float16 times a 6- or 8-bit integer, not a float16 in general: those stay float32.
  *
  * Output (activation row r, weight row n), the one definition every loop below computes:
  *
@@ -194,16 +202,36 @@ void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out,
  * thread, Q4_1 1536 x 576 in L2, against the per-row loops this replaced (their lanes along K, summed at
  * the end, two scale products a row per 128 weights): 1 row 19 -> 37 GMAC/s, 16 rows 39 -> 76. */
 #define PANEL_COLS 16
-enum { P4 = 0, P8 = 1, P8_16 = 2 };
+enum { P4 = 0, P8 = 1, P8_16 = 2, P4H = 3, P8H = 4 };
+#define PANEL_LAYOUTS 5
+static inline int four_bit(int layout) { return layout == P4 || layout == P4H; }
+static inline int half_scales(int layout) { return layout == P4H || layout == P8H; }
 static inline int64_t panel_block(int layout) { return layout == P8_16 ? 16 : QK; }
-static inline int64_t panel_codes(int layout) { return layout == P8 ? 512 : 256; }
-static inline int64_t panel_unit(int layout) { return panel_codes(layout) + (layout == P4 ? 128 : 64); }
+static inline int64_t panel_codes(int layout) { return layout == P8 || layout == P8H ? 512 : 256; }
+static inline int64_t scale_bytes(int layout) { return half_scales(layout) ? 2 : 4; } /* a scale's */
+static inline int64_t panel_unit(int layout) {
+    return panel_codes(layout) + (four_bit(layout) ? 2 : 1) * PANEL_COLS * scale_bytes(layout) + (layout == P8_16 ? 16 : 0);
+}
+/* float16 bits -> the float32 they are, exactly (the portable loop's reading of a float16 scale) */
+static inline float half_value(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    const int e = (h >> 10) & 31, mant = h & 1023;
+    const float v = e == 0 ? ldexpf((float)mant, -24) : e == 31 ? (mant ? NAN : INFINITY) : ldexpf((float)(mant | 1024), e - 25);
+    return (h & 0x8000) ? -v : v;
+}
+static inline float scale_value(int layout, const uint8_t *p) {
+    float v;
+    if (half_scales(layout)) return half_value(p);
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 int64_t attnmask_panel_unit(int layout) { return panel_unit(layout); }
 int64_t attnmask_panel_block(int layout) { return panel_block(layout); }
 
 /* code k (0..block-1) of weight row n from the kernel's row layout (repack), as the integer it is */
 static inline int code_of(int layout, const uint32_t *codes, int64_t n, int64_t K, int64_t j) {
-    if (layout == P4) {
+    if (four_bit(layout)) {
         const int64_t nbp = ((K / QK) + 1) / 2 * 2, p = j / 64, k = (j % 64) / 8, i = j % 8;
         return (int)((codes[n * nbp * 4 + p * 8 + i] >> (4 * k)) & 15u);
     }
@@ -211,11 +239,13 @@ static inline int code_of(int layout, const uint32_t *codes, int64_t n, int64_t 
     return ((const int8_t *)plane8(codes + n * (K / 4), b, K / QK))[k * plane_step(b, K / QK) + i];
 }
 
-/* the weight (N, K) of the row layout (codes, d, m) -> panels, (ceil(N / 16), K / block, unit) bytes */
-void attnmask_pack_block_panels(int layout, const uint32_t *codes, const float *d, const float *m, uint8_t *out,
+/* the weight (N, K) of the row layout (codes, d, m) -> panels, (ceil(N / 16), K / block, unit) bytes; d and
+ * m are float32, or for the float16 layouts their float16 bits (uint16) */
+void attnmask_pack_block_panels(int layout, const uint32_t *codes, const void *d, const void *m, uint8_t *out,
                                 int64_t N, int64_t K, int threads) {
     const int64_t blk = panel_block(layout), nblk = K / blk, unit = panel_unit(layout), cb = panel_codes(layout);
-    const int64_t groups = (N + PANEL_COLS - 1) / PANEL_COLS, row_scales = layout == P4 ? ((K / QK) + 1) / 2 * 2 : nblk;
+    const int64_t groups = (N + PANEL_COLS - 1) / PANEL_COLS, row_scales = four_bit(layout) ? ((K / QK) + 1) / 2 * 2 : nblk;
+    const int64_t sb = scale_bytes(layout);
     memset(out, 0, (size_t)(groups * nblk * unit));
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t n = 0; n < N; n++) {
@@ -224,13 +254,14 @@ void attnmask_pack_block_panels(int layout, const uint32_t *codes, const float *
             uint8_t *u = out + ((n / PANEL_COLS) * nblk + b) * unit;
             for (int64_t k = 0; k < blk; k++) {
                 const int q = code_of(layout, codes, n, K, b * blk + k);
-                if (layout == P4)
+                if (four_bit(layout))
                     u[64 * (k / 8) + 4 * l + (k % 8) / 2] |= (uint8_t)(q << (4 * (k % 2)));
                 else
                     u[PANEL_COLS * k + l] = (uint8_t)(int8_t)q;
             }
-            memcpy(u + cb + 4 * l, d + n * row_scales + b, sizeof(float));
-            if (layout == P4) memcpy(u + cb + 64 + 4 * l, m + n * row_scales + b, sizeof(float));
+            memcpy(u + cb + sb * l, (const uint8_t *)d + (n * row_scales + b) * sb, (size_t)sb);
+            if (four_bit(layout))
+                memcpy(u + cb + PANEL_COLS * sb + sb * l, (const uint8_t *)m + (n * row_scales + b) * sb, (size_t)sb);
         }
     }
 }
@@ -275,6 +306,7 @@ typedef __m512i vi;
     ((i) == 7 ? _mm512_cvtepi32_ps(_mm512_srli_epi32(raw, 28)) \
               : _mm512_cvtepi32_ps(_mm512_and_si512(raw, _mm512_set1_epi32(15 << (4 * (i))))))
 #define V_BYTES(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define V_LOADH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #else
 #define VL 8 /* half a panel group */
 #define TILE 4 /* of the 16 registers */
@@ -291,7 +323,18 @@ typedef __m256i vi;
     ((i) == 7 ? _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 28)) \
               : _mm256_cvtepi32_ps(_mm256_and_si256(raw, _mm256_set1_epi32(15 << (4 * (i))))))
 #define V_BYTES(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#if defined(__F16C__)
+#define V_LOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#else /* without F16C (the build asks for it with AVX2): lane by lane, the same values */
+static inline __m256 v_loadh(const uint8_t *p) {
+    float v[8];
+    for (int l = 0; l < 8; l++) v[l] = half_value(p + 2 * l);
+    return _mm256_loadu_ps(v);
+}
+#define V_LOADH(p) v_loadh((const uint8_t *)(p))
 #endif
+#endif
+#define V_SCALES(layout, p) (half_scales(layout) ? V_LOADH(p) : V_LOADF(p))
 #define HALVES (PANEL_COLS / VL) /* vectors a group */
 
 /* R activation rows (x: rows xs floats apart; 4-bit: xq and the block sums `sums`, rows nblk apart)
@@ -321,7 +364,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int layout, c
         for (int u = 0; u < U; u++)
             if (HALVES == 1 || (v0 + u) % HALVES == 0 || u == 0)
                 for (int64_t line = 0; line < unit; line += 64) ahead(base[u] + b * unit + line, next);
-        if (layout == P4) {
+        if (four_bit(layout)) {
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 vi raw[TILE];
@@ -354,14 +397,15 @@ static inline __attribute__((always_inline)) void panel_tile(const int layout, c
         }
 #pragma GCC unroll 16
         for (int u = 0; u < U; u++) {
-            const uint8_t *scales = base[u] + b * unit + cb + 4 * VL * ((v0 + u) % HALVES);
-            const vf dv = V_LOADF(scales);
+            const int64_t sb = scale_bytes(layout);
+            const uint8_t *scales = base[u] + b * unit + cb + sb * VL * ((v0 + u) % HALVES);
+            const vf dv = V_SCALES(layout, scales);
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++) {
                 float *o = out + r * TILE * VL + u * VL;
                 vf a = in_out ? V_LOADF(o) : acc[r * U + u];
                 a = V_FMA(dv, s[r * U + u], a);
-                if (layout == P4) a = V_FMA(V_LOADF(scales + 64), V_SET1(sums + r * nblk + b), a);
+                if (four_bit(layout)) a = V_FMA(V_SCALES(layout, scales + PANEL_COLS * sb), V_SET1(sums + r * nblk + b), a);
                 if (in_out)
                     V_STOREF(o, a);
                 else
@@ -411,8 +455,11 @@ typedef void (*panel_tile_fn)(const uint8_t *, int64_t, int64_t, const float *, 
 PANEL_TILES(0)
 PANEL_TILES(1)
 PANEL_TILES(2)
+PANEL_TILES(3)
+PANEL_TILES(4)
 /* [layout][log2 R][log2 U] */
-static const panel_tile_fn PANEL_TILE_TABLE[3][5][4] = {PANEL_TABLE(0), PANEL_TABLE(1), PANEL_TABLE(2)};
+static const panel_tile_fn PANEL_TILE_TABLE[PANEL_LAYOUTS][5][4] = {PANEL_TABLE(0), PANEL_TABLE(1), PANEL_TABLE(2),
+                                                                    PANEL_TABLE(3), PANEL_TABLE(4)};
 static inline int log2_small(int v) { return v >= 16 ? 4 : v >= 8 ? 3 : v >= 4 ? 2 : v >= 2 ? 1 : 0; }
 #endif
 
@@ -429,7 +476,7 @@ static inline __attribute__((always_inline)) int panel_matmul(const int layout, 
     const int64_t blk = panel_block(layout), nblk = K / blk;
     const float *xs = x, *sums = NULL;
     float *copy = NULL;
-    if (layout == P4) {
+    if (four_bit(layout)) {
         copy = scratch((size_t)(M * (K + nblk)));
         if (!copy) return -1;
         xs = copy, sums = copy + M * K;
@@ -437,7 +484,7 @@ static inline __attribute__((always_inline)) int panel_matmul(const int layout, 
     const int64_t groups = (N + PANEL_COLS - 1) / PANEL_COLS;
 #pragma omp parallel num_threads(threads) if (threads > 1 && (groups > 1 || M > 64))
     {
-        if (layout == P4) { /* the rows' copies shared out, then all of them before any product */
+        if (four_bit(layout)) { /* the rows' copies shared out, then all of them before any product */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) p4_prepare_row(x + r * K, copy + r * K, copy + M * K + r * nblk, K);
         }
@@ -478,10 +525,10 @@ static inline __attribute__((always_inline)) int panel_matmul(const int layout, 
                 for (int64_t b = 0; b < nblk; b++) {
                     const uint8_t *u = g + b * unit;
                     const float *xb = xs + r * K + b * blk;
-                    float s = 0.0f, scale;
+                    float s = 0.0f;
                     for (int64_t k = 0; k < blk; k++) {
                         float q;
-                        if (layout == P4) {
+                        if (four_bit(layout)) {
                             uint32_t lane;
                             memcpy(&lane, u + 64 * (k / 8) + 4 * l, sizeof lane);
                             q = (float)(k % 8 < 7 ? lane & (15u << (4 * (k % 8))) : lane >> 28);
@@ -490,12 +537,9 @@ static inline __attribute__((always_inline)) int panel_matmul(const int layout, 
                         }
                         s = k ? fmaf(q, xb[k], s) : q * xb[k];
                     }
-                    memcpy(&scale, u + cb + 4 * l, sizeof scale);
-                    acc = fmaf(scale, s, acc);
-                    if (layout == P4) {
-                        memcpy(&scale, u + cb + 64 + 4 * l, sizeof scale);
-                        acc = fmaf(scale, sums[r * nblk + b], acc);
-                    }
+                    const int64_t sb = scale_bytes(layout);
+                    acc = fmaf(scale_value(layout, u + cb + sb * l), s, acc);
+                    if (four_bit(layout)) acc = fmaf(scale_value(layout, u + cb + PANEL_COLS * sb + sb * l), sums[r * nblk + b], acc);
                 }
                 y[r * N + n] = acc;
             }
@@ -509,6 +553,8 @@ int attnmask_panel_matmul(int layout, const uint8_t *panels, const float *x, flo
     switch (layout) {
         case P4: return panel_matmul(P4, panels, x, y, M, N, K, threads);
         case P8: return panel_matmul(P8, panels, x, y, M, N, K, threads);
+        case P4H: return panel_matmul(P4H, panels, x, y, M, N, K, threads);
+        case P8H: return panel_matmul(P8H, panels, x, y, M, N, K, threads);
         default: return panel_matmul(P8_16, panels, x, y, M, N, K, threads);
     }
 }
