@@ -215,7 +215,7 @@ def test_panels_hold_the_weight_and_give_block_matmuls_bits(kind):
             err, bound = float32_error(got, x, w)
             assert err <= bound, f"{kind} {n}: error {err:.3g}, allowed {bound:.3g}"
             if blocks.PANEL_LAYOUT[kind].endswith("/f16"):  # float16 scales: fewer bytes, the same bits
-                wide = blocks.pack_block_panels_reference(codes, d, m, kind, k, half=False)
+                wide = blocks.pack_block_panels_reference(codes, d, m, kind, k, half_scales=False)
                 assert wide.shape[-1] > panels.shape[-1]
                 assert torch.equal(blocks.unpack_block_panels(wide, n), w)
                 assert torch.equal(blocks.block_panels_matmul(wide, x, n), got), f"{kind} {n}: float32 scales"
@@ -224,8 +224,8 @@ def test_panels_hold_the_weight_and_give_block_matmuls_bits(kind):
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_float16_panels_need_float16_scales(kind):
     """A Q4_1/Q8_0 scale that is not a float16 value (made by hand: a GGUF block stores float16) is an error
-    for pack_block_panels, whose panels' shape is the format's, and block_matmul, which packs for itself,
-    takes the float32 layout for it: the same bits as those panels."""
+    for pack_block_panels' float16 layout; block_matmul, which packs for itself, and a layer take the
+    float32 layout for it (half_scales=False): the same bits as those panels."""
     raw, _ = random_bytes_blocks(kind, 20, 64, seed=4)
     t = repack(torch.from_numpy(raw), kind, 64)
     d = t["d"].clone()
@@ -236,10 +236,15 @@ def test_float16_panels_need_float16_scales(kind):
         with pytest.raises(ValueError, match=f"a {kind} scale is not a float16 value"):
             blocks.pack_block_panels(t["codes"], d, t.get("m"), kind, 64)
         x = torch.randn(3, 64)
-        wide = blocks.pack_block_panels_reference(t["codes"], d, t.get("m"), kind, 64, half=False)
-        assert torch.equal(
-            blocks.block_matmul(t["codes"], d, t.get("m"), x, kind, 64), blocks.block_panels_matmul(wide, x, 20)
-        )
+        wide = blocks.pack_block_panels_reference(t["codes"], d, t.get("m"), kind, 64, half_scales=False)
+        got = blocks.block_matmul(t["codes"], d, t.get("m"), x, kind, 64)
+        assert torch.equal(got, blocks.block_panels_matmul(wide, x, 20))
+        assert torch.equal(blocks.pack_block_panels(t["codes"], d, t.get("m"), kind, 64, False), wide)
+        assert not blocks.float16_scales(d, t.get("m")) and blocks.float16_scales(t["d"], t.get("m"))
+        layer = BlockLinear.from_numpy(raw, kind, 64)
+        with torch.no_grad():
+            layer.d.copy_(d)
+        assert torch.equal(layer(x), got)
 
 
 def test_panels_are_checked():
@@ -361,13 +366,13 @@ def test_q4_k_q5_0_and_q6_k_take_the_decoding_steps_block_kinds():
 
 def test_formats_of_one_layout_concatenate_into_one_product():
     """Gemma's q/k (Q5_0) and v (Q8_0) projections stack into one 8-bit product, Q4_K with Q4_1 into one
-    4-bit product (named Q4_K: float32 panels, as Q4_K's scales need): each output the same bits as its own
-    layer's; other mixes are refused."""
+    4-bit product (float32 panels: Q4_K's scales are not float16 values): each output the same bits as its
+    own layer's; other mixes are refused."""
     native_or_skip()
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(6))
     for kinds, fused_kind in (
         (["Q5_0", "Q5_0", "Q8_0"], "Q8_0"),
-        (["Q4_K", "Q4_1"], "Q4_K"),
+        (["Q4_K", "Q4_1"], "Q4_1"),
         (["Q6_K", "Q6_K"], "Q6_K"),
     ):
         layers = [layer_of(kind, 8 + i, 512, seed=i) for i, kind in enumerate(kinds)]
@@ -376,6 +381,8 @@ def test_formats_of_one_layout_concatenate_into_one_product():
         with torch.no_grad():
             assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], -1)), kinds
         assert torch.equal(fused.dequantize(), torch.cat([layer.dequantize() for layer in layers]))
+        unit = {"Q8_0": 544, "Q4_1": 384, "Q6_K": 336}[fused_kind]  # Q4_K's rows: float32 scales for the stack
+        assert fused.panels()[0].shape[-1] == unit, kinds
     with pytest.raises(ValueError, match="only layers of one format and input size concatenate"):
         BlockLinear.concat([layer_of("Q5_0", 8, 512, seed=1), layer_of("Q6_K", 8, 512, seed=1)])
     layers = [layer_of("Q8_0", 8, 512, seed=i) for i in range(2)]

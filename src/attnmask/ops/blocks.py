@@ -38,7 +38,7 @@ threads with OpenMP):
   1e-2 relative on a product's outputs). Each output element is again computed by the same operations in the same order
   whatever the rows and threads, so a row's result does not depend on its batch, bit for bit;
 - ``torch.ops.attnmask.block_dequantize(codes, d, m, kind, in_features)``: the float32 weight;
-- ``torch.ops.attnmask.pack_block_panels(codes, d, m, kind, in_features)`` and
+- ``torch.ops.attnmask.pack_block_panels(codes, d, m, kind, in_features, half_scales=True)`` and
   ``torch.ops.attnmask.block_panels_matmul(panels, x, out_features)``: ``block_matmul``'s float32
   product in two parts, the weight moved once into panels (its rows 16 at a time side by side, one unit
   of bytes per block: :data:`PANEL_UNIT`; the scales in float16 where the format stores them so,
@@ -73,6 +73,7 @@ __all__ = [
     "block_panels_matmul",
     "check_buffers",
     "dequantize_blocks",
+    "float16_scales",
     "pack_block_panels",
     "quantize_activations",
     "repack",
@@ -211,23 +212,22 @@ def _float_bytes(t: Tensor) -> Tensor:
 
 
 def pack_block_panels_reference(
-    codes: Tensor, d: Tensor, m: Tensor | None, kind: str, in_features: int, *, half: bool | None = None
+    codes: Tensor, d: Tensor, m: Tensor | None, kind: str, in_features: int, half_scales: bool = True
 ) -> Tensor:
     """What ``pack_block_panels`` computes, in PyTorch: :func:`repack`'s tensors in panels, uint8
     ``(ceil(out / 16), in / block, unit)``, rows past ``out`` zero, in the layout :data:`PANEL_LAYOUT`
-    names (ValueError where a float16 layout's scale is not a float16 value). ``half=False`` gives the
-    float32-scale layout of the same codes (``"4-bit"``, ``"8-bit"``): the same products, bit for bit."""
+    names (ValueError where a float16 layout's scale is not a float16 value: scales changed by hand).
+    ``half_scales=False``: the float32-scale layout of the same codes (``"4-bit"``, ``"8-bit"``), which any
+    scales fit, the same products bit for bit (:func:`float16_scales` says which a layer's take)."""
     if codes.device.type == "cpu":
         check_buffers(codes, d, m, kind, in_features)
-    layout = PANEL_LAYOUT[kind] if half is not False else PANEL_LAYOUT[kind].removesuffix("/f16")
-    if layout.endswith("/f16"):
-        for t in (d, m):
-            if t is not None and not torch.equal(t.half().float(), t):
-                raise UserError(
-                    f"pack_block_panels: a {kind} scale is not a float16 value (a GGUF {kind} block stores its "
-                    f"scales as float16); expected d{' and m' if m is not None else ''} from "
-                    "attnmask.ops.blocks.repack"
-                )
+    layout = PANEL_LAYOUT[kind] if half_scales else PANEL_LAYOUT[kind].removesuffix("/f16")
+    if layout.endswith("/f16") and not float16_scales(d, m):
+        raise UserError(
+            f"pack_block_panels: a {kind} scale is not a float16 value (a GGUF {kind} block stores its "
+            f"scales as float16); expected d{' and m' if m is not None else ''} from "
+            "attnmask.ops.blocks.repack, or half_scales=False"
+        )
     packed = {"codes": codes, "d": d} | ({"m": m} if m is not None else {})
     q = _weight_codes(packed, kind, in_features).view(torch.uint8)  # (n, nb, 32)
     n, blk = q.shape[0], PANEL_BLOCK[layout]
@@ -248,6 +248,12 @@ def pack_block_panels_reference(
         if layout == "8-bit/16":
             parts.append(parts[0].new_zeros(parts[0].shape[0], nblk, 16))  # the padding
     return torch.cat(parts, dim=-1).contiguous()
+
+
+def float16_scales(d: Tensor, m: Tensor | None = None) -> bool:
+    """Whether every scale is a float16 value (a GGUF Q4_1, Q8_0 or Q5_0 block's always are; scales
+    changed by hand may not be): ``pack_block_panels``' ``half_scales``."""
+    return all(t is None or torch.equal(t.half().float(), t) for t in (d, m))
 
 
 def unpack_block_panels(panels: Tensor, out_features: int) -> Tensor:
@@ -380,7 +386,9 @@ _LIBRARY.define("block_dequantize(Tensor codes, Tensor d, Tensor? m, str kind, i
 _LIBRARY.impl("block_matmul", block_matmul_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("block_matmul_i8", block_matmul_i8_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("block_dequantize", block_dequantize_reference, "CompositeExplicitAutograd")
-_LIBRARY.define("pack_block_panels(Tensor codes, Tensor d, Tensor? m, str kind, int in_features) -> Tensor")
+_LIBRARY.define(
+    "pack_block_panels(Tensor codes, Tensor d, Tensor? m, str kind, int in_features, bool half_scales=True) -> Tensor"
+)
 _LIBRARY.define("block_panels_matmul(Tensor panels, Tensor x, int out_features) -> Tensor")
 _LIBRARY.impl("pack_block_panels", pack_block_panels_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("block_panels_matmul", block_panels_matmul_reference, "CompositeExplicitAutograd")
@@ -404,8 +412,8 @@ def _(codes, d, m, kind, in_features):
 
 
 @torch.library.register_fake("attnmask::pack_block_panels", lib=_LIBRARY)
-def _(codes, d, m, kind, in_features):
-    layout = PANEL_LAYOUT[kind]
+def _(codes, d, m, kind, in_features, half_scales=True):
+    layout = PANEL_LAYOUT[kind] if half_scales else PANEL_LAYOUT[kind].removesuffix("/f16")
     groups = -(-codes.shape[0] // PANEL_COLUMNS)
     return codes.new_empty(groups, in_features // PANEL_BLOCK[layout], PANEL_UNIT[layout])
 

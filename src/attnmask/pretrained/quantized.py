@@ -44,6 +44,7 @@ from attnmask.ops.blocks import (
     block_dequantize,
     block_matmul_i8,
     block_panels_matmul,
+    float16_scales,
     pack_block_panels,
     repack,
     unpack,
@@ -117,9 +118,8 @@ class BlockLinear(nn.Module):
         """One layer computing ``cat([layer(x) for layer in layers], -1)`` in one product (rows stacked).
 
         Formats repacked into one layout stack too (Q5_0 with Q8_0, Q4_K with Q4_1: ``LAYOUT``), each row
-        keeping its values; a mix is then named by the format whose panels hold every row's scales
-        (``Q8_0``: Q5_0's are float16 values too; ``Q4_K``: float32), whose kernel it runs. Each output
-        is the same bits as in its own layer."""
+        keeping its values; the fused layer is then named by the layout's first format (``Q8_0``,
+        ``Q4_1``), whose kernel it runs. Each output is the same bits as in its own layer."""
         kinds, ins = {layer.kind for layer in layers}, {layer.in_features for layer in layers}
         activations = {layer.activations for layer in layers}
         if len(activations) != 1:
@@ -130,9 +130,7 @@ class BlockLinear(nn.Module):
                 f"Q8_0, Q4_K and Q4_1); got {sorted(kinds)} and {sorted(ins)}"
             )
         layout = LAYOUT[next(iter(kinds))]
-        # one format keeps its name; a mix is named by the format whose panels hold every row's scales: Q8_0
-        # (Q5_0's and Q8_0's are float16 values), Q4_K (a Q4_K scale is not: float32 panels)
-        kind = kinds.pop() if len(kinds) == 1 else "Q4_K" if layout == "4-bit" else "Q8_0"
+        kind = kinds.pop() if len(kinds) == 1 else next(k for k in LAYOUT if LAYOUT[k] == layout)
         packed = {name: torch.cat([layer._packed()[name] for layer in layers]) for name in layers[0]._packed()}
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
@@ -175,7 +173,11 @@ class BlockLinear(nn.Module):
         b = self._buffers
         key = tuple((t.data_ptr(), t._version) for t in (b["codes"], b["d"], b["m"]) if t is not None)
         if self._panels is None or self._panels[0] != key:
-            panels = pack_block_panels(b["codes"], b["d"], b["m"], self.kind, self.in_features)
+            # float16 panels where every scale is a float16 value: a GGUF file's always are, scales changed by
+            # hand may not be. Traced (torch.compile), the check would read data: the file's case is taken
+            # there, and a layer with such scales is packed once before compiling (or refused, clearly).
+            half = torch.compiler.is_compiling() or float16_scales(b["d"], b["m"])
+            panels = pack_block_panels(b["codes"], b["d"], b["m"], self.kind, self.in_features, half)
             self._panels = (key, panels, b["d"].new_empty(self.out_features, 0))
         return self._panels[1], self._panels[2]
 

@@ -116,13 +116,15 @@ int64_t check_blocks(const at::Tensor &codes, const at::Tensor &d, const std::op
     return n;
 }
 
-// strict: a Q4_1, Q8_0 or Q5_0 scale that is not a float16 value is an error (pack_block_panels: its
-// panels' shape is the format's); otherwise such a weight takes the float32 layout (block_matmul's own use).
+// half: float16 scales for Q4_1, Q8_0, Q5_0 (the other formats' panels are float32 either way). strict: a
+// scale that is not a float16 value is then an error (pack_block_panels: the caller chose the layout,
+// and so the shape); otherwise such a weight takes the float32 layout (block_matmul's own packing).
 at::Tensor pack_panels(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
-                       const std::string &kind, int64_t in_features, bool strict) {
+                       const std::string &kind, int64_t in_features, bool half, bool strict) {
     const Format f = format_of(kind);
     const int64_t n = check_blocks(codes, d, m, kind, in_features, f.layout, f.block);
     int layout = panel_layout(kind);
+    if (!half) layout = layout == P4H ? P4 : layout == P8H ? P8 : layout;
     at::Tensor dh = d, mh = m ? *m : at::Tensor();
     if (layout == P4H || layout == P8H) {
         dh = d.to(at::kHalf);
@@ -130,7 +132,7 @@ at::Tensor pack_panels(const at::Tensor &codes, const at::Tensor &d, const std::
         const bool exact = at::equal(dh.to(at::kFloat), d) && (!m || at::equal(mh.to(at::kFloat), *m));
         TORCH_CHECK_VALUE(exact || !strict, "pack_block_panels: a ", kind, " scale is not a float16 value (a GGUF ", kind,
                           " block stores its scales as float16); expected d", m ? " and m" : "",
-                          " from attnmask.ops.blocks.repack");
+                          " from attnmask.ops.blocks.repack, or half_scales=False");
         if (!exact) layout = layout == P4H ? P4 : P8, dh = d, mh = m ? *m : at::Tensor();
     }
     const int64_t groups = (n + PANEL_COLS - 1) / PANEL_COLS, blocks = in_features / attnmask_panel_block(layout);
@@ -154,7 +156,7 @@ at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std:
     const int64_t rows = x.dim() == 2 ? x.size(0) : -1;
     check(x, "x", at::kFloat, {rows, in_features}, kind, n_known);
     if (!int8_activations)  // packed for the call: the bits of block_panels_matmul with the weight's panels
-        return block_panels_matmul(pack_panels(codes, d, m, kind, in_features, false), x, n);
+        return block_panels_matmul(pack_panels(codes, d, m, kind, in_features, true, false), x, n);
     at::Tensor out = at::empty({rows, n}, x.options());
     const int threads = at::get_num_threads();
     const auto *c = static_cast<const uint32_t *>(codes.const_data_ptr());
@@ -173,8 +175,8 @@ at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std:
 }
 
 at::Tensor pack_block_panels(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
-                             c10::string_view kind_view, int64_t in_features) {
-    return pack_panels(codes, d, m, std::string(kind_view), in_features, true);
+                             c10::string_view kind_view, int64_t in_features, bool half_scales) {
+    return pack_panels(codes, d, m, std::string(kind_view), in_features, half_scales, true);
 }
 
 at::Tensor block_panels_matmul(const at::Tensor &panels, const at::Tensor &x, int64_t out_features) {

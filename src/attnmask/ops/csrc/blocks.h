@@ -18,9 +18,10 @@ namespace attnmask {
 at::Tensor block_matmul(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
                         const at::Tensor &x, c10::string_view kind, int64_t in_features, bool int8_activations);
 
-// The weight in panels, uint8 (ceil(out / 16), blocks, unit): what block_panels_matmul reads (blocks_kernel.c).
+// The weight in panels, uint8 (ceil(out / 16), blocks, unit): what block_panels_matmul reads (blocks_kernel.c);
+// half_scales: Q4_1's, Q8_0's and Q5_0's scales as float16 (each must be a float16 value).
 at::Tensor pack_block_panels(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
-                             c10::string_view kind, int64_t in_features);
+                             c10::string_view kind, int64_t in_features, bool half_scales);
 
 // x (rows, K) float32 @ W^T for W (out_features, K) in panels: block_matmul's float32 product, the same bits,
 // without packing the weight for the call.
