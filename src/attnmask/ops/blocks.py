@@ -206,6 +206,11 @@ PANEL_BLOCK = {"4-bit": QK, "8-bit": QK, "8-bit/16": 16, "4-bit/f16": QK, "8-bit
 PANEL_LAYOUT = {"Q4_1": "4-bit/f16", "Q4_K": "4-bit", "Q8_0": "8-bit/f16", "Q5_0": "8-bit/f16", "Q6_K": "8-bit/16"}
 
 
+def _panel_layout(kind: str, half_scales: bool) -> str:
+    """The panels' layout ``pack_block_panels`` writes for ``kind`` (float32 scales unless ``half_scales``)."""
+    return PANEL_LAYOUT[kind] if half_scales else PANEL_LAYOUT[kind].removesuffix("/f16")
+
+
 def _float_bytes(t: Tensor) -> Tensor:
     """float32 (or float16) ``(..., 16)`` -> its bytes ``(..., 64)`` (``(..., 32)``)."""
     return t.contiguous().view(torch.uint8)
@@ -221,7 +226,7 @@ def pack_block_panels_reference(
     scales fit, the same products bit for bit (:func:`float16_scales` says which a layer's take)."""
     if codes.device.type == "cpu":
         check_buffers(codes, d, m, kind, in_features)
-    layout = PANEL_LAYOUT[kind] if half_scales else PANEL_LAYOUT[kind].removesuffix("/f16")
+    layout = _panel_layout(kind, half_scales)
     if layout.endswith("/f16") and not float16_scales(d, m):
         raise UserError(
             f"pack_block_panels: a {kind} scale is not a float16 value (a GGUF {kind} block stores its "
@@ -413,7 +418,7 @@ def _(codes, d, m, kind, in_features):
 
 @torch.library.register_fake("attnmask::pack_block_panels", lib=_LIBRARY)
 def _(codes, d, m, kind, in_features, half_scales=True):
-    layout = PANEL_LAYOUT[kind] if half_scales else PANEL_LAYOUT[kind].removesuffix("/f16")
+    layout = _panel_layout(kind, half_scales)
     groups = -(-codes.shape[0] // PANEL_COLUMNS)
     return codes.new_empty(groups, in_features // PANEL_BLOCK[layout], PANEL_UNIT[layout])
 
