@@ -277,6 +277,9 @@ def _panel_product_bits() -> str:
         panels = blocks.pack_block_panels(t["codes"], t["d"], t.get("m"), kind, k)
         x = ((torch.arange(19 * k, dtype=torch.int64) * 7919 + 1) % 1009 - 504).float().view(19, k) / 256
         digest.update(blocks.block_panels_matmul(panels, x, 45).numpy().tobytes())
+        if kind == "Q8_0":  # the screen's int8 estimates: the portable loop computes the vector one's operations
+            estimates, xerr = blocks.block_panels_estimate(panels, x, 45)
+            digest.update(estimates.numpy().tobytes() + xerr.numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -301,6 +304,33 @@ def int8_definition(x: torch.Tensor, layer: BlockLinear) -> tuple[torch.Tensor, 
         xb = xq.reshape(rows, 1, nb, 32)
         value, scale = value + (xb.sum(-1) * m).sum(-1), scale + (xb.abs().sum(-1) * m.abs()).sum(-1)
     return value, scale
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def test_int8_estimates_from_8bit_panels_compute_their_definition(kind):
+    """``block_panels_estimate`` (the kernel, and its PyTorch definition) against the panels' weight times the
+    rows rounded to 8 bits, in float64: equal up to the rounding of each block's scale product and of the
+    float sum; and each row's ``||x - dx q||`` as float64 computes it from the same rounding."""
+    g = torch.Generator().manual_seed(6)
+    for n, k in [(13, 96), (45, 608)]:
+        layer = layer_of(kind, n, k, seed=n + k)
+        panels = layer.panels()[0]
+        for rows in (1, 5, 9, 16):
+            x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4
+            x[0, :32] = 0.0  # a block of zeros: dx = 0
+            want, scale = int8_definition(x, layer)
+            q, dx = blocks.quantize_activations(x)
+            xq = (q.double().reshape(rows, k // 32, 32) * dx.double()[..., None]).reshape(rows, k)
+            xerr_want = (x.double() - xq).norm(dim=1)
+            for name, (est, xerr) in (
+                ("kernel", blocks.block_panels_estimate(panels, x, n)),
+                ("PyTorch definition", blocks.block_panels_estimate_reference(panels, x, n)),
+            ):
+                err = ((est.double() - want).abs() / scale.clamp_min(1e-30)).max().item()
+                assert err <= 16 * EPS32, f"{kind} {n}x{k}, {rows} rows, {name}: error {err:.3g} of the terms' scale"
+                torch.testing.assert_close(xerr, xerr_want, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="are not 8-bit panels"):
+        blocks.block_panels_estimate(layer_of("Q4_1", 16, 64, seed=1).panels()[0], torch.ones(2, 64), 16)
 
 
 @pytest.mark.parametrize("kind", [*NEW, "Q8_0", "Q4_1"])

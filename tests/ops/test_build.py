@@ -116,7 +116,13 @@ def test_the_first_error_line_is_picked_from_compiler_output():
     "capability, flags, want",
     [
         ("AVX512", {"avx512f", "avx512_vnni", "avx_vnni"}, ["-mavx512vnni"]),  # Sapphire Rapids, Zen 5
-        ("AVX512", {"avx512f", "avx512_vnni"}, ["-mavx512vnni"]),  # Zen 4, Ice Lake
+        ("AVX512", {"avx512f", "avx512_vnni"}, ["-mavx512vnni"]),  # Cascade Lake
+        # Zen 4, Ice Lake: byte permutes too, for the int8 estimates
+        (
+            "AVX512",
+            {"avx512f", "avx512_vnni", "avx512bw", "avx512vbmi"},
+            ["-mavx512vnni", "-mavx512bw", "-mavx512vbmi"],
+        ),
         ("AVX2", {"avx2", "avx_vnni"}, ["-mavxvnni"]),  # Alder Lake, or ATEN_CPU_CAPABILITY=avx2 on the above
         ("AVX2", {"avx2", "avx512_vnni"}, []),  # AVX-512 lowered away: its VNNI with it
         ("AVX2", {"avx2", "fma"}, []),  # Zen 3

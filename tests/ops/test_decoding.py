@@ -162,6 +162,48 @@ def test_the_screens_estimates_stay_within_their_bounds(scale):
     assert float(((est - exact).abs() / reach).max()) > 1e-3, "the bound should not be vacuous either"
 
 
+@pytest.fixture
+def int8_estimates(monkeypatch):
+    """argmax_rows reads the screen with int8 estimates above SCREEN_MAX_ROWS rows in every build (where the
+    kernels have no vector loop for them, the portable loop's: the same values, only slower)."""
+    monkeypatch.setattr(decoding, "estimates_fast", lambda: True)
+    monkeypatch.setattr(decoding, "ESTIMATE_MIN_WEIGHTS", 0)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-6, 3e4])
+def test_the_int8_estimates_stay_within_their_bounds(scale):
+    """Above SCREEN_MAX_ROWS rows, screen_estimates rounds the rows to 8 bits: each estimate still lies within
+    bound * ||x|| of the exact output, on rows of outliers, tiny rows and a row of zeros."""
+    w, h = _randn(2000, 640, seed=13) * scale, _randn(16, 640, seed=14)
+    w[::7, ::33] *= 40
+    h[3, ::17] *= 300  # a row of outliers: its blocks' roundings coarse
+    h[4] *= 1e-30  # tiny: its blocks round to zero
+    h[5] = 0.0
+    est, bound = decoding.screen_estimates(h, w)
+    exact = decoding.linear_panels(h, decoding.panels(w), None, 2000).double()
+    reach = bound[None] * h.double().norm(dim=1, keepdim=True)
+    assert bool(((est.double() - exact).abs() <= reach).all())
+    assert float(((est.double() - exact).abs() / reach)[:3].max()) > 1e-3, "the bound should not be vacuous either"
+
+
+@pytest.mark.parametrize("rows", [9, 40])
+def test_the_int8_screened_arg_max_matches_its_definition_bit_for_bit(int8_estimates, rows):
+    """argmax_rows through the int8 estimates: each row's first largest output of linear_panels, with exact
+    ties (the first wins) and rows that differ in the last bit, without a bias and with one."""
+    n, k = 3001, 640
+    w, h = _randn(n, k, seed=7), _randn(rows, k, seed=8)
+    w[n // 2] = w[3]
+    w[n - 1] = torch.nextafter(w[5], torch.full_like(w[5], torch.inf))
+    h[1] = w[3] * 3
+    h[2], h[3] = w[5].clamp(min=0), w[n - 1]
+    want = _first_largest(h, w)
+    assert torch.equal(decoding.argmax_rows(h, w), want)
+    assert int(want[1]) == 3
+    b = _randn(n, seed=12)
+    b[n // 2] = b[3]
+    assert torch.equal(decoding.argmax_rows(h, w, b), _first_largest(h, w, b))
+
+
 def test_the_bound_keeps_a_row_the_estimates_rank_lower():
     """Estimates within their bounds that rank row 1 above row 2 while the exact outputs rank row 2 first:
     head_argmax answers 2, and 1 with zero bounds (so the answer comes from the bound)."""
@@ -337,6 +379,23 @@ def test_an_encoder_decoder_step_is_one_call_with_the_bits_of_its_operations(mon
             memory = model.encode(torch.tensor([source]))
             want = model.decode(torch.tensor([[1, *STEPS[b].tolist()]]), memory, mask=masks.causal())[0]  # (6, V)
         torch.testing.assert_close(whole[b], want, atol=1e-5 * want.abs().max(), rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["post-layernorm-silu", "rotary-rmsnorm-swiglu"])
+def test_an_encoder_decoders_greedy_step_screens_its_head(int8_estimates, monkeypatch, kind):
+    """Where argmax_rows screens the head (here at any row count), greedy translation's seq2seq_step stops at
+    the final norm's rows (a head of kind NONE) and argmax_rows picks each token: the tokens of the logits'
+    arg-max, from the native step and from the operator's definition."""
+    model = _seq2seq_models()[kind]
+    with torch.inference_mode():
+        want = decode.greedy(model, src=SOURCES, max_new_tokens=8, eos_id=None)
+    monkeypatch.setattr(decoding, "SCREEN_MAX_ROWS", 0)
+    calls = _counted(monkeypatch, "argmax_rows", "head_argmax")
+    with torch.inference_mode():
+        assert decode.greedy(model, src=SOURCES, max_new_tokens=8, eos_id=None) == want
+        assert calls["argmax_rows"] == 8 and calls["head_argmax"] == 8
+        monkeypatch.setattr(decoding, "seq2seq_step", decoding.seq2seq_step_reference)
+        assert decode.greedy(model, src=SOURCES, max_new_tokens=8, eos_id=None) == want
 
 
 def test_an_encoder_decoder_row_is_the_same_bits_alone_and_in_a_batch():

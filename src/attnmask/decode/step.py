@@ -446,14 +446,15 @@ def _layer_window(cfg, i: int) -> int:
     return int(window(i)) if window is not None else int(getattr(cfg, "sliding_window", 0) or 0)
 
 
-def screened_head(model) -> nn.Module | None:
+def screened_head(model, rows: int = 1) -> nn.Module | None:
     """The head where :func:`attnmask.ops.decoding.argmax_rows` can find its arg-max without the logits: a
-    plain float32 CPU linear map, unwatched, large enough to pay, native kernels built; else None."""
+    plain float32 CPU linear map, unwatched, large enough to pay for ``rows`` rows
+    (:func:`~attnmask.ops.decoding.screens`), native kernels built; else None."""
     head = model.lm_head
     if type(head) not in (nn.Linear, Linear) or _watched(head):
         return None
     w, b = head.weight, head.bias
-    if w.numel() < decoding.SCREEN_MIN_WEIGHTS or not (w.is_contiguous() and _native(w)):
+    if not (w.is_contiguous() and _native(w)) or not decoding.screens(w, rows):
         return None
     return head if b is None or (b.dtype == torch.float32 and b.is_contiguous()) else None
 
@@ -769,6 +770,7 @@ def packed_forward(
     x = model._embed(tokens[None], positions[None], source=False)[0]  # (N, C)
     if flex is None:
         flex = x.is_cuda and flex_available()
+    screened = screened_head(model, int(logit_rows.numel())) if argmax else None
     if isinstance(plan, Seq2SeqPlan) and memory is not None and not flex and _float32_cache(cache, memory):
         lengths = memory.lengths.index_select(0, row_src)  # (N,)
         src_real = None if memory.every_source_real else (lengths > 0).to(x.dtype)[:, None]  # (N, 1)
@@ -776,14 +778,18 @@ def packed_forward(
         if cfg.positions == "rotary":
             cos, sin = model.rotary.cos_sin(positions[None])  # (1, 1, N, D)
             cos, signed = cos[0, 0].contiguous(), Rotary.signed_sin(sin)[0, 0].contiguous()  # (N, D)
-        logits = decoding.seq2seq_step(
-            x.contiguous(), cos, signed, plan.norms, plan.eps, plan.pre, plan.rms, plan.products, plan.kinds,
+        products, kinds = plan.products, plan.kinds
+        if screened is not None:  # the step ends at the final norm's rows (the head: NONE), argmax_rows does the rest
+            products, kinds = products[:-2], [*kinds[:-1], decoding.NONE]  # a float32 head: panels and bias
+        out = decoding.seq2seq_step(
+            x.contiguous(), cos, signed, plan.norms, plan.eps, plan.pre, plan.rms, products, kinds,
             plan.activation, cache.k, cache.v, tables, cache.layer_group, plan.windows, memory.k, memory.v,
             memory.tables, row_seq, positions, row_src, (lengths - 1).clamp(min=0), src_real, logit_rows, plan.heads,
             plan.kv_heads, plan.head_dim**-0.5,
         )  # fmt: skip
-        return logits.max(dim=-1).indices if argmax else logits
-    screened = screened_head(model) if argmax else None
+        if screened is not None:
+            return decoding.argmax_rows(out, screened.weight, screened.bias)
+        return out.max(dim=-1).indices if argmax else out
     if isinstance(plan, FusedPlan) and memory is None and not flex:
         cos, signed = x.new_empty(0), x.new_empty(0)
         if plan.rotaries:

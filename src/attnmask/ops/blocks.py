@@ -70,6 +70,7 @@ __all__ = [
     "block_dequantize",
     "block_matmul",
     "block_matmul_i8",
+    "block_panels_estimate",
     "block_panels_matmul",
     "check_buffers",
     "dequantize_blocks",
@@ -376,6 +377,17 @@ def block_matmul_i8_reference(codes: Tensor, d: Tensor, m: Tensor | None, x: Ten
     return (F.linear(xq, w) + sums @ m[:, :nb].t()).to(x.dtype)
 
 
+def block_panels_estimate_reference(panels: Tensor, x: Tensor, out_features: int) -> tuple[Tensor, Tensor]:
+    """What ``block_panels_estimate`` computes, in PyTorch: the product of the 8-bit panels' weight with the
+    8-bit activations of :func:`quantize_activations` scaled back (``dx * q``), and each row's
+    ``||x - dx q||`` in float64. Equal to the kernel's up to the order and rounding of its float sums."""
+    q, dx = quantize_activations(x)
+    rows, k = x.shape
+    xq = (q.reshape(rows, k // QK, QK) * dx[..., None]).reshape(rows, k)
+    xerr = (x.double() - (q.double().reshape(rows, k // QK, QK) * dx.double()[..., None]).reshape(rows, k)).norm(dim=1)
+    return F.linear(xq, unpack_block_panels(panels, out_features).to(x.dtype)), xerr
+
+
 def block_dequantize_reference(codes: Tensor, d: Tensor, m: Tensor | None, kind: str, in_features: int) -> Tensor:
     """What ``block_dequantize`` computes, in PyTorch."""
     if codes.device.type == "cpu":
@@ -397,6 +409,8 @@ _LIBRARY.define(
 _LIBRARY.define("block_panels_matmul(Tensor panels, Tensor x, int out_features) -> Tensor")
 _LIBRARY.impl("pack_block_panels", pack_block_panels_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("block_panels_matmul", block_panels_matmul_reference, "CompositeExplicitAutograd")
+_LIBRARY.define("block_panels_estimate(Tensor panels, Tensor x, int out_features) -> (Tensor, Tensor)")
+_LIBRARY.impl("block_panels_estimate", block_panels_estimate_reference, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("attnmask::block_matmul", lib=_LIBRARY)
@@ -428,8 +442,14 @@ def _(panels, x, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
+@torch.library.register_fake("attnmask::block_panels_estimate", lib=_LIBRARY)
+def _(panels, x, out_features):
+    return x.new_empty(x.shape[0], out_features), x.new_empty(x.shape[0], dtype=torch.float64)
+
+
 block_matmul = torch.ops.attnmask.block_matmul.default
 block_matmul_i8 = torch.ops.attnmask.block_matmul_i8.default
 block_dequantize = torch.ops.attnmask.block_dequantize.default
 pack_block_panels = torch.ops.attnmask.pack_block_panels.default
 block_panels_matmul = torch.ops.attnmask.block_panels_matmul.default
+block_panels_estimate = torch.ops.attnmask.block_panels_estimate.default

@@ -88,7 +88,9 @@ def _vnni_flags(capability: str) -> list[str]:
     cpu = cpu_info()
     flags = cpu.flags if cpu is not None else frozenset()
     if capability == "AVX512" and "avx512_vnni" in flags:
-        return ["-mavx512vnni"]
+        # with byte permutes (VBMI), the 8-bit panels' int8 estimates (blocks_kernel.c) run their vector loop
+        extra = ["-mavx512bw", "-mavx512vbmi"] if {"avx512bw", "avx512vbmi"} <= flags else []
+        return ["-mavx512vnni", *extra]
     if capability in ("AVX2", "AVX512") and "avx_vnni" in flags:
         return ["-mavxvnni"]
     return []
@@ -98,8 +100,8 @@ def simd_level() -> str:
     """The vector instructions :func:`simd_flags` builds for, in words."""
     capability = torch.backends.cpu.get_cpu_capability()
     level = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(capability, "portable C")
-    vnni = {"-mavx512vnni": " + AVX512-VNNI", "-mavxvnni": " + AVX-VNNI"}
-    return level + "".join(vnni[flag] for flag in _vnni_flags(capability))
+    vnni = {"-mavx512vnni": " + AVX512-VNNI", "-mavxvnni": " + AVX-VNNI", "-mavx512vbmi": " + VBMI"}
+    return level + "".join(vnni.get(flag, "") for flag in _vnni_flags(capability))
 
 
 def compiler(variable: str = "CC", default: str = "cc") -> tuple[str, str]:

@@ -66,9 +66,12 @@ __all__ = [
     "pack_panels_reference",
     "panels",
     "argmax_rows",
+    "estimates_fast",
     "head_argmax",
     "head_argmax_reference",
     "screen",
+    "screen_estimates",
+    "screens",
     "packed_step",
     "packed_step_reference",
     "paged_attend",
@@ -360,7 +363,8 @@ def seq2seq_step_reference(
     attention to each row's source (``memory_k/v[layer]`` ``(Q, S, Hkv, D)``, one block per source in
     ``memory_tables (Q, 1)``, row ``r`` reading source ``row_src[r]`` up to ``src_last[r]``; times
     ``src_real (N, 1)`` where given), the MLP (``down(act(up))``, or gated: ``act(gate) * up``, SiLU's
-    fused halves through ``silu_mul``); then the final norm (where given) and the head on ``logit_rows``."""
+    fused halves through ``silu_mul``); then the final norm (where given) and the head on ``logit_rows``
+    (a head of kind ``NONE``: the final norm's rows themselves, for :func:`argmax_rows`)."""
     L, N = len(k_pools), x.shape[0]
     _, S, Hkv, D = k_pools[0].shape
     H, act = heads, _S2S_ACTIVATIONS[activation]
@@ -418,7 +422,7 @@ def seq2seq_step_reference(
     h = x.index_select(0, logit_rows)
     if norms[2 * S2S_NORMS * L].numel():
         h = norm(S2S_NORMS * L, h)
-    return project(S2S_PRODUCTS * L, h.contiguous())
+    return h if kinds[S2S_PRODUCTS * L] == NONE else project(S2S_PRODUCTS * L, h.contiguous())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -536,7 +540,13 @@ SCREEN_MIN_WEIGHTS = 1 << 22  # heads smaller than this (4M weights, 16 MiB) are
 # screen's are a second set (Intel Xeon, 2 threads, benchmarks/greedy_head.py: SmolLM2's head at 16 rows
 # 0.81x, at 8 rows 1.02x; Gemma 3's 1.28x and 1.99x)
 SCREEN_MAX_ROWS = 8
-_SCREENS = torch.utils.weak.WeakIdKeyDictionary()  # weight -> ((version, address, shape), (panels, bound) or None)
+# More rows than SCREEN_MAX_ROWS: where the kernels have the screen's int8 estimates (blocks.block_panels_estimate,
+# AVX512-VNNI and VBMI), the screen is read with each row rounded to 8 bits, about 2.4x the float32 products'
+# multiply-adds a second (Zen 4, one thread, 8,000 x 512 at 16-64 rows: 126 against 52 GMAC/s), and heads from
+# ESTIMATE_MIN_WEIGHTS up are screened: by then the work, not the reading, is what the screen saves.
+ESTIMATE_MIN_WEIGHTS = 1 << 20
+# weight -> ((version, address, shape), (panels, bound, norms) or None)
+_SCREENS = torch.utils.weak.WeakIdKeyDictionary()
 
 
 def screen(weight: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -552,6 +562,12 @@ def screen(weight: Tensor) -> tuple[Tensor, Tensor] | None:
     2K u / (1 - 2K u)``, ``u = 2^-24`` (no product meets more than ``32 + K / 32 + 1 <= 2K`` roundings in
     either sum); with ``||x||`` it bounds how far an estimate can be from the exact output
     (``csrc/decoding.cpp``)."""
+    made = _screen(weight)
+    return None if made is None else made[:2]
+
+
+def _screen(weight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(panels, bound, norms): :func:`screen` and each screen row's norm ``||d q||`` (float64, rounded up)."""
     key = (weight._version, weight.data_ptr(), tuple(weight.shape))
     held = _SCREENS.get(weight)
     if held is not None and held[0] == key:
@@ -564,7 +580,7 @@ def screen(weight: Tensor) -> tuple[Tensor, Tensor] | None:
         step = 2048  # rows at a time (a multiple of the panels' 16): the float64 copies stay small
         groups = -(-n // blocks.PANEL_COLUMNS)
         panels = torch.empty(groups, k // blocks.QK, blocks.PANEL_UNIT[blocks.PANEL_LAYOUT["Q8_0"]], dtype=torch.uint8)
-        bound = torch.empty(n, dtype=torch.float64)
+        bound, norms = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
         for a in range(0, n, step):
             rows = w[a : a + step].reshape(-1, k // blocks.QK, blocks.QK)
             d = (rows.abs().amax(dim=-1, keepdim=True) / 127).half()  # (r, k / 32, 1)
@@ -581,24 +597,68 @@ def screen(weight: Tensor) -> tuple[Tensor, Tensor] | None:
             s = (q.double() * d32.double()).reshape(rows.shape[0], k)  # exact: 8 and 11 significant bits
             exact = rows.reshape(-1, k).double()
             bound[a : a + step] = (exact - s).norm(dim=1) + 3 * gamma * (s.norm(dim=1) + exact.norm(dim=1))
+            norms[a : a + step] = s.norm(dim=1)
         else:
-            made = (panels, bound * (1 + 1e-9))
+            made = (panels, bound * (1 + 1e-9), norms * (1 + 1e-9))
     _SCREENS[weight] = (key, made)
     return made
 
 
+def screens(weight: Tensor, rows: int) -> bool:
+    """Whether :func:`argmax_rows` reads ``weight``'s screen for ``rows`` rows (else the whole head): a few rows of
+    a large head (the bytes saved), or more rows where the int8 estimates run fast (the work saved)."""
+    if rows <= SCREEN_MAX_ROWS:
+        return weight.numel() >= SCREEN_MIN_WEIGHTS
+    return weight.numel() >= ESTIMATE_MIN_WEIGHTS and estimates_fast()
+
+
+def estimates_fast() -> bool:
+    """Whether the native kernels are loaded here with ``block_panels_estimate``'s vector loop."""
+    from attnmask import ops
+
+    return ops.available() and bool(torch.ops.attnmask.estimate_fast())
+
+
+def screen_estimates(h: Tensor, weight: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(estimates (M, N) float32, bound (N,) float64)`` for ``h (M, K)`` from ``weight``'s :func:`screen` (None
+    where it has none): each estimate within ``bound[n] ||h_m||`` of the exact output ``linear_panels`` computes.
+
+    With ``SCREEN_MAX_ROWS`` rows or fewer, the screen's float32 product (``block_panels_matmul``) and the
+    screen's bound. With more, each row rounded to 8 bits per block of 32 (``block_panels_estimate``), and the
+    bound grows by the rounding's share: with ``s_n`` the screen's row and ``xerr_m = ||h_m - dx q||``, an
+    estimate is within ``bound_n ||h_m|| + ||s_n|| xerr_m (1 + gamma)`` of the exact output (the integer sums
+    are exact; the float sum of a row's block products meets at most ``K / 32 + 1`` roundings, inside
+    ``bound``'s ``3 gamma ||s_n||``), which is at most ``(bound_n + ||s_n|| rho (1 + gamma)) ||h_m||`` for
+    ``rho`` the largest ``xerr_m / ||h_m||`` of the rows (rows with a NaN or an infinity left out: head_argmax
+    answers them from the whole head)."""
+    made = _screen(weight)
+    if made is None:
+        return None
+    screen_panels, bound, norms = made
+    n, k = weight.shape
+    if h.shape[0] <= SCREEN_MAX_ROWS:
+        return blocks.block_panels_matmul(screen_panels, h, n), bound
+    estimates, xerr = blocks.block_panels_estimate(screen_panels, h, n)
+    size = h.double().norm(dim=1)
+    ratio = xerr[size > 0] / size[size > 0]
+    ratio = ratio[ratio.isfinite()]
+    gamma = 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24)
+    rho = float(ratio.max()) * (1 + gamma) * (1 + 1e-9) if ratio.numel() else 0.0
+    return estimates, bound + norms * rho
+
+
 def argmax_rows(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Each row's first largest output of ``h (M, K) weight (N, K)^T (+ bias)`` as ``linear_panels``
-    computes it, ``(M,)`` int64: through ``head_argmax`` on the estimates of the weight's :func:`screen`
-    (about a quarter of its bytes, and a few of its rows) where the weight is large enough and the rows few
-    enough for that to pay, the whole product for the rows it leaves open (non-finite values, too many
-    rows within reach of the top). Call it with the native kernels loaded: without them the screen's
-    product is the PyTorch definition's, slower than the whole head."""
+    computes it, ``(M,)`` int64: through ``head_argmax`` on the estimates of the weight's screen
+    (:func:`screen_estimates`: about a quarter of the weight's bytes, or with more rows a quarter of its
+    work, and a few of its rows) where :func:`screens` says it pays, the whole product for the rows it
+    leaves open (non-finite values, too many rows within reach of the top). Call it with the native kernels
+    loaded: without them the screen's product is the PyTorch definition's, slower than the whole head."""
     n = weight.shape[0]
-    made = screen(weight) if weight.numel() >= SCREEN_MIN_WEIGHTS and h.shape[0] <= SCREEN_MAX_ROWS else None
+    made = screen_estimates(h, weight) if screens(weight, h.shape[0]) else None
     if made is None:
         return linear_panels(h, panels(weight), bias, n).max(dim=-1).indices
-    found = head_argmax(h, weight, bias, blocks.block_panels_matmul(made[0], h, n), made[1])
+    found = head_argmax(h, weight, bias, *made)
     open_rows = (found < 0).nonzero().squeeze(1)
     if open_rows.numel():
         whole = linear_panels(h.index_select(0, open_rows).contiguous(), panels(weight), bias, n)

@@ -21,6 +21,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 extern "C" {
@@ -41,6 +42,9 @@ int attnmask_q8_0_matmul_i8(const uint32_t *codes, const float *d, const float *
                             int64_t K, int threads);
 int attnmask_q6_k_matmul_i8(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
                             int64_t K, int threads);
+int attnmask_estimate_fast(void);
+int attnmask_panel_estimate_i8(int layout, const uint8_t *panels, const float *x, float *y, double *xerr, int64_t M,
+                               int64_t N, int64_t K, int threads);
 }
 
 namespace {
@@ -203,6 +207,37 @@ at::Tensor block_panels_matmul(const at::Tensor &panels, const at::Tensor &x, in
     return out;
 }
 
+// Estimates of x (rows, K) W^T for W in 8-bit panels (Q8_0's layout), x rounded to 8 bits per block of 32
+// (blocks_kernel.c), and each row's ||x - its rounding|| (float64): the screen of attnmask.ops.decoding.argmax_rows.
+std::tuple<at::Tensor, at::Tensor> block_panels_estimate(const at::Tensor &panels, const at::Tensor &x,
+                                                         int64_t out_features) {
+    const char *op = "block_panels_estimate";
+    TORCH_CHECK_VALUE(panels.device().is_cpu() && panels.scalar_type() == at::kByte && panels.dim() == 3 &&
+                          panels.is_contiguous(),
+                      op, ": panels must be contiguous uint8 (groups, blocks, unit) on the CPU, from "
+                      "pack_block_panels; got ", py_dtype(panels.scalar_type()), " ", py_shape(panels.sizes()), " on ",
+                      panels.device().str());
+    int layout = -1;
+    for (int l = 0; l < PANEL_LAYOUTS; l++)
+        if (panels.size(2) == attnmask_panel_unit(l)) layout = l;
+    TORCH_CHECK_VALUE((layout == P8 || layout == P8H) && out_features > 0 &&
+                          panels.size(0) == (out_features + PANEL_COLS - 1) / PANEL_COLS,
+                      op, ": panels of shape ", py_shape(panels.sizes()), " are not 8-bit panels (Q8_0, Q5_0) of ",
+                      out_features, " outputs; expected (ceil(out_features / ", PANEL_COLS, "), blocks, 576 | 544)");
+    const int64_t K = panels.size(1) * attnmask_panel_block(layout);
+    TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K &&
+                          x.is_contiguous(),
+                      op, ": x must be contiguous float32 (rows, ", K, ") on the CPU; got ", py_dtype(x.scalar_type()),
+                      " ", py_shape(x.sizes()), " on ", x.device().str());
+    at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+    at::Tensor xerr = at::empty({x.size(0)}, x.options().dtype(at::kDouble));
+    if (attnmask_panel_estimate_i8(layout, panels.const_data_ptr<uint8_t>(), x.const_data_ptr<float>(),
+                                   out.mutable_data_ptr<float>(), xerr.mutable_data_ptr<double>(), x.size(0),
+                                   out_features, K, at::get_num_threads()))
+        throw std::bad_alloc();  // -> MemoryError: the rows' copy
+    return {out, xerr};
+}
+
 at::Tensor block_dequantize(const at::Tensor &codes, const at::Tensor &d, const std::optional<at::Tensor> &m,
                             c10::string_view kind_view, int64_t in_features) {
     const std::string kind(kind_view);
@@ -228,6 +263,8 @@ at::Tensor block_dequantize(const at::Tensor &codes, const at::Tensor &d, const 
 // The vector width blocks_kernel.c was compiled for: 512, 256 (AVX2/FMA) or 0 (portable C).
 TORCH_LIBRARY_FRAGMENT(attnmask, lib) {
     lib.def("kernel_simd() -> int", [] { return static_cast<int64_t>(attnmask_blocks_simd()); });
+    // whether block_panels_estimate runs its vector loop here (AVX512-VNNI and VBMI), not the portable one
+    lib.def("estimate_fast() -> bool", [] { return attnmask_estimate_fast() != 0; });
 }
 
 TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
@@ -242,4 +279,5 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("block_dequantize", &attnmask::block_dequantize);
     lib.impl("pack_block_panels", &attnmask::pack_block_panels);
     lib.impl("block_panels_matmul", &attnmask::block_panels_matmul);
+    lib.impl("block_panels_estimate", &attnmask::block_panels_estimate);
 }

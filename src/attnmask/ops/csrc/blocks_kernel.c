@@ -1159,3 +1159,143 @@ int attnmask_q6_k_matmul_i8(const uint32_t *codes, const float *d, const float *
                             int64_t K, int threads) {
     return i8_matmul8(codes, d, x, y, M, N, K, threads, 1);
 }
+
+/* ------------------------------------------------------------------------------------------ */
+/* Estimates with int8 activations from 8-bit panels: greedy decoding's head screen           */
+/* ------------------------------------------------------------------------------------------ */
+/* y[r, n] ~ x_r . w_n for w in the 8-bit panels (P8, P8H: Q8_0's and Q5_0's codes and scales), each row
+ * of x rounded to 8 bits per block of 32 as the int8 products round it (i8_block: x_j ~ dx q_j), the
+ * integer sums exact:
+ *
+ *     acc = 0;  for each block b in order:  acc = fma(float(S_b), d_b * dx_b, acc),  S_b = sum_j w_j q_j
+ *
+ * and xerr[r] = ||x_r - dx q|| (float64), from the same q. Not the bits of any other product: an estimate,
+ * whose distance from the exact output attnmask.ops.decoding.argmax_rows bounds with xerr (the exact
+ * outputs of the few rows that can win come from the float32 kernels). The portable loop computes the
+ * same operations as the vector one, so their bits agree too, but only the vector one is fast.
+ *
+ * The vector loop (AVX512-VNNI and VBMI): a unit's 32 rows of 16 codes are read 4 rows (64 bytes) at a
+ * time and their bytes transposed (vpermb) so that 32-bit lane l holds lane l's codes of 4 consecutive
+ * weights; the row's codes go as unsigned bytes q + 128 (1..255), broadcast 4 at a time, and vpdpbusd
+ * adds 4 products to each lane: the sum is S_b + 128 sum_j w_j, so each lane starts from -128 sum_j w_j
+ * (vpdpbusd of the codes with bytes 1, once a unit for all the rows). 16 outputs per vector, one
+ * multiply-add of floats per block and row: about 40 multiply-adds of bytes an instruction, against
+ * the float32 kernels' 16. */
+#if BLOCKS_AVX512 && BLOCKS_VNNI && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#define BLOCKS_ESTIMATE 1
+#else
+#define BLOCKS_ESTIMATE 0
+#endif
+#define EST_ROWS 8 /* activation rows a pass over a group's units: 8 float and 8 integer accumulators */
+
+int attnmask_estimate_fast(void) { return BLOCKS_ESTIMATE; }
+
+/* row x (K) -> xu (K unsigned codes q + 128), dx (K / 32 scales); returns ||x - dx q||^2 in float64 */
+static double est_prepare_row(const float *x, uint8_t *xu, float *dx, int64_t K) {
+    double err = 0.0;
+    for (int64_t b = 0; b < K / QK; b++) {
+        int8_t q[QK];
+        const float d = i8_block(x + b * QK, q);
+        dx[b] = d;
+        for (int j = 0; j < QK; j++) {
+            xu[b * QK + j] = (uint8_t)(q[j] + 128);
+            const double e = (double)x[b * QK + j] - (double)d * (double)q[j];
+            err += e * e;
+        }
+    }
+    return err;
+}
+
+#if BLOCKS_ESTIMATE
+/* byte 4l + j <- byte 16j + l: four rows of 16 codes -> 16 lanes of four consecutive weights' codes */
+static const uint8_t EST_TRANSPOSE[64] __attribute__((aligned(64))) = {
+    0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+    6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+    12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+
+/* R rows (xu, dx: K and nblk apart) against one group's units (g): out[r * 16 + l] */
+static inline __attribute__((always_inline)) void est_tile(const int half, const uint8_t *g, int64_t nblk, int64_t unit,
+                                                           const uint8_t *xu, const float *dx, int64_t K, const int R,
+                                                           float *out) {
+    const __m512i perm = _mm512_load_si512((const void *)EST_TRANSPOSE), ones = _mm512_set1_epi8(1);
+    __m512 acc[EST_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblk; b++) {
+        const uint8_t *u = g + b * unit;
+        __m512i w[8], sw = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            ahead(u + 64 * j, CODES_AHEAD);
+            w[j] = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(u + 64 * j)));
+            sw = _mm512_dpbusd_epi32(sw, ones, w[j]);
+        }
+        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sw, 7)); /* -128 sum w */
+        const __m512 d = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(u + 512)))
+                              : _mm512_loadu_ps((const float *)(u + 512));
+        for (int r = 0; r < R; r++) {
+            const uint8_t *xr = xu + r * K + b * QK;
+            __m512i s[2] = {start, _mm512_setzero_si512()}; /* two chains: half the wait on each sum */
+            for (int j = 0; j < 8; j++) {
+                int32_t four;
+                memcpy(&four, xr + 4 * j, sizeof four);
+                s[j & 1] = _mm512_dpbusd_epi32(s[j & 1], _mm512_set1_epi32(four), w[j]);
+            }
+            const __m512i sum = _mm512_add_epi32(s[0], s[1]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nblk + b])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+static void est_pass(const int half, const uint8_t *g, int64_t nblk, int64_t unit, const uint8_t *xu, const float *dx,
+                     int64_t K, int64_t R, float *out) {
+    switch (R) {
+#define EST_CASE(n) \
+    case n: est_tile(half, g, nblk, unit, xu, dx, K, n, out); break;
+        EST_CASE(1) EST_CASE(2) EST_CASE(3) EST_CASE(4) EST_CASE(5) EST_CASE(6) EST_CASE(7)
+        default: est_tile(half, g, nblk, unit, xu, dx, K, EST_ROWS, out); break;
+#undef EST_CASE
+    }
+}
+#endif
+
+/* layout P8 or P8H; y (M, N), xerr (M). Returns 0, or -1 if the rows' copy cannot be allocated. */
+int attnmask_panel_estimate_i8(int layout, const uint8_t *panels, const float *x, float *y, double *xerr, int64_t M,
+                               int64_t N, int64_t K, int threads) {
+    const int64_t nblk = K / QK, unit = panel_unit(layout), groups = (N + PANEL_COLS - 1) / PANEL_COLS;
+    const int half = half_scales(layout);
+    /* the rows' codes (K bytes a row) and scales (nblk floats a row), on cache lines */
+    const int64_t code_floats = (M * K + 63) / 64 * 16;
+    float *copy = scratch((size_t)(code_floats + M * nblk));
+    if (!copy) return -1;
+    uint8_t *xu = (uint8_t *)copy;
+    float *dx = copy + code_floats;
+    for (int64_t r = 0; r < M; r++) xerr[r] = sqrt(est_prepare_row(x + r * K, xu + r * K, dx + r * nblk, K));
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups > 1)
+    for (int64_t c = 0; c < groups; c++) {
+        const uint8_t *g = panels + c * nblk * unit;
+        const int64_t cols = min64(PANEL_COLS, N - c * PANEL_COLS);
+#if BLOCKS_ESTIMATE
+        float out[EST_ROWS * PANEL_COLS] __attribute__((aligned(64)));
+        for (int64_t r0 = 0; r0 < M; r0 += EST_ROWS) {
+            const int64_t R = min64(EST_ROWS, M - r0);
+            est_pass(half, g, nblk, unit, xu + r0 * K, dx + r0 * nblk, K, R, out);
+            for (int64_t r = 0; r < R; r++)
+                memcpy(y + (r0 + r) * N + c * PANEL_COLS, out + PANEL_COLS * r, (size_t)cols * sizeof(float));
+        }
+#else
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t l = 0; l < cols; l++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nblk; b++) {
+                    const uint8_t *u = g + b * unit;
+                    int32_t s = 0;
+                    for (int64_t k = 0; k < QK; k++) s += (int32_t)(int8_t)u[PANEL_COLS * k + l] * ((int32_t)xu[r * K + b * QK + k] - 128);
+                    const float d = scale_value(layout, u + 512 + scale_bytes(layout) * l);
+                    acc = fmaf((float)s, d * dx[r * nblk + b], acc);
+                }
+                y[r * N + c * PANEL_COLS + l] = acc;
+            }
+#endif
+    }
+    return 0;
+}

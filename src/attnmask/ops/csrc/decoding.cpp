@@ -825,10 +825,105 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
 //      2^-23 (|e_n + bias_n| + B_n) (twice float32's unit roundoff: the margin covers the float64 sums);
 //   3. the winner's exact output is at least every output, so its estimate plus its bound reaches the
 //      largest estimate minus its bound: only the rows n with e_n + B_n >= max_j (e_j - B_j) can win;
-//   4. those rows' exact outputs by rows_matmul (the bits of linear_panels) and their first largest.
+//   4. those rows' exact outputs (exact_outputs: the bits of linear_panels) and their first largest.
 // The comparisons run in float64, with a margin over their own rounding. A row of x whose estimates or
 // candidates are not all finite, or that leaves more than N / 8 candidates (and more than 64), is
 // answered -1: the caller computes that row's logits whole.
+// head_argmax's two passes over a row's N estimates e (float32), bound b (float64) and bias (or null), with
+// nx = ||x|| (rounded up): the estimate en = e_n (+ bias_n) and reach R_n = b_n nx (+ 2^-23 (|en| + b_n nx)
+// with a bias), in float64. `top_of` returns max_n (en - R_n) (the largest of the finite ones; all_finite is
+// cleared by a non-finite e_n), `candidates` appends the n with en + R_n >= top. The vector loops compute
+// the same float64 values (each operation IEEE's, one at a time) and a maximum is exact in any order.
+struct Reach {
+    const float *e;
+    const double *b;
+    const float *bias;
+    double nx;
+    int64_t N;
+    double estimate(int64_t n) const { return bias ? static_cast<double>(e[n]) + bias[n] : e[n]; }
+    double reach(int64_t n) const {
+        const double B = b[n] * nx;
+        return bias ? B + 0x1p-23 * (std::fabs(estimate(n)) + B) : B;
+    }
+#if defined(__AVX512F__)
+    // 8 at a time: the estimates and reaches of n .. n + 7
+    void lanes(int64_t n, __m512d &en, __m512d &rn) const {
+        en = _mm512_cvtps_pd(_mm256_loadu_ps(e + n));
+        const __m512d B = _mm512_mul_pd(_mm512_loadu_pd(b + n), _mm512_set1_pd(nx));
+        if (bias) {
+            en = _mm512_add_pd(en, _mm512_cvtps_pd(_mm256_loadu_ps(bias + n)));
+            rn = _mm512_add_pd(B, _mm512_mul_pd(_mm512_set1_pd(0x1p-23), _mm512_add_pd(_mm512_abs_pd(en), B)));
+        } else {
+            rn = B;
+        }
+    }
+#endif
+    double top_of(bool &all_finite) const {
+        double top = -std::numeric_limits<double>::infinity();
+        int64_t n = 0;
+#if defined(__AVX512F__)
+        __m512d tops = _mm512_set1_pd(top);
+        const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+        __mmask16 finite = 0xFFFF;
+        for (; n + 8 <= N; n += 8) {
+            __m512d en, rn;
+            lanes(n, en, rn);
+            // |e| < inf is false for an infinity and a NaN
+            finite &= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_castps256_ps512(_mm256_loadu_ps(e + n))), inf, _CMP_LT_OQ) | 0xFF00;
+            tops = _mm512_max_pd(tops, _mm512_sub_pd(en, rn));  // only compared when every e_n is finite
+        }
+        all_finite &= finite == 0xFFFF;
+        top = _mm512_reduce_max_pd(tops);
+#endif
+        for (; n < N; n++) {
+            all_finite &= std::isfinite(e[n]);
+            top = std::max(top, estimate(n) - reach(n));
+        }
+        return top;
+    }
+    void candidates(double top, std::vector<int64_t> &cand) const {
+        int64_t n = 0;
+#if defined(__AVX512F__)
+        const __m512d t = _mm512_set1_pd(top);
+        for (; n + 8 <= N; n += 8) {
+            __m512d en, rn;
+            lanes(n, en, rn);
+            for (__mmask8 m = _mm512_cmp_pd_mask(_mm512_add_pd(en, rn), t, _CMP_GE_OQ); m; m &= m - 1)
+                cand.push_back(n + __builtin_ctz(m));
+        }
+#endif
+        for (; n < N; n++)
+            if (estimate(n) + reach(n) >= top) cand.push_back(n);
+    }
+};
+
+// The exact outputs of the candidates n = cand[0 .. c) for one row x (K), as linear_panels computes them: each
+// one chain of multiply-adds over k in order from 0, then the bias added (rows.cpp). With AVX-512, 16
+// candidates a vector, their weights laid side by side in `lanes` first (the chains are the same, lane by lane).
+void exact_outputs(const float *x, const float *w, const int64_t *cand, int64_t c, int64_t K, const float *bias,
+                   std::vector<float> &lanes, float *vals) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    lanes.resize(static_cast<size_t>(16 * K));
+    for (; i < c; i += 16) {
+        const int64_t width = std::min<int64_t>(16, c - i);
+        for (int64_t j = 0; j < 16; j++)
+            for (int64_t k = 0; k < K; k++) lanes[16 * k + j] = j < width ? w[cand[i + j] * K + k] : 0.0f;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k++) acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), _mm512_loadu_ps(lanes.data() + 16 * k), acc);
+        alignas(64) float out[16];
+        _mm512_store_ps(out, acc);
+        for (int64_t j = 0; j < width; j++) vals[i + j] = bias ? out[j] + bias[cand[i + j]] : out[j];
+    }
+#endif
+    for (; i < c; i++) {
+        const float *wn = w + cand[i] * K;
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; k++) acc = std::fma(x[k], wn[k], acc);
+        vals[i] = bias ? acc + bias[cand[i]] : acc;
+    }
+}
+
 at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
                        const at::Tensor &estimates, const at::Tensor &bound) {
     const char *op = "head_argmax";
@@ -852,10 +947,10 @@ at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std:
     const double *b = bound.const_data_ptr<double>();
     const float *bias_n = checked_bias(bias, N, op);  // added to each estimate, and after each exact chain
     const double MARGIN = 1.0 + 1e-6;  // over float64's rounding of the norms and the comparisons
-    // each row alone (its candidates' exact outputs: rows_matmul, run inline inside this loop's threads)
+    // each row alone (its candidates' exact outputs: exact_outputs, run inline inside this loop's threads)
     at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
         std::vector<int64_t> cand;
-        std::vector<float> rows, vals, picked;
+        std::vector<float> lanes, vals;
         for (int64_t m = begin; m < end; m++) {
             const float *xm = x + m * K, *e = estimates.const_data_ptr<float>() + m * N;
             double sq = 0;
@@ -864,31 +959,16 @@ at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std:
             o[m] = -1;
             if (!std::isfinite(nx)) continue;
             // with a bias: e_n + bias_n, and the exact output's last rounding (the bias added) in the bound
-            auto estimate = [&](int64_t n) { return bias_n ? static_cast<double>(e[n]) + bias_n[n] : e[n]; };
-            auto reach = [&](int64_t n) {
-                const double B = b[n] * nx;
-                return bias_n ? B + 0x1p-23 * (std::fabs(estimate(n)) + B) : B;
-            };
-            double top = -std::numeric_limits<double>::infinity();  // max_j (e_j - B_j)
+            const Reach r{e, b, bias_n, nx, N};
             bool finite = true;
-            for (int64_t n = 0; n < N; n++) {
-                finite &= std::isfinite(e[n]);
-                top = std::max(top, estimate(n) - reach(n));
-            }
+            const double top = r.top_of(finite);  // max_j (e_j - B_j)
             if (!finite) continue;
             cand.clear();
-            for (int64_t n = 0; n < N; n++)
-                if (estimate(n) + reach(n) >= top) cand.push_back(n);
+            r.candidates(top, cand);
             const int64_t c = static_cast<int64_t>(cand.size());
             if (c > std::max<int64_t>(64, N / 8)) continue;
-            rows.resize(static_cast<size_t>(c * K));
             vals.resize(static_cast<size_t>(c));
-            picked.resize(bias_n ? static_cast<size_t>(c) : 0);
-            for (int64_t i = 0; i < c; i++) {
-                std::copy(w + cand[i] * K, w + (cand[i] + 1) * K, rows.data() + i * K);
-                if (bias_n) picked[i] = bias_n[cand[i]];
-            }
-            attnmask::rows_matmul(xm, 1, rows.data(), c, K, bias_n ? picked.data() : nullptr, vals.data());
+            exact_outputs(xm, w, cand.data(), c, K, bias_n, lanes, vals.data());
             int64_t best = 0;
             for (int64_t i = 0; i < c && finite; i++) {
                 finite &= std::isfinite(vals[i]);
@@ -1271,8 +1351,9 @@ at::Tensor seq2seq_step(const at::Tensor &x0, const at::Tensor &cos, const at::T
                       static_cast<int>(S2S_PRODUCTS), " a layer, then the head)");
     std::vector<int64_t> first(kinds.size() + 1, 0);
     for (size_t i = 0; i < kinds.size(); i++) {
-        const int64_t slot = i < static_cast<size_t>(S2S_PRODUCTS * L) ? static_cast<int64_t>(i) % S2S_PRODUCTS : S_QKV;
-        const bool optional = slot == S_K || slot == S_V || slot == S_GATE || slot == S_UP;
+        const bool head = i == static_cast<size_t>(S2S_PRODUCTS * L);  // NONE: the final norm's rows are returned
+        const int64_t slot = head ? S_QKV : static_cast<int64_t>(i) % S2S_PRODUCTS;
+        const bool optional = head || slot == S_K || slot == S_V || slot == S_GATE || slot == S_UP;
         TORCH_CHECK_VALUE((optional && kinds[i] == NONE) || (DENSE <= kinds[i] && kinds[i] <= Q6_K + INT8), op,
                           ": product kind ", kinds[i], " in slot ", i, " is not a product kind of packed_step",
                           optional ? " or -1 (none)" : "");
@@ -1405,7 +1486,7 @@ at::Tensor seq2seq_step(const at::Tensor &x0, const at::Tensor &cos, const at::T
     }
     at::Tensor h = x.index_select(0, logit_rows);
     if (norms[2 * S2S_NORMS * L].numel()) h = norm(S2S_NORMS * L, h);
-    return project(S2S_PRODUCTS * L, h.contiguous());
+    return kinds[S2S_PRODUCTS * L] == NONE ? h : project(S2S_PRODUCTS * L, h.contiguous());
 }
 
 }  // namespace
