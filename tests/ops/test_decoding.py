@@ -204,6 +204,36 @@ def test_the_int8_screened_arg_max_matches_its_definition_bit_for_bit(int8_estim
     assert torch.equal(decoding.argmax_rows(h, w, b), _first_largest(h, w, b))
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def test_a_block_heads_screened_arg_max_is_its_products(kind):
+    """block_argmax_rows (a block head in 8-bit panels, read through int8 estimates): each row's first
+    largest output of block_panels_matmul, with an exact tie between two rows of the head (the first wins)
+    and rows along the head's own rows, at 9 and 16 rows; the estimates within their bound."""
+    from tests.ops.test_blocks import layer_of
+
+    n, k = 3001, 640
+    layer = layer_of(kind, n, k, seed=3)
+    codes, d = layer.codes.clone(), layer.d.clone()
+    codes[n // 2], d[n // 2] = codes[3], d[3]  # row n // 2 the same weights as row 3
+    layer.codes.copy_(codes)
+    layer.d.copy_(d)
+    panels, w = layer.panels()[0], layer.dequantize()
+    for rows in (9, 16):
+        h = _randn(rows, k, seed=rows) * torch.rand(rows, 1, generator=torch.Generator().manual_seed(1)) * 3
+        h[1] = w[3] * 3
+        h[2] = w[7].clamp(min=0)
+        h[3] = 0.0  # every output 0: the first row wins
+        want = blocks.block_panels_matmul(panels, h, n).max(dim=-1).indices
+        assert torch.equal(decoding.block_argmax_rows(h, panels, n), want)
+        assert int(want[1]) == 3 and int(want[3]) == 0
+    est, xerr = blocks.block_panels_estimate(panels, h, n)
+    exact = blocks.block_panels_matmul(panels, h, n).double()
+    size = h.double().norm(dim=1, keepdim=True)
+    gamma = 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24)
+    reach = decoding.block_norms(panels, n)[None] * (xerr[:, None] * (1 + gamma) + 2 * gamma * size)
+    assert bool(((est.double() - exact).abs() <= reach).all())
+
+
 def test_the_bound_keeps_a_row_the_estimates_rank_lower():
     """Estimates within their bounds that rank row 1 above row 2 while the exact outputs rank row 2 first:
     head_argmax answers 2, and 1 with zero bounds (so the answer comes from the bound)."""

@@ -59,7 +59,7 @@ from attnmask.ops import decoding
 
 __all__ = [
     "FusedPlan", "Seq2SeqPlan", "SourceMemory", "check_servable", "fused_plan", "logical_blocks", "packed_forward",
-    "packed_mask", "paged_mask", "screened_head", "slots_of",
+    "packed_mask", "paged_mask", "prepare_screen", "screened_head", "slots_of",
 ]  # fmt: skip
 
 
@@ -447,16 +447,40 @@ def _layer_window(cfg, i: int) -> int:
 
 
 def screened_head(model, rows: int = 1) -> nn.Module | None:
-    """The head where :func:`attnmask.ops.decoding.argmax_rows` can find its arg-max without the logits: a
-    plain float32 CPU linear map, unwatched, large enough to pay for ``rows`` rows
-    (:func:`~attnmask.ops.decoding.screens`), native kernels built; else None."""
+    """The head where :func:`head_argmax_of` can find its arg-max without the logits, native kernels built;
+    else None: a plain float32 CPU linear map, unwatched, large enough to pay for ``rows`` rows
+    (:func:`~attnmask.ops.decoding.screens`), or a block head in the 8-bit layout (Q8_0, Q5_0) with float32
+    activations, for more than ``SCREEN_MAX_ROWS`` rows where the int8 estimates run fast
+    (:func:`~attnmask.ops.decoding.block_argmax_rows`; at fewer rows its reading is what the head costs)."""
     head = model.lm_head
+    if getattr(head, "kind", None) in ("Q8_0", "Q5_0") and hasattr(head, "decoder_operands"):  # a BlockLinear
+        fits = head.activations == "float32" and head.codes.is_cpu and not _watched(head)
+        return head if fits and rows > decoding.SCREEN_MAX_ROWS and decoding.estimates_fast() else None
     if type(head) not in (nn.Linear, Linear) or _watched(head):
         return None
     w, b = head.weight, head.bias
     if not (w.is_contiguous() and _native(w)) or not decoding.screens(w, rows):
         return None
     return head if b is None or (b.dtype == torch.float32 and b.is_contiguous()) else None
+
+
+def prepare_screen(model) -> None:
+    """Make the head's screen now (the weight's 8-bit copy and bounds, or a block head's row norms), where
+    greedy steps of one row or of many will read it, rather than in the first request's step."""
+    for rows in (1, decoding.SCREEN_MAX_ROWS + 1):
+        head = screened_head(model, rows)
+        if head is not None and hasattr(head, "decoder_operands"):
+            decoding.block_norms(head.panels()[0], head.out_features)
+        elif head is not None:
+            decoding.screen(head.weight)
+
+
+def head_argmax_of(head: nn.Module, h: Tensor) -> Tensor:
+    """Each row's first largest logit of ``head(h)``, the logits' own arg-max, through the head's screen
+    (``head``: :func:`screened_head`'s)."""
+    if hasattr(head, "decoder_operands"):
+        return decoding.block_argmax_rows(h, head.panels()[0], head.out_features)
+    return decoding.argmax_rows(h, head.weight, head.bias)
 
 
 def _operands(proj: nn.Module | None) -> tuple[int, list[Tensor]] | None:
@@ -780,7 +804,7 @@ def packed_forward(
             cos, signed = cos[0, 0].contiguous(), Rotary.signed_sin(sin)[0, 0].contiguous()  # (N, D)
         products, kinds = plan.products, plan.kinds
         if screened is not None:  # the step ends at the final norm's rows (the head: NONE), argmax_rows does the rest
-            products, kinds = products[:-2], [*kinds[:-1], decoding.NONE]  # a float32 head: panels and bias
+            products, kinds = products[:-2], [*kinds[:-1], decoding.NONE]  # the head's two tensors
         out = decoding.seq2seq_step(
             x.contiguous(), cos, signed, plan.norms, plan.eps, plan.pre, plan.rms, products, kinds,
             plan.activation, cache.k, cache.v, tables, cache.layer_group, plan.windows, memory.k, memory.v,
@@ -788,7 +812,7 @@ def packed_forward(
             plan.kv_heads, plan.head_dim**-0.5,
         )  # fmt: skip
         if screened is not None:
-            return decoding.argmax_rows(out, screened.weight, screened.bias)
+            return head_argmax_of(screened, out)
         return out.max(dim=-1).indices if argmax else out
     if isinstance(plan, FusedPlan) and memory is None and not flex:
         cos, signed = x.new_empty(0), x.new_empty(0)
@@ -798,14 +822,14 @@ def packed_forward(
             signed = torch.cat([Rotary.signed_sin(s)[0] for _, s in factors])  # (R, N, D)
         products, kinds = plan.products, plan.kinds
         if screened is not None:  # the step ends at the final norm's rows (the head: NONE), argmax_rows does the rest
-            products, kinds = products[:-2], [*kinds[:-1], decoding.NONE]  # a float32 head: panels and bias
+            products, kinds = products[:-2], [*kinds[:-1], decoding.NONE]  # the head's two tensors
         out = decoding.packed_step(
             x.contiguous(), cos, signed, plan.layer_rope, plan.norms, plan.eps, products, kinds,
             plan.activation, cache.k, cache.v, tables, cache.layer_group, plan.windows, row_seq, positions,
             logit_rows, plan.heads, plan.kv_heads, plan.head_dim**-0.5,
         )  # fmt: skip
         if screened is not None:
-            return decoding.argmax_rows(out, screened.weight, screened.bias)
+            return head_argmax_of(screened, out)
         return out.max(dim=-1).indices if argmax else out
     slots = [slots_of(t, row_seq, positions, cache.block_size) for t in tables]  # (N,) each group
     flex_masks = _FlexMasks(cache, tables, row_seq, positions) if flex else None
@@ -838,6 +862,6 @@ def packed_forward(
             x = x + _norm(post, fn(_norm(norm, x))) if layer.pre else _norm(norm, x + _norm(post, fn(x)))
     h = _norm(model.norm, x.index_select(0, logit_rows))  # (M, C)
     if screened is not None and _native(h):
-        return decoding.argmax_rows(h.contiguous(), screened.weight, screened.bias)
+        return head_argmax_of(screened, h.contiguous())
     logits = _product(model.lm_head, h)  # (M, V)
     return logits.max(dim=-1).indices if argmax else logits

@@ -44,9 +44,8 @@ from attnmask.engine.cache import PagedKVCache, blocks_for_memory, layer_groups
 from attnmask.engine.draft import PromptLookup
 from attnmask.engine.scheduler import POLICIES, Chunk, Scheduler
 from attnmask.engine.scheduler import Sequence as SeqState
-from attnmask.engine.step import check_servable, fused_plan, packed_forward, screened_head
+from attnmask.engine.step import check_servable, fused_plan, packed_forward, prepare_screen
 from attnmask.errors import UserError
-from attnmask.ops import decoding
 
 log = logging.getLogger("attnmask.engine")
 
@@ -273,9 +272,7 @@ class Engine:
             max_seqs=max_seqs, prefix_caching=prefix_caching, policy=scheduling,
         )  # fmt: skip
         self.plan = fused_plan(self.model)  # the whole step in one native call, where the model allows
-        head = screened_head(self.model)  # greedy steps' screen of the head, made now, not in the first request
-        if head is not None:
-            decoding.screen(head.weight)
+        prepare_screen(self.model)  # greedy steps' screen of the head, made now, not in the first request
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.tokenizer = tokenizer
         self.detokenize = detokenize if detokenize is not None or tokenizer is None else tokenizer.decode

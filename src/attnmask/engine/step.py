@@ -10,8 +10,18 @@ from attnmask.decode.step import (
     fused_plan,
     packed_forward,
     packed_mask,
+    prepare_screen,
     screened_head,
     slots_of,
 )
 
-__all__ = ["SourceMemory", "check_servable", "fused_plan", "packed_forward", "packed_mask", "screened_head", "slots_of"]
+__all__ = [
+    "SourceMemory",
+    "check_servable",
+    "fused_plan",
+    "packed_forward",
+    "packed_mask",
+    "prepare_screen",
+    "screened_head",
+    "slots_of",
+]

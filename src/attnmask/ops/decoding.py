@@ -66,6 +66,10 @@ __all__ = [
     "pack_panels_reference",
     "panels",
     "argmax_rows",
+    "block_argmax_rows",
+    "block_head_argmax",
+    "block_head_argmax_reference",
+    "block_norms",
     "estimates_fast",
     "head_argmax",
     "head_argmax_reference",
@@ -143,6 +147,14 @@ def head_argmax_reference(h: Tensor, weight: Tensor, bias: Tensor | None, estima
     """What ``head_argmax`` answers: the first largest output of each row of ``h W^T + b``, from the whole
     product (the estimates and bounds unread)."""
     return linear_rows_reference(h, weight, bias).max(dim=-1).indices
+
+
+def block_head_argmax_reference(
+    h: Tensor, panels: Tensor, estimates: Tensor, bound: Tensor, out_features: int
+) -> Tensor:
+    """What ``block_head_argmax`` answers: the first largest output of each row of ``block_panels_matmul``,
+    from the whole product (the estimates and bounds unread)."""
+    return blocks.block_panels_matmul(panels, h, out_features).max(dim=-1).indices
 
 
 _PANELS = torch.utils.weak.WeakIdKeyDictionary()  # weight -> ((version, address, shape), its panels)
@@ -438,6 +450,9 @@ _LIBRARY.define("pack_panels(Tensor weight) -> Tensor")
 _LIBRARY.define("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor")
 _LIBRARY.define("head_argmax(Tensor h, Tensor weight, Tensor? bias, Tensor estimates, Tensor bound) -> Tensor")
 _LIBRARY.define(
+    "block_head_argmax(Tensor h, Tensor panels, Tensor estimates, Tensor bound, int out_features) -> Tensor"
+)
+_LIBRARY.define(
     "packed_step(Tensor x, Tensor cos, Tensor signed_sin, int[] layer_rope, Tensor[] norms, float[] eps, "
     "Tensor[] products, int[] kinds, str activation, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
     "Tensor[] tables, int[] layer_group, int[] windows, Tensor row_seq, Tensor row_pos, Tensor logit_rows, "
@@ -491,6 +506,11 @@ def _(h, weight, bias, estimates, bound):
     return h.new_empty(h.shape[0], dtype=torch.long)
 
 
+@torch.library.register_fake("attnmask::block_head_argmax", lib=_LIBRARY)
+def _(h, panels, estimates, bound, out_features):
+    return h.new_empty(h.shape[0], dtype=torch.long)
+
+
 @torch.library.register_fake("attnmask::packed_step", lib=_LIBRARY)
 def _(x, cos, signed_sin, layer_rope, norms, eps, products, kinds, activation, k_pools, v_pools, tables, layer_group,
       windows, row_seq, row_pos, logit_rows, heads, kv_heads, scale):  # fmt: skip
@@ -518,6 +538,7 @@ for _name, _definition in [
     ("pack_panels", pack_panels_reference),
     ("linear_panels", linear_panels_reference),
     ("head_argmax", head_argmax_reference),
+    ("block_head_argmax", block_head_argmax_reference),
     ("paged_attend", paged_attend_reference),
     ("packed_step", packed_step_reference),
     ("seq2seq_step", seq2seq_step_reference),
@@ -534,6 +555,7 @@ linear_rows = torch.ops.attnmask.linear_rows.default
 pack_panels = torch.ops.attnmask.pack_panels.default
 linear_panels = torch.ops.attnmask.linear_panels.default
 head_argmax = torch.ops.attnmask.head_argmax.default
+block_head_argmax = torch.ops.attnmask.block_head_argmax.default
 
 SCREEN_MIN_WEIGHTS = 1 << 22  # heads smaller than this (4M weights, 16 MiB) are read whole: little to save
 # more rows than this read the head whole: by 16 rows the products, not the reading, set the pace, and the
@@ -662,5 +684,56 @@ def argmax_rows(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     open_rows = (found < 0).nonzero().squeeze(1)
     if open_rows.numel():
         whole = linear_panels(h.index_select(0, open_rows).contiguous(), panels(weight), bias, n)
+        found[open_rows] = whole.max(dim=-1).indices
+    return found
+
+
+_BLOCK_NORMS = torch.utils.weak.WeakIdKeyDictionary()  # panels -> ((version, address, shape), row norms)
+
+
+def block_norms(panels: Tensor, out_features: int) -> Tensor:
+    """Each row's ``||w_n||`` (float64, rounded up) of a head in block panels, for :func:`block_argmax_rows`:
+    computed once and kept while the panels live."""
+    key = (panels._version, panels.data_ptr(), tuple(panels.shape))
+    held = _BLOCK_NORMS.get(panels)
+    if held is None or held[0] != key:
+        step = 256  # groups at a time: 4,096 rows of float32 weights
+        norms = torch.cat(
+            [
+                blocks.unpack_block_panels(panels[g : g + step], min(out_features - 16 * g, 16 * step))
+                .double()
+                .norm(dim=1)
+                for g in range(0, panels.shape[0], step)
+            ]
+        )
+        held = (key, norms * (1 + 1e-9))
+        _BLOCK_NORMS[panels] = held
+    return held[1]
+
+
+def block_argmax_rows(h: Tensor, panels: Tensor, out_features: int) -> Tensor:
+    """Each row's first largest output of ``block_panels_matmul(panels, h, out_features)`` for a head in 8-bit
+    block panels (Q8_0's layout), ``(M,)`` int64, without computing every output: the int8 estimates from the
+    panels themselves (``block_panels_estimate``), and ``block_head_argmax``'s candidates' exact outputs.
+
+    The weight is the panels' own, so only the rows' rounding and the two float sums part an estimate from the
+    exact output: with ``w_n`` the row's weight (``||w_n||`` float64, computed once per panels and kept) and
+    ``xerr_m = ||h_m - dx q||``, ``|estimate - exact| <= ||w_n|| (xerr_m (1 + gamma) + 2 gamma ||h_m||)`` (the
+    estimate's sum meets at most ``K / 32 + 1`` roundings and the exact chain ``32 + K / 32``, both within
+    ``gamma = 2K u / (1 - 2K u)``), at most ``||w_n|| (rho (1 + gamma) + 2 gamma) ||h_m||``, ``rho`` the
+    largest ``xerr_m / ||h_m||``. Rows left open (non-finite values, too many candidates) are computed whole."""
+    norms = block_norms(panels, out_features)
+    k = h.shape[1]
+    estimates, xerr = blocks.block_panels_estimate(panels, h, out_features)
+    size = h.double().norm(dim=1)
+    ratio = xerr[size > 0] / size[size > 0]
+    ratio = ratio[ratio.isfinite()]
+    gamma = 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24)
+    rho = float(ratio.max()) if ratio.numel() else 0.0
+    bound = norms * ((rho * (1 + gamma) + 2 * gamma) * (1 + 1e-9))
+    found = block_head_argmax(h, panels, estimates, bound, out_features)
+    open_rows = (found < 0).nonzero().squeeze(1)
+    if open_rows.numel():
+        whole = blocks.block_panels_matmul(panels, h.index_select(0, open_rows).contiguous(), out_features)
         found[open_rows] = whole.max(dim=-1).indices
     return found

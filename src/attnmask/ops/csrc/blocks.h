@@ -8,6 +8,15 @@
 
 #include <optional>
 
+// blocks_kernel.c's panels: a layout's unit bytes and weights a block, and the float32 product y (M, N) =
+// x (M, K) W^T from W's panels (0, or -1 where the activations' copy cannot be allocated).
+extern "C" {
+int64_t attnmask_panel_unit(int layout);
+int64_t attnmask_panel_block(int layout);
+int attnmask_panel_matmul(int layout, const uint8_t *panels, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                          int threads);
+}
+
 namespace attnmask {
 
 // x (rows, in_features) float32 @ W^T, W held as GGUF blocks repacked by attnmask.ops.blocks.repack;

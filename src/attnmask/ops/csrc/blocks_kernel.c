@@ -1186,7 +1186,7 @@ int attnmask_q6_k_matmul_i8(const uint32_t *codes, const float *d, const float *
 #else
 #define BLOCKS_ESTIMATE 0
 #endif
-#define EST_ROWS 8 /* activation rows a pass over a group's units: 8 float and 8 integer accumulators */
+#define EST_ROWS 16 /* activation rows a pass over a group's units */
 
 int attnmask_estimate_fast(void) { return BLOCKS_ESTIMATE; }
 
@@ -1224,7 +1224,7 @@ static inline __attribute__((always_inline)) void est_tile(const int half, const
         const uint8_t *u = g + b * unit;
         __m512i w[8], sw = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
-            ahead(u + 64 * j, CODES_AHEAD);
+            ahead(u + 64 * j, 2 * nblk * unit);
             w[j] = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(u + 64 * j)));
             sw = _mm512_dpbusd_epi32(sw, ones, w[j]);
         }
@@ -1251,7 +1251,8 @@ static void est_pass(const int half, const uint8_t *g, int64_t nblk, int64_t uni
     switch (R) {
 #define EST_CASE(n) \
     case n: est_tile(half, g, nblk, unit, xu, dx, K, n, out); break;
-        EST_CASE(1) EST_CASE(2) EST_CASE(3) EST_CASE(4) EST_CASE(5) EST_CASE(6) EST_CASE(7)
+        EST_CASE(1) EST_CASE(2) EST_CASE(3) EST_CASE(4) EST_CASE(5) EST_CASE(6) EST_CASE(7) EST_CASE(8)
+        EST_CASE(9) EST_CASE(10) EST_CASE(11) EST_CASE(12) EST_CASE(13) EST_CASE(14) EST_CASE(15)
         default: est_tile(half, g, nblk, unit, xu, dx, K, EST_ROWS, out); break;
 #undef EST_CASE
     }

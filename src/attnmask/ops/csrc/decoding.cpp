@@ -924,6 +924,46 @@ void exact_outputs(const float *x, const float *w, const int64_t *cand, int64_t 
     }
 }
 
+// Each row's screened arg-max (head_argmax's steps 2-4 below), rows split over the threads; exact(x_m,
+// candidates, scratch, values) gives the candidates' exact outputs. o[m] = -1 for a row left open.
+template <typename Exact>
+void screened_rows(const float *x, const float *estimates, const double *b, const float *bias_n, int64_t M, int64_t N,
+                   int64_t K, int64_t *o, const Exact &exact) {
+    if (M == 0) return;
+    TORCH_CHECK_VALUE(N > 0, "head_argmax: the head has no rows");
+    const double MARGIN = 1.0 + 1e-6;  // over float64's rounding of the norms and the comparisons
+    // each row alone (its candidates' exact outputs run inline inside this loop's threads)
+    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> cand;
+        std::vector<float> scratch, vals;
+        for (int64_t m = begin; m < end; m++) {
+            const float *xm = x + m * K, *e = estimates + m * N;
+            double sq = 0;
+            for (int64_t k = 0; k < K; k++) sq += static_cast<double>(xm[k]) * xm[k];
+            const double nx = std::sqrt(sq) * MARGIN;
+            o[m] = -1;
+            if (!std::isfinite(nx)) continue;
+            // with a bias: e_n + bias_n, and the exact output's last rounding (the bias added) in the bound
+            const Reach r{e, b, bias_n, nx, N};
+            bool finite = true;
+            const double top = r.top_of(finite);  // max_j (e_j - B_j)
+            if (!finite) continue;
+            cand.clear();
+            r.candidates(top, cand);
+            const int64_t c = static_cast<int64_t>(cand.size());
+            if (c > std::max<int64_t>(64, N / 8)) continue;
+            vals.resize(static_cast<size_t>(c));
+            exact(xm, cand, scratch, vals.data());
+            int64_t best = 0;
+            for (int64_t i = 0; i < c && finite; i++) {
+                finite &= std::isfinite(vals[i]);
+                if (vals[i] > vals[best]) best = i;
+            }
+            if (finite) o[m] = cand[best];
+        }
+    });
+}
+
 at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
                        const at::Tensor &estimates, const at::Tensor &bound) {
     const char *op = "head_argmax";
@@ -941,42 +981,65 @@ at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std:
                       "; expected float64 (", N, ",)");
     at::Tensor out = at::empty({M}, h.options().dtype(at::kLong));
     int64_t *o = out.mutable_data_ptr<int64_t>();
-    if (M == 0) return out;
-    TORCH_CHECK_VALUE(N > 0, op, ": weight has no rows");
+    TORCH_CHECK_VALUE(N > 0 || M == 0, op, ": weight has no rows");
     const float *x = h.const_data_ptr<float>(), *w = weight.const_data_ptr<float>();
     const double *b = bound.const_data_ptr<double>();
     const float *bias_n = checked_bias(bias, N, op);  // added to each estimate, and after each exact chain
-    const double MARGIN = 1.0 + 1e-6;  // over float64's rounding of the norms and the comparisons
-    // each row alone (its candidates' exact outputs: exact_outputs, run inline inside this loop's threads)
-    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-        std::vector<int64_t> cand;
-        std::vector<float> lanes, vals;
-        for (int64_t m = begin; m < end; m++) {
-            const float *xm = x + m * K, *e = estimates.const_data_ptr<float>() + m * N;
-            double sq = 0;
-            for (int64_t k = 0; k < K; k++) sq += static_cast<double>(xm[k]) * xm[k];
-            const double nx = std::sqrt(sq) * MARGIN;
-            o[m] = -1;
-            if (!std::isfinite(nx)) continue;
-            // with a bias: e_n + bias_n, and the exact output's last rounding (the bias added) in the bound
-            const Reach r{e, b, bias_n, nx, N};
-            bool finite = true;
-            const double top = r.top_of(finite);  // max_j (e_j - B_j)
-            if (!finite) continue;
-            cand.clear();
-            r.candidates(top, cand);
-            const int64_t c = static_cast<int64_t>(cand.size());
-            if (c > std::max<int64_t>(64, N / 8)) continue;
-            vals.resize(static_cast<size_t>(c));
-            exact_outputs(xm, w, cand.data(), c, K, bias_n, lanes, vals.data());
-            int64_t best = 0;
-            for (int64_t i = 0; i < c && finite; i++) {
-                finite &= std::isfinite(vals[i]);
-                if (vals[i] > vals[best]) best = i;
-            }
-            if (finite) o[m] = cand[best];
-        }
-    });
+    screened_rows(x, estimates.const_data_ptr<float>(), b, bias_n, M, N, K, o,
+                  [&](const float *xm, const std::vector<int64_t> &cand, std::vector<float> &lanes, float *vals) {
+                      exact_outputs(xm, w, cand.data(), static_cast<int64_t>(cand.size()), K, bias_n, lanes, vals);
+                  });
+    return out;
+}
+
+// head_argmax for a head in 8-bit block panels (Q8_0's layout: attnmask.ops.blocks.pack_block_panels): the
+// same screen, with the candidates' exact outputs as block_panels_matmul computes them (each candidate's
+// 16-row group of units copied out, multiplied by the row alone: a row's bits do not depend on its batch
+// nor on the other groups), and no bias.
+at::Tensor block_head_argmax(const at::Tensor &h, const at::Tensor &panels, const at::Tensor &estimates,
+                             const at::Tensor &bound, int64_t out_features) {
+    const char *op = "block_head_argmax";
+    check_rows(h, op, "h");
+    check_rows(estimates, op, "estimates");
+    TORCH_CHECK_VALUE(panels.device().is_cpu() && panels.scalar_type() == at::kByte && panels.dim() == 3 &&
+                          panels.is_contiguous(),
+                      op, ": panels must be contiguous uint8 (groups, blocks, unit) on the CPU, from pack_block_panels");
+    int layout = -1;
+    for (int l = 0; l < 5; l++)
+        if (panels.size(2) == attnmask_panel_unit(l)) layout = l;
+    const int64_t N = out_features, groups = panels.size(0), nblk = panels.size(1), unit = panels.size(2);
+    TORCH_CHECK_VALUE(layout >= 0 && N > 0 && groups == (N + 15) / 16, op, ": panels of shape ", panels.sizes(),
+                      " do not hold ", N, " outputs");
+    const int64_t K = nblk * attnmask_panel_block(layout);
+    TORCH_CHECK_VALUE(h.dim() == 2 && h.size(1) == K, op, ": h has shape ", h.sizes(), "; expected (M, ", K, ")");
+    const int64_t M = h.size(0);
+    TORCH_CHECK_VALUE(estimates.dim() == 2 && estimates.size(0) == M && estimates.size(1) == N, op,
+                      ": estimates has shape ", estimates.sizes(), "; expected (", M, ", ", N, ")");
+    TORCH_CHECK_VALUE(bound.scalar_type() == at::kDouble && bound.is_contiguous() && bound.dim() == 1 &&
+                          bound.size(0) == N,
+                      op, ": bound has shape ", bound.sizes(), " and dtype ", bound.scalar_type(),
+                      "; expected float64 (", N, ",)");
+    at::Tensor out = at::empty({M}, h.options().dtype(at::kLong));
+    const uint8_t *p = panels.const_data_ptr<uint8_t>();
+    const int64_t group_bytes = nblk * unit;
+    screened_rows(h.const_data_ptr<float>(), estimates.const_data_ptr<float>(), bound.const_data_ptr<double>(),
+                  nullptr, M, N, K, out.mutable_data_ptr<int64_t>(),
+                  [&](const float *xm, const std::vector<int64_t> &cand, std::vector<float> &scratch, float *vals) {
+                      std::vector<int64_t> seen;  // the candidates' groups, in order of first appearance
+                      for (int64_t n : cand)
+                          if (std::find(seen.begin(), seen.end(), n / 16) == seen.end()) seen.push_back(n / 16);
+                      const int64_t G = static_cast<int64_t>(seen.size());
+                      std::vector<uint8_t> copy(static_cast<size_t>(G * group_bytes));
+                      for (int64_t i = 0; i < G; i++)
+                          std::copy(p + seen[i] * group_bytes, p + (seen[i] + 1) * group_bytes, copy.data() + i * group_bytes);
+                      scratch.resize(static_cast<size_t>(16 * G));
+                      if (attnmask_panel_matmul(layout, copy.data(), xm, scratch.data(), 1, 16 * G, K, 1))
+                          throw std::bad_alloc();
+                      for (size_t j = 0; j < cand.size(); j++) {
+                          const int64_t i = std::find(seen.begin(), seen.end(), cand[j] / 16) - seen.begin();
+                          vals[j] = scratch[16 * i + cand[j] % 16];
+                      }
+                  });
     return out;
 }
 
@@ -1499,6 +1562,7 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("linear_panels", &linear_panels);
     lib.impl("linear_rows", &linear_rows);
     lib.impl("head_argmax", &head_argmax);
+    lib.impl("block_head_argmax", &block_head_argmax);
     lib.impl("paged_attend", &paged_attend);
     lib.impl("packed_step", &packed_step);
     lib.impl("seq2seq_step", &seq2seq_step);
