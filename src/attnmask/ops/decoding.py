@@ -688,14 +688,14 @@ def argmax_rows(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     return found
 
 
-_BLOCK_NORMS = torch.utils.weak.WeakIdKeyDictionary()  # panels -> ((version, address, shape), row norms)
+_BLOCK_NORMS = torch.utils.weak.WeakIdKeyDictionary()  # panels -> ((address, shape), row norms)
 
 
 def block_norms(panels: Tensor, out_features: int) -> Tensor:
     """Each row's ``||w_n||`` (float64, rounded up) of a head in block panels, for :func:`block_argmax_rows`:
     computed once and kept while the panels live."""
-    key = (panels._version, panels.data_ptr(), tuple(panels.shape))
-    held = _BLOCK_NORMS.get(panels)
+    key = (panels.data_ptr(), tuple(panels.shape))  # panels are never changed in place (an inference tensor's
+    held = _BLOCK_NORMS.get(panels)  # has no version counter): a block layer packs new ones
     if held is None or held[0] != key:
         step = 256  # groups at a time: 4,096 rows of float32 weights
         norms = torch.cat(
