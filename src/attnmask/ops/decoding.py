@@ -635,10 +635,12 @@ def screens(weight: Tensor, rows: int) -> bool:
 
 
 def estimates_fast() -> bool:
-    """Whether the native kernels are loaded here with ``block_panels_estimate``'s vector loop."""
-    from attnmask import ops
-
-    return ops.available() and bool(torch.ops.attnmask.estimate_fast())
+    """Whether the native kernels are loaded here with ``block_panels_estimate``'s vector loop (its
+    ``estimate_fast`` is registered by the library alone: before it is loaded, False)."""
+    try:
+        return bool(torch.ops.attnmask.estimate_fast())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def screen_estimates(h: Tensor, weight: Tensor) -> tuple[Tensor, Tensor] | None:
