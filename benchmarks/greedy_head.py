@@ -6,6 +6,7 @@ count ``M``: the best of ``--repeats`` timings (``rows_stream.best_seconds``) of
 - ``whole``: ``linear_panels`` (the float32 head as the step multiplies by it, from its panels) and the
   logits' ``max`` (what greedy decoding took before);
 - ``screen``: ``decoding.argmax_rows`` (the estimates of every row from the head's copy in 8-bit blocks,
+  with more than 8 rows each row rounded to 8 bits where the CPU has AVX512-VNNI and VBMI,
   ``head_argmax``'s candidates, their exact outputs): the same tokens, bit for bit (checked);
 
 on rows that are the model's own last hidden states over a fixed text (so the candidates are those of
@@ -25,7 +26,7 @@ import sys
 import torch
 
 from attnmask import ops
-from attnmask.ops import blocks, decoding
+from attnmask.ops import decoding
 from attnmask.pretrained import load
 from matmul import cpu_name  # benchmarks/, run as a script
 from rows_stream import best_seconds
@@ -60,8 +61,8 @@ def hidden_rows(model, tokenizer, rows: int) -> torch.Tensor:
 
 def candidates(h: torch.Tensor, weight: torch.Tensor) -> list[int]:
     """How many rows of the head each row of ``h`` leaves within reach of its top (exact outputs computed)."""
-    panels, bound = decoding.screen(weight)
-    est = blocks.block_panels_matmul(panels, h, weight.shape[0]).double()
+    est, bound = decoding.screen_estimates(h, weight)  # int8 estimates above SCREEN_MAX_ROWS rows, as argmax_rows
+    est = est.double()
     reach = bound[None] * h.double().norm(dim=1, keepdim=True) * (1 + 1e-6)
     top = (est - reach).max(dim=1, keepdim=True).values
     return ((est + reach) >= top).sum(dim=1).tolist()
