@@ -641,3 +641,30 @@ def test_smollm2_quantized_step_in_one_call_is_the_calls_one_by_one(smol_q, monk
     whole = logits()
     monkeypatch.setattr(steps, "fused_plan", lambda model: None)
     torch.testing.assert_close(logits(), whole, rtol=1e-4, atol=1e-4)
+
+
+def test_a_block_heads_greedy_batch_reads_its_screen_and_keeps_every_requests_tokens(tmp_path, monkeypatch):
+    """Greedy engine steps of more than 8 rows find each token from the Q8_0 head's int8 estimates
+    (decoding.block_argmax_rows, taken here in every build: where the kernels have no vector loop for the
+    estimates, the portable one's values): each request's tokens are the ones it gets alone."""
+    from attnmask.engine import Engine, RequestParams
+    from attnmask.ops import decoding
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tied=True)
+    model, _, _ = load(path, quantized=True, cache=False)
+    assert isinstance(model.lm_head, BlockLinear) and model.lm_head.kind == "Q8_0"
+    monkeypatch.setattr(decoding, "estimates_fast", lambda: True)
+    real, calls = decoding.block_argmax_rows, []
+
+    def counting(h, *rest):
+        calls.append(h.shape[0])
+        return real(h, *rest)
+
+    monkeypatch.setattr(decoding, "block_argmax_rows", counting)
+    prompts = [[1 + (7 * i + j) % 50 for j in range(3 + i % 4)] for i in range(12)]
+    params = RequestParams(max_tokens=6, ignore_eos=True)
+    together = [c.tokens for c in Engine(model, kv_cache_mib=16).generate(prompts, params)]
+    assert calls and max(calls) == 12, "the batch's steps read the head's screen"
+    alone = [Engine(model, kv_cache_mib=16).generate([p], params)[0].tokens for p in prompts]
+    assert together == alone
