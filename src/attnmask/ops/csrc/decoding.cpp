@@ -924,6 +924,16 @@ void exact_outputs(const float *x, const float *w, const int64_t *cand, int64_t 
     }
 }
 
+// A screen's estimates (M, N) float32 (checked with check_rows by the caller) and bound (N,) float64.
+void check_screen(const at::Tensor &estimates, const at::Tensor &bound, int64_t M, int64_t N, const char *op) {
+    TORCH_CHECK_VALUE(estimates.dim() == 2 && estimates.size(0) == M && estimates.size(1) == N, op,
+                      ": estimates has shape ", estimates.sizes(), "; expected (", M, ", ", N, ")");
+    TORCH_CHECK_VALUE(bound.scalar_type() == at::kDouble && bound.is_contiguous() && bound.dim() == 1 &&
+                          bound.size(0) == N,
+                      op, ": bound has shape ", bound.sizes(), " and dtype ", bound.scalar_type(),
+                      "; expected float64 (", N, ",)");
+}
+
 // Each row's screened arg-max (head_argmax's steps 2-4 below), rows split over the threads; exact(x_m,
 // candidates, scratch, values) gives the candidates' exact outputs. o[m] = -1 for a row left open.
 template <typename Exact>
@@ -973,12 +983,7 @@ at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std:
     TORCH_CHECK_VALUE(h.dim() == 2 && weight.dim() == 2 && h.size(1) == weight.size(1), op, ": h has shape ",
                       h.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
     const int64_t M = h.size(0), N = weight.size(0), K = weight.size(1);
-    TORCH_CHECK_VALUE(estimates.dim() == 2 && estimates.size(0) == M && estimates.size(1) == N, op,
-                      ": estimates has shape ", estimates.sizes(), "; expected (", M, ", ", N, ")");
-    TORCH_CHECK_VALUE(bound.scalar_type() == at::kDouble && bound.is_contiguous() && bound.dim() == 1 &&
-                          bound.size(0) == N,
-                      op, ": bound has shape ", bound.sizes(), " and dtype ", bound.scalar_type(),
-                      "; expected float64 (", N, ",)");
+    check_screen(estimates, bound, M, N, op);
     at::Tensor out = at::empty({M}, h.options().dtype(at::kLong));
     int64_t *o = out.mutable_data_ptr<int64_t>();
     TORCH_CHECK_VALUE(N > 0 || M == 0, op, ": weight has no rows");
@@ -1013,12 +1018,7 @@ at::Tensor block_head_argmax(const at::Tensor &h, const at::Tensor &panels, cons
     const int64_t K = nblk * attnmask_panel_block(layout);
     TORCH_CHECK_VALUE(h.dim() == 2 && h.size(1) == K, op, ": h has shape ", h.sizes(), "; expected (M, ", K, ")");
     const int64_t M = h.size(0);
-    TORCH_CHECK_VALUE(estimates.dim() == 2 && estimates.size(0) == M && estimates.size(1) == N, op,
-                      ": estimates has shape ", estimates.sizes(), "; expected (", M, ", ", N, ")");
-    TORCH_CHECK_VALUE(bound.scalar_type() == at::kDouble && bound.is_contiguous() && bound.dim() == 1 &&
-                          bound.size(0) == N,
-                      op, ": bound has shape ", bound.sizes(), " and dtype ", bound.scalar_type(),
-                      "; expected float64 (", N, ",)");
+    check_screen(estimates, bound, M, N, op);
     at::Tensor out = at::empty({M}, h.options().dtype(at::kLong));
     const uint8_t *p = panels.const_data_ptr<uint8_t>();
     const int64_t group_bytes = nblk * unit;
