@@ -453,7 +453,7 @@ def screened_head(model, rows: int = 1) -> nn.Module | None:
     activations, for more than ``SCREEN_MAX_ROWS`` rows where the int8 estimates run fast
     (:func:`~attnmask.ops.decoding.block_argmax_rows`; at fewer rows its reading is what the head costs)."""
     head = model.lm_head
-    if getattr(head, "kind", None) in ("Q8_0", "Q5_0") and hasattr(head, "decoder_operands"):  # a BlockLinear
+    if _block_head(head) and head.kind in ("Q8_0", "Q5_0"):
         fits = head.activations == "float32" and head.codes.is_cpu and not _watched(head)
         return head if fits and rows > decoding.SCREEN_MAX_ROWS and decoding.estimates_fast() else None
     if type(head) not in (nn.Linear, Linear) or _watched(head):
@@ -464,12 +464,22 @@ def screened_head(model, rows: int = 1) -> nn.Module | None:
     return head if b is None or (b.dtype == torch.float32 and b.is_contiguous()) else None
 
 
+def _headless(products: list[Tensor], kinds: list[int]) -> tuple[list[Tensor], list[int]]:
+    """A fused plan's products and kinds with the head's slot empty (kind NONE, its two tensors dropped): the
+    step then returns the final norm's rows, for :func:`head_argmax_of`."""
+    return products[:-2], [*kinds[:-1], decoding.NONE]
+
+
+def _block_head(head: nn.Module) -> bool:
+    return hasattr(head, "decoder_operands")  # a BlockLinear (pretrained is a layer above decode: not imported)
+
+
 def prepare_screen(model) -> None:
     """Make the head's screen now (the weight's 8-bit copy and bounds, or a block head's row norms), where
     greedy steps of one row or of many will read it, rather than in the first request's step."""
     for rows in (1, decoding.SCREEN_MAX_ROWS + 1):
         head = screened_head(model, rows)
-        if head is not None and hasattr(head, "decoder_operands"):
+        if head is not None and _block_head(head):
             decoding.block_norms(head.panels()[0], head.out_features)
         elif head is not None:
             decoding.screen(head.weight)
@@ -478,7 +488,7 @@ def prepare_screen(model) -> None:
 def head_argmax_of(head: nn.Module, h: Tensor) -> Tensor:
     """Each row's first largest logit of ``head(h)``, the logits' own arg-max, through the head's screen
     (``head``: :func:`screened_head`'s)."""
-    if hasattr(head, "decoder_operands"):
+    if _block_head(head):
         return decoding.block_argmax_rows(h, head.panels()[0], head.out_features)
     return decoding.argmax_rows(h, head.weight, head.bias)
 
@@ -804,7 +814,7 @@ def packed_forward(
             cos, signed = cos[0, 0].contiguous(), Rotary.signed_sin(sin)[0, 0].contiguous()  # (N, D)
         products, kinds = plan.products, plan.kinds
         if screened is not None:  # the step ends at the final norm's rows (the head: NONE), argmax_rows does the rest
-            products, kinds = products[:-2], [*kinds[:-1], decoding.NONE]  # the head's two tensors
+            products, kinds = _headless(products, kinds)
         out = decoding.seq2seq_step(
             x.contiguous(), cos, signed, plan.norms, plan.eps, plan.pre, plan.rms, products, kinds,
             plan.activation, cache.k, cache.v, tables, cache.layer_group, plan.windows, memory.k, memory.v,
@@ -822,7 +832,7 @@ def packed_forward(
             signed = torch.cat([Rotary.signed_sin(s)[0] for _, s in factors])  # (R, N, D)
         products, kinds = plan.products, plan.kinds
         if screened is not None:  # the step ends at the final norm's rows (the head: NONE), argmax_rows does the rest
-            products, kinds = products[:-2], [*kinds[:-1], decoding.NONE]  # the head's two tensors
+            products, kinds = _headless(products, kinds)
         out = decoding.packed_step(
             x.contiguous(), cos, signed, plan.layer_rope, plan.norms, plan.eps, products, kinds,
             plan.activation, cache.k, cache.v, tables, cache.layer_group, plan.windows, row_seq, positions,

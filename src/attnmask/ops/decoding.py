@@ -563,12 +563,36 @@ SCREEN_MIN_WEIGHTS = 1 << 22  # heads smaller than this (4M weights, 16 MiB) are
 # 0.81x, at 8 rows 1.02x; Gemma 3's 1.28x and 1.99x)
 SCREEN_MAX_ROWS = 8
 # More rows than SCREEN_MAX_ROWS: where the kernels have the screen's int8 estimates (blocks.block_panels_estimate,
-# AVX512-VNNI and VBMI), the screen is read with each row rounded to 8 bits, about 2.4x the float32 products'
-# multiply-adds a second (Zen 4, one thread, 8,000 x 512 at 16-64 rows: 126 against 52 GMAC/s), and heads from
+# AVX512-VNNI and VBMI), the screen is read with each row rounded to 8 bits, about 2.7x the float32 products'
+# multiply-adds a second (Zen 4, one thread, 8,000 x 512 at 16-64 rows: 142-145 against 52-53 GMAC/s), and heads from
 # ESTIMATE_MIN_WEIGHTS up are screened: by then the work, not the reading, is what the screen saves.
 ESTIMATE_MIN_WEIGHTS = 1 << 20
 # weight -> ((version, address, shape), (panels, bound, norms) or None)
 _SCREENS = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def _gamma(k: int) -> float:
+    """``gamma = 2K u / (1 - 2K u)``, ``u = 2^-24``: a bound on the relative rounding error of a sum of products
+    that meets at most ``2K`` roundings (Higham's gamma_n)."""
+    return 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24)
+
+
+def _rounding_ratio(h: Tensor, xerr: Tensor) -> float:
+    """``rho (1 + gamma)``, rounded up: ``rho`` the largest ``xerr_m / ||h_m||`` over the rows of finite, non-zero
+    norm (0 where there is none), how far ``block_panels_estimate``'s 8-bit rounding moved the rows, relative
+    to them (a row with a NaN or an infinity is answered whole by the arg-max operators)."""
+    size = h.double().norm(dim=1)
+    ratio = xerr[size > 0] / size[size > 0]
+    ratio = ratio[ratio.isfinite()]
+    return float(ratio.max()) * (1 + _gamma(h.shape[1])) * (1 + 1e-9) if ratio.numel() else 0.0
+
+
+def _answer_open(found: Tensor, whole) -> Tensor:
+    """``found`` with its rows left open (-1) answered from ``whole(rows)``, those rows' whole product."""
+    open_rows = (found < 0).nonzero().squeeze(1)
+    if open_rows.numel():
+        found[open_rows] = whole(open_rows).max(dim=-1).indices
+    return found
 
 
 def screen(weight: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -598,7 +622,7 @@ def _screen(weight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     n, k = w.shape
     made = None
     if k % blocks.QK == 0 and 2 * k * 2.0**-24 < 0.5:
-        gamma = 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24)
+        gamma = _gamma(k)
         step = 2048  # rows at a time (a multiple of the panels' 16): the float64 copies stay small
         groups = -(-n // blocks.PANEL_COLUMNS)
         panels = torch.empty(groups, k // blocks.QK, blocks.PANEL_UNIT[blocks.PANEL_LAYOUT["Q8_0"]], dtype=torch.uint8)
@@ -659,16 +683,11 @@ def screen_estimates(h: Tensor, weight: Tensor) -> tuple[Tensor, Tensor] | None:
     if made is None:
         return None
     screen_panels, bound, norms = made
-    n, k = weight.shape
+    n = weight.shape[0]
     if h.shape[0] <= SCREEN_MAX_ROWS:
         return blocks.block_panels_matmul(screen_panels, h, n), bound
     estimates, xerr = blocks.block_panels_estimate(screen_panels, h, n)
-    size = h.double().norm(dim=1)
-    ratio = xerr[size > 0] / size[size > 0]
-    ratio = ratio[ratio.isfinite()]
-    gamma = 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24)
-    rho = float(ratio.max()) * (1 + gamma) * (1 + 1e-9) if ratio.numel() else 0.0
-    return estimates, bound + norms * rho
+    return estimates, bound + norms * _rounding_ratio(h, xerr)
 
 
 def argmax_rows(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -683,11 +702,9 @@ def argmax_rows(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     if made is None:
         return linear_panels(h, panels(weight), bias, n).max(dim=-1).indices
     found = head_argmax(h, weight, bias, *made)
-    open_rows = (found < 0).nonzero().squeeze(1)
-    if open_rows.numel():
-        whole = linear_panels(h.index_select(0, open_rows).contiguous(), panels(weight), bias, n)
-        found[open_rows] = whole.max(dim=-1).indices
-    return found
+    return _answer_open(
+        found, lambda rows: linear_panels(h.index_select(0, rows).contiguous(), panels(weight), bias, n)
+    )
 
 
 _BLOCK_NORMS = torch.utils.weak.WeakIdKeyDictionary()  # panels -> ((address, shape), row norms)
@@ -725,17 +742,9 @@ def block_argmax_rows(h: Tensor, panels: Tensor, out_features: int) -> Tensor:
     ``gamma = 2K u / (1 - 2K u)``), at most ``||w_n|| (rho (1 + gamma) + 2 gamma) ||h_m||``, ``rho`` the
     largest ``xerr_m / ||h_m||``. Rows left open (non-finite values, too many candidates) are computed whole."""
     norms = block_norms(panels, out_features)
-    k = h.shape[1]
     estimates, xerr = blocks.block_panels_estimate(panels, h, out_features)
-    size = h.double().norm(dim=1)
-    ratio = xerr[size > 0] / size[size > 0]
-    ratio = ratio[ratio.isfinite()]
-    gamma = 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24)
-    rho = float(ratio.max()) if ratio.numel() else 0.0
-    bound = norms * ((rho * (1 + gamma) + 2 * gamma) * (1 + 1e-9))
+    bound = norms * (_rounding_ratio(h, xerr) + 2 * _gamma(h.shape[1]) * (1 + 1e-9))
     found = block_head_argmax(h, panels, estimates, bound, out_features)
-    open_rows = (found < 0).nonzero().squeeze(1)
-    if open_rows.numel():
-        whole = blocks.block_panels_matmul(panels, h.index_select(0, open_rows).contiguous(), out_features)
-        found[open_rows] = whole.max(dim=-1).indices
-    return found
+    return _answer_open(
+        found, lambda rows: blocks.block_panels_matmul(panels, h.index_select(0, rows).contiguous(), out_features)
+    )

@@ -30,12 +30,8 @@ void attnmask_q4_1_dequantize(const uint32_t *codes, const float *d, const float
                               int threads);
 void attnmask_q8_0_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads);
 void attnmask_q6_k_dequantize(const uint32_t *codes, const float *d, float *out, int64_t N, int64_t K, int threads);
-int64_t attnmask_panel_unit(int layout);
-int64_t attnmask_panel_block(int layout);
 void attnmask_pack_block_panels(int layout, const uint32_t *codes, const void *d, const void *m, uint8_t *out,
                                 int64_t N, int64_t K, int threads);
-int attnmask_panel_matmul(int layout, const uint8_t *panels, const float *x, float *y, int64_t M, int64_t N, int64_t K,
-                          int threads);
 int attnmask_q4_1_matmul_i8(const uint32_t *codes, const float *d, const float *m, const float *x, float *y, int64_t M,
                             int64_t N, int64_t K, int threads);
 int attnmask_q8_0_matmul_i8(const uint32_t *codes, const float *d, const float *x, float *y, int64_t M, int64_t N,
@@ -94,7 +90,7 @@ Format format_of(const std::string &kind) {
 // The panels' layouts (blocks_kernel.c): 4-bit codes with float32 scales (Q4_K; Q4_1 with scales that are not
 // float16 values), 8-bit (Q8_0 and Q5_0 with such scales), 8-bit per 16 (Q6_K), and the 4-bit and 8-bit ones
 // with float16 scales (Q4_1; Q8_0 and Q5_0), the GGUF's own halves.
-constexpr int P4 = 0, P8 = 1, P8_16 = 2, P4H = 3, P8H = 4, PANEL_LAYOUTS = 5;
+constexpr int P4 = 0, P8 = 1, P8_16 = 2, P4H = 3, P8H = 4;
 
 int panel_layout(const std::string &kind) {
     if (kind == "Q4_1") return P4H;
@@ -189,9 +185,7 @@ at::Tensor block_panels_matmul(const at::Tensor &panels, const at::Tensor &x, in
                       "block_panels_matmul: panels must be contiguous uint8 (groups, blocks, unit) on the CPU, from "
                       "pack_block_panels; got ", py_dtype(panels.scalar_type()), " ", py_shape(panels.sizes()), " on ",
                       panels.device().str());
-    int layout = -1;  // each layout's unit has its own size
-    for (int l = 0; l < PANEL_LAYOUTS; l++)
-        if (panels.size(2) == attnmask_panel_unit(l)) layout = l;
+    const int layout = attnmask_panel_layout(panels.size(2));  // each layout's unit has its own size
     TORCH_CHECK_VALUE(layout >= 0 && out_features > 0 && panels.size(0) == (out_features + PANEL_COLS - 1) / PANEL_COLS,
                       "block_panels_matmul: panels of shape ", py_shape(panels.sizes()), " do not hold ", out_features,
                       " outputs; expected (ceil(out_features / ", PANEL_COLS, "), blocks, 384 | 320 | 576 | 544 | 336)");
@@ -217,9 +211,7 @@ std::tuple<at::Tensor, at::Tensor> block_panels_estimate(const at::Tensor &panel
                       op, ": panels must be contiguous uint8 (groups, blocks, unit) on the CPU, from "
                       "pack_block_panels; got ", py_dtype(panels.scalar_type()), " ", py_shape(panels.sizes()), " on ",
                       panels.device().str());
-    int layout = -1;
-    for (int l = 0; l < PANEL_LAYOUTS; l++)
-        if (panels.size(2) == attnmask_panel_unit(l)) layout = l;
+    const int layout = attnmask_panel_layout(panels.size(2));
     TORCH_CHECK_VALUE((layout == P8 || layout == P8H) && out_features > 0 &&
                           panels.size(0) == (out_features + PANEL_COLS - 1) / PANEL_COLS,
                       op, ": panels of shape ", py_shape(panels.sizes()), " are not 8-bit panels (Q8_0, Q5_0) of ",

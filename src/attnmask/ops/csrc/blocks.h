@@ -8,10 +8,11 @@
 
 #include <optional>
 
-// blocks_kernel.c's panels: a layout's unit bytes and weights a block, and the float32 product y (M, N) =
+// blocks_kernel.c's panels: a layout's unit bytes (and the layout of a unit size) and weights a block, and the float32 product y (M, N) =
 // x (M, K) W^T from W's panels (0, or -1 where the activations' copy cannot be allocated).
 extern "C" {
 int64_t attnmask_panel_unit(int layout);
+int attnmask_panel_layout(int64_t unit_bytes);  // the layout of a unit of that size, or -1
 int64_t attnmask_panel_block(int layout);
 int attnmask_panel_matmul(int layout, const uint8_t *panels, const float *x, float *y, int64_t M, int64_t N, int64_t K,
                           int threads);

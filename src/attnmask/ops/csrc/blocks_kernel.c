@@ -227,6 +227,12 @@ static inline float scale_value(int layout, const uint8_t *p) {
     return v;
 }
 int64_t attnmask_panel_unit(int layout) { return panel_unit(layout); }
+/* the layout whose unit has `bytes` bytes (each has its own size), or -1 */
+int attnmask_panel_layout(int64_t bytes) {
+    for (int l = 0; l < PANEL_LAYOUTS; l++)
+        if (panel_unit(l) == bytes) return l;
+    return -1;
+}
 int64_t attnmask_panel_block(int layout) { return panel_block(layout); }
 
 /* code k (0..block-1) of weight row n from the kernel's row layout (repack), as the integer it is */

@@ -1009,9 +1009,7 @@ at::Tensor block_head_argmax(const at::Tensor &h, const at::Tensor &panels, cons
     TORCH_CHECK_VALUE(panels.device().is_cpu() && panels.scalar_type() == at::kByte && panels.dim() == 3 &&
                           panels.is_contiguous(),
                       op, ": panels must be contiguous uint8 (groups, blocks, unit) on the CPU, from pack_block_panels");
-    int layout = -1;
-    for (int l = 0; l < 5; l++)
-        if (panels.size(2) == attnmask_panel_unit(l)) layout = l;
+    const int layout = attnmask_panel_layout(panels.size(2));
     const int64_t N = out_features, groups = panels.size(0), nblk = panels.size(1), unit = panels.size(2);
     TORCH_CHECK_VALUE(layout >= 0 && N > 0 && groups == (N + 15) / 16, op, ": panels of shape ", panels.sizes(),
                       " do not hold ", N, " outputs");
