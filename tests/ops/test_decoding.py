@@ -226,12 +226,38 @@ def test_a_block_heads_screened_arg_max_is_its_products(kind):
         want = blocks.block_panels_matmul(panels, h, n).max(dim=-1).indices
         assert torch.equal(decoding.block_argmax_rows(h, panels, n), want)
         assert int(want[1]) == 3 and int(want[3]) == 0
+        norms = decoding.block_norms(panels, n)
+        assert torch.equal(decoding.block_head_argmax_reference(h, panels, norms, n), want)
     est, xerr = blocks.block_panels_estimate(panels, h, n)
     exact = blocks.block_panels_matmul(panels, h, n).double()
     size = h.double().norm(dim=1, keepdim=True)
     gamma = 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24)
     reach = decoding.block_norms(panels, n)[None] * (xerr[:, None] * (1 + gamma) + 2 * gamma * size)
     assert bool(((est.double() - exact).abs() <= reach).all())
+
+
+def test_a_block_heads_screen_answers_rows_it_cannot_screen_whole():
+    """block_head_argmax computes whole, and answers as PyTorch's max does, the rows it cannot screen: a NaN or an
+    infinity in the row, and a row every output of which is a candidate (all equal); the other rows of the
+    batch keep their screened answers, with 1 and 2 threads."""
+    from tests.ops.test_blocks import layer_of
+
+    n, k = 2000, 256
+    layer = layer_of("Q8_0", n, k, seed=5)
+    panels = layer.panels()[0]
+    h = _randn(12, k, seed=6)
+    h[2, 7] = float("nan")
+    h[5, 0] = float("inf")
+    h[8] = 0.0
+    want = blocks.block_panels_matmul(panels, h, n).max(dim=-1).indices
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = decoding.block_head_argmax(h, panels, decoding.block_norms(panels, n), n)
+            assert torch.equal(got, want), threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_bound_keeps_a_row_the_estimates_rank_lower():

@@ -149,11 +149,9 @@ def head_argmax_reference(h: Tensor, weight: Tensor, bias: Tensor | None, estima
     return linear_rows_reference(h, weight, bias).max(dim=-1).indices
 
 
-def block_head_argmax_reference(
-    h: Tensor, panels: Tensor, estimates: Tensor, bound: Tensor, out_features: int
-) -> Tensor:
+def block_head_argmax_reference(h: Tensor, panels: Tensor, norms: Tensor, out_features: int) -> Tensor:
     """What ``block_head_argmax`` answers: the first largest output of each row of ``block_panels_matmul``,
-    from the whole product (the estimates and bounds unread)."""
+    from the whole product (the norms unread)."""
     return blocks.block_panels_matmul(panels, h, out_features).max(dim=-1).indices
 
 
@@ -449,9 +447,7 @@ _LIBRARY.define("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("pack_panels(Tensor weight) -> Tensor")
 _LIBRARY.define("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor")
 _LIBRARY.define("head_argmax(Tensor h, Tensor weight, Tensor? bias, Tensor estimates, Tensor bound) -> Tensor")
-_LIBRARY.define(
-    "block_head_argmax(Tensor h, Tensor panels, Tensor estimates, Tensor bound, int out_features) -> Tensor"
-)
+_LIBRARY.define("block_head_argmax(Tensor h, Tensor panels, Tensor norms, int out_features) -> Tensor")
 _LIBRARY.define(
     "packed_step(Tensor x, Tensor cos, Tensor signed_sin, int[] layer_rope, Tensor[] norms, float[] eps, "
     "Tensor[] products, int[] kinds, str activation, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
@@ -507,7 +503,7 @@ def _(h, weight, bias, estimates, bound):
 
 
 @torch.library.register_fake("attnmask::block_head_argmax", lib=_LIBRARY)
-def _(h, panels, estimates, bound, out_features):
+def _(h, panels, norms, out_features):
     return h.new_empty(h.shape[0], dtype=torch.long)
 
 
@@ -732,19 +728,13 @@ def block_norms(panels: Tensor, out_features: int) -> Tensor:
 
 def block_argmax_rows(h: Tensor, panels: Tensor, out_features: int) -> Tensor:
     """Each row's first largest output of ``block_panels_matmul(panels, h, out_features)`` for a head in 8-bit
-    block panels (Q8_0's layout), ``(M,)`` int64, without computing every output: the int8 estimates from the
-    panels themselves (``block_panels_estimate``), and ``block_head_argmax``'s candidates' exact outputs.
+    block panels (Q8_0's layout), ``(M,)`` int64, without computing every output: ``block_head_argmax`` makes the
+    int8 estimates from the panels themselves (``block_panels_estimate``'s values) and compares each with its
+    reach as it is made, then computes the exact outputs of the few rows that can win.
 
     The weight is the panels' own, so only the rows' rounding and the two float sums part an estimate from the
     exact output: with ``w_n`` the row's weight (``||w_n||`` float64, computed once per panels and kept) and
     ``xerr_m = ||h_m - dx q||``, ``|estimate - exact| <= ||w_n|| (xerr_m (1 + gamma) + 2 gamma ||h_m||)`` (the
     estimate's sum meets at most ``K / 32 + 1`` roundings and the exact chain ``32 + K / 32``, both within
-    ``gamma = 2K u / (1 - 2K u)``), at most ``||w_n|| (rho (1 + gamma) + 2 gamma) ||h_m||``, ``rho`` the
-    largest ``xerr_m / ||h_m||``. Rows left open (non-finite values, too many candidates) are computed whole."""
-    norms = block_norms(panels, out_features)
-    estimates, xerr = blocks.block_panels_estimate(panels, h, out_features)
-    bound = norms * (_rounding_ratio(h, xerr) + 2 * _gamma(h.shape[1]) * (1 + 1e-9))
-    found = block_head_argmax(h, panels, estimates, bound, out_features)
-    return _answer_open(
-        found, lambda rows: blocks.block_panels_matmul(panels, h.index_select(0, rows).contiguous(), out_features)
-    )
+    ``gamma = 2K u / (1 - 2K u)``). Rows with non-finite values or too many candidates are computed whole."""
+    return block_head_argmax(h, panels, block_norms(panels, out_features), out_features)

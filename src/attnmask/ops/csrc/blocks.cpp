@@ -87,11 +87,6 @@ Format format_of(const std::string &kind) {
     return {Layout::eight_bit_16, 256};
 }
 
-// The panels' layouts (blocks_kernel.c): 4-bit codes with float32 scales (Q4_K; Q4_1 with scales that are not
-// float16 values), 8-bit (Q8_0 and Q5_0 with such scales), 8-bit per 16 (Q6_K), and the 4-bit and 8-bit ones
-// with float16 scales (Q4_1; Q8_0 and Q5_0), the GGUF's own halves.
-constexpr int P4 = 0, P8 = 1, P8_16 = 2, P4H = 3, P8H = 4;
-
 int panel_layout(const std::string &kind) {
     if (kind == "Q4_1") return P4H;
     if (kind == "Q8_0" || kind == "Q5_0") return P8H;

@@ -16,7 +16,16 @@ int attnmask_panel_layout(int64_t unit_bytes);  // the layout of a unit of that 
 int64_t attnmask_panel_block(int layout);
 int attnmask_panel_matmul(int layout, const uint8_t *panels, const float *x, float *y, int64_t M, int64_t N, int64_t K,
                           int threads);
+// The screen of a head in 8-bit panels in one pass: each thread's top and candidates of every row (blocks_kernel.c).
+int attnmask_panel_screen_i8(int layout, const uint8_t *panels, const float *x, const double *norms, int64_t M,
+                             int64_t N, int64_t K, int threads, int64_t cap, double *reach, double *top, int64_t *count,
+                             int64_t *cand, double *hi);
 }
+
+// The panels' layouts (blocks_kernel.c's enum): 4-bit codes with float32 scales (Q4_K; Q4_1 with scales that are
+// not float16 values), 8-bit (Q8_0 and Q5_0 with such scales), 8-bit per 16 (Q6_K), and the 4-bit and 8-bit ones
+// with float16 scales (Q4_1; Q8_0 and Q5_0), the GGUF's own halves.
+constexpr int P4 = 0, P8 = 1, P8_16 = 2, P4H = 3, P8H = 4;
 
 namespace attnmask {
 

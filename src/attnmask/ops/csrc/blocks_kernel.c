@@ -1265,44 +1265,164 @@ static void est_pass(const int half, const uint8_t *g, int64_t nblk, int64_t uni
 }
 #endif
 
+/* The estimates of group g's outputs (cols of them) for R rows of codes xu and scales dx (K and K / 32 apart):
+ * out[r * PANEL_COLS + l]. The portable loop computes the same operations as the vector one. */
+static void est_group(const int half, const int layout, const uint8_t *g, int64_t nblk, int64_t unit,
+                      const uint8_t *xu, const float *dx, int64_t K, int64_t R, int64_t cols, float *out) {
+#if BLOCKS_ESTIMATE
+    (void)layout, (void)cols;
+    est_pass(half, g, nblk, unit, xu, dx, K, R, out);
+#else
+    (void)half;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t l = 0; l < cols; l++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nblk; b++) {
+                const uint8_t *u = g + b * unit;
+                int32_t s = 0;
+                for (int64_t k = 0; k < QK; k++) s += (int32_t)(int8_t)u[PANEL_COLS * k + l] * ((int32_t)xu[r * K + b * QK + k] - 128);
+                const float d = scale_value(layout, u + 512 + scale_bytes(layout) * l);
+                acc = fmaf((float)s, d * dx[r * (K / QK) + b], acc);
+            }
+            out[r * PANEL_COLS + l] = acc;
+        }
+#endif
+}
+
+/* The rows' codes (K bytes a row, on cache lines) and scales (K / 32 floats a row) in the thread's scratch, and
+ * each row's ||x - dx q||^2 (float64) in err2; NULL if the copy cannot be allocated. */
+static uint8_t *est_prepare(const float *x, int64_t M, int64_t K, float **dx, double *err2) {
+    const int64_t nblk = K / QK, code_floats = (M * K + 63) / 64 * 16;
+    float *copy = scratch((size_t)(code_floats + M * nblk));
+    if (!copy) return NULL;
+    uint8_t *xu = (uint8_t *)copy;
+    *dx = copy + code_floats;
+    for (int64_t r = 0; r < M; r++) err2[r] = est_prepare_row(x + r * K, xu + r * K, *dx + r * nblk, K);
+    return xu;
+}
+
 /* layout P8 or P8H; y (M, N), xerr (M). Returns 0, or -1 if the rows' copy cannot be allocated. */
 int attnmask_panel_estimate_i8(int layout, const uint8_t *panels, const float *x, float *y, double *xerr, int64_t M,
                                int64_t N, int64_t K, int threads) {
     const int64_t nblk = K / QK, unit = panel_unit(layout), groups = (N + PANEL_COLS - 1) / PANEL_COLS;
     const int half = half_scales(layout);
-    /* the rows' codes (K bytes a row) and scales (nblk floats a row), on cache lines */
-    const int64_t code_floats = (M * K + 63) / 64 * 16;
-    float *copy = scratch((size_t)(code_floats + M * nblk));
-    if (!copy) return -1;
-    uint8_t *xu = (uint8_t *)copy;
-    float *dx = copy + code_floats;
-    for (int64_t r = 0; r < M; r++) xerr[r] = sqrt(est_prepare_row(x + r * K, xu + r * K, dx + r * nblk, K));
+    float *dx;
+    const uint8_t *xu = est_prepare(x, M, K, &dx, xerr);
+    if (!xu) return -1;
+    for (int64_t r = 0; r < M; r++) xerr[r] = sqrt(xerr[r]);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups > 1)
     for (int64_t c = 0; c < groups; c++) {
         const uint8_t *g = panels + c * nblk * unit;
         const int64_t cols = min64(PANEL_COLS, N - c * PANEL_COLS);
-#if BLOCKS_ESTIMATE
         float out[EST_ROWS * PANEL_COLS] __attribute__((aligned(64)));
         for (int64_t r0 = 0; r0 < M; r0 += EST_ROWS) {
             const int64_t R = min64(EST_ROWS, M - r0);
-            est_pass(half, g, nblk, unit, xu + r0 * K, dx + r0 * nblk, K, R, out);
+            est_group(half, layout, g, nblk, unit, xu + r0 * K, dx + r0 * nblk, K, R, cols, out);
             for (int64_t r = 0; r < R; r++)
                 memcpy(y + (r0 + r) * N + c * PANEL_COLS, out + PANEL_COLS * r, (size_t)cols * sizeof(float));
         }
+    }
+    return 0;
+}
+
+/* The screen of a head in 8-bit panels in one pass (attnmask::block_head_argmax): every estimate as
+ * attnmask_panel_estimate_i8 computes it, compared as soon as it is made and never stored.
+ *
+ * Row m's estimates are within reach[m] * norms[n] of the exact outputs (norms: the rows' ||w_n||, float64,
+ * rounded up; reach: ((1 + gamma) ||x_m - dx q|| + 2 gamma ||x_m||) (1 + 1e-6), gamma = 2K u / (1 - 2K u),
+ * u = 2^-24: the estimate's sum meets at most K / 32 + 1 roundings and the exact chain 32 + K / 32; the
+ * margin covers float64's rounding of the norms and of the comparisons), computed here, NaN for a row with a
+ * NaN or an infinity. Each thread takes a contiguous share of the groups, in order, and for each row keeps
+ * the largest e - R it has seen (top[t * M + m], from -inf) and records (cand, hi: cap entries per thread and
+ * row, at t * M * cap + m * cap) every n whose e + R reaches that top when n is seen. A thread's top only
+ * grows, so every n with e + R >= the largest of the threads' tops is recorded, in increasing n. count[t * M +
+ * m]: the entries, or -1 where an estimate was not finite or the row needed more than cap entries (recorded
+ * entries below the top are dropped first). Returns 0, or -1 if the rows' copy cannot be allocated. */
+int attnmask_panel_screen_i8(int layout, const uint8_t *panels, const float *x, const double *norms, int64_t M,
+                             int64_t N, int64_t K, int threads, int64_t cap, double *reach, double *top, int64_t *count,
+                             int64_t *cand, double *hi) {
+    const int64_t nblk = K / QK, unit = panel_unit(layout), groups = (N + PANEL_COLS - 1) / PANEL_COLS;
+    const int half = half_scales(layout);
+    const double u = 0x1p-24, gamma = 2 * K * u / (1 - 2 * K * u), margin = 1.0 + 1e-6;
+    float *dx;
+    const uint8_t *xu = est_prepare(x, M, K, &dx, reach);
+    if (!xu) return -1;
+    for (int64_t r = 0; r < M; r++) {
+        double sq = 0.0;
+        for (int64_t k = 0; k < K; k++) sq += (double)x[r * K + k] * x[r * K + k];
+        const double R = ((1 + gamma) * sqrt(reach[r]) + 2 * gamma * sqrt(sq) * margin) * margin;
+        reach[r] = isfinite(R) ? R : NAN;
+    }
+    for (int64_t i = 0; i < (int64_t)threads * M; i++) top[i] = -INFINITY, count[i] = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
+    {
+        const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+        double *tops = top + t * M;
+        int64_t *counts = count + t * M;
+        float out[EST_ROWS * PANEL_COLS] __attribute__((aligned(64)));
+        for (int64_t c = groups * t / T; c < groups * (t + 1) / T; c++) {
+            const uint8_t *g = panels + c * nblk * unit;
+            const int64_t n0 = c * PANEL_COLS, cols = min64(PANEL_COLS, N - n0);
+            for (int64_t r0 = 0; r0 < M; r0 += EST_ROWS) {
+                const int64_t R = min64(EST_ROWS, M - r0);
+                est_group(half, layout, g, nblk, unit, xu + r0 * K, dx + r0 * nblk, K, R, cols, out);
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t m = r0 + r;
+                    if (counts[m] < 0 || isnan(reach[m])) continue;
+                    double h[PANEL_COLS], best = tops[m];
+                    uint32_t reaches = 0; /* bit l: h[l] >= best */
+                    int finite = 1;
+#if BLOCKS_ESTIMATE
+                    const __mmask16 valid = (__mmask16)(cols == PANEL_COLS ? 0xFFFF : (1u << cols) - 1);
+                    const __m512 v = _mm512_load_ps(out + r * PANEL_COLS);
+                    finite = (_mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(INFINITY), _CMP_LT_OQ) & valid) == valid;
+                    __m512d lo = _mm512_set1_pd(-INFINITY);
+                    for (int j = 0; j < 2; j++) {
+                        const __mmask8 lanes = (__mmask8)(valid >> (8 * j));
+                        const __m512d ed = _mm512_cvtps_pd(j ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
+                                                          : _mm512_castps512_ps256(v));
+                        const __m512d B = _mm512_mul_pd(_mm512_maskz_loadu_pd(lanes, norms + n0 + 8 * j), _mm512_set1_pd(reach[m]));
+                        lo = _mm512_mask_max_pd(lo, lanes, lo, _mm512_sub_pd(ed, B));
+                        _mm512_storeu_pd(h + 8 * j, _mm512_add_pd(ed, B));
+                    }
+                    best = fmax(best, _mm512_reduce_max_pd(lo));
+                    for (int j = 0; j < 2; j++)
+                        reaches |= (uint32_t)(_mm512_cmp_pd_mask(_mm512_loadu_pd(h + 8 * j), _mm512_set1_pd(best), _CMP_GE_OQ) &
+                                              (__mmask8)(valid >> (8 * j))) << (8 * j);
 #else
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t l = 0; l < cols; l++) {
-                float acc = 0.0f;
-                for (int64_t b = 0; b < nblk; b++) {
-                    const uint8_t *u = g + b * unit;
-                    int32_t s = 0;
-                    for (int64_t k = 0; k < QK; k++) s += (int32_t)(int8_t)u[PANEL_COLS * k + l] * ((int32_t)xu[r * K + b * QK + k] - 128);
-                    const float d = scale_value(layout, u + 512 + scale_bytes(layout) * l);
-                    acc = fmaf((float)s, d * dx[r * nblk + b], acc);
-                }
-                y[r * N + c * PANEL_COLS + l] = acc;
-            }
+                    for (int64_t l = 0; l < cols; l++) { /* each operation IEEE's: the vector loop's values */
+                        const float v = out[r * PANEL_COLS + l];
+                        finite &= isfinite(v) != 0;
+                        const double B = norms[n0 + l] * reach[m], e = (double)v - B;
+                        h[l] = (double)v + B;
+                        best = e > best ? e : best;
+                    }
+                    for (int64_t l = 0; l < cols; l++) reaches |= (uint32_t)(h[l] >= best) << l;
 #endif
+                    if (!finite) {
+                        counts[m] = -1;
+                        continue;
+                    }
+                    tops[m] = best;
+                    int64_t *cm = cand + (t * M + m) * cap;
+                    double *hm = hi + (t * M + m) * cap;
+                    for (; reaches; reaches &= reaches - 1) {
+                        const int l = __builtin_ctz(reaches);
+                        if (counts[m] == cap) { /* full: drop what the top has passed */
+                            int64_t kept = 0;
+                            for (int64_t i = 0; i < cap; i++)
+                                if (hm[i] >= best) cm[kept] = cm[i], hm[kept] = hm[i], kept++;
+                            counts[m] = kept;
+                            if (kept == cap) {
+                                counts[m] = -1;
+                                break;
+                            }
+                        }
+                        cm[counts[m]] = n0 + l, hm[counts[m]] = h[l], counts[m]++;
+                    }
+                }
+            }
+        }
     }
     return 0;
 }

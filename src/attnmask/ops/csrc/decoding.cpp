@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -997,47 +998,110 @@ at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std:
     return out;
 }
 
-// head_argmax for a head in 8-bit block panels (Q8_0's layout: attnmask.ops.blocks.pack_block_panels): the
-// same screen, with the candidates' exact outputs as block_panels_matmul computes them (each candidate's
-// 16-row group of units copied out, multiplied by the row alone: a row's bits do not depend on its batch
-// nor on the other groups), and no bias.
-at::Tensor block_head_argmax(const at::Tensor &h, const at::Tensor &panels, const at::Tensor &estimates,
-                             const at::Tensor &bound, int64_t out_features) {
+// The exact outputs of candidates cand (increasing) of one row x (K) for a head in block panels, as
+// block_panels_matmul computes them: each candidate's 16-row group of units copied out and multiplied by the
+// row alone (a row's bits depend neither on its batch nor on the other groups).
+void block_exact_outputs(const uint8_t *p, int layout, int64_t group_bytes, int64_t K, const float *x,
+                         const std::vector<int64_t> &cand, std::vector<uint8_t> &copy, std::vector<float> &out,
+                         float *vals) {
+    std::vector<int64_t> seen;  // the candidates' groups, increasing
+    for (int64_t n : cand)
+        if (seen.empty() || seen.back() != n / 16) seen.push_back(n / 16);
+    const int64_t G = static_cast<int64_t>(seen.size());
+    copy.resize(static_cast<size_t>(G * group_bytes));
+    for (int64_t i = 0; i < G; i++)
+        std::copy(p + seen[i] * group_bytes, p + (seen[i] + 1) * group_bytes, copy.data() + i * group_bytes);
+    out.resize(static_cast<size_t>(16 * G));
+    if (attnmask_panel_matmul(layout, copy.data(), x, out.data(), 1, 16 * G, K, 1)) throw std::bad_alloc();
+    for (size_t j = 0, i = 0; j < cand.size(); j++) {
+        while (seen[i] != cand[j] / 16) i++;
+        vals[j] = out[16 * i + cand[j] % 16];
+    }
+}
+
+// Each row's first largest output of block_panels_matmul(panels, h, out_features) for a head in 8-bit block panels
+// (Q8_0's layouts: Q8_0, Q5_0), without computing every output (attnmask.ops.decoding.block_argmax_rows):
+//   1. attnmask_panel_screen_i8 makes every int8 estimate e_n of the row and compares it at once with the
+//      reach R_n = norms[n] reach_m that bounds |e_n - exact_n| (blocks_kernel.c says why), keeping the largest
+//      e - R and each n whose e + R reached it when seen: the estimates are never stored;
+//   2. the winner's exact output is at least every output, so e + R reaches the largest e - R: only those n
+//      can win, and their exact outputs (block_exact_outputs) give the first largest;
+//   3. a row with a NaN or an infinity (in the row or an estimate), or with more than max(64, N / 8)
+//      candidates, is computed whole, its arg-max taken as PyTorch's max takes it.
+at::Tensor block_head_argmax(const at::Tensor &h, const at::Tensor &panels, const at::Tensor &norms,
+                             int64_t out_features) {
     const char *op = "block_head_argmax";
     check_rows(h, op, "h");
-    check_rows(estimates, op, "estimates");
     TORCH_CHECK_VALUE(panels.device().is_cpu() && panels.scalar_type() == at::kByte && panels.dim() == 3 &&
                           panels.is_contiguous(),
                       op, ": panels must be contiguous uint8 (groups, blocks, unit) on the CPU, from pack_block_panels");
     const int layout = attnmask_panel_layout(panels.size(2));
     const int64_t N = out_features, groups = panels.size(0), nblk = panels.size(1), unit = panels.size(2);
-    TORCH_CHECK_VALUE(layout >= 0 && N > 0 && groups == (N + 15) / 16, op, ": panels of shape ", panels.sizes(),
-                      " do not hold ", N, " outputs");
+    TORCH_CHECK_VALUE((layout == P8 || layout == P8H) && N > 0 && groups == (N + 15) / 16, op, ": panels of shape ",
+                      panels.sizes(), " are not 8-bit panels (Q8_0, Q5_0) of ", N, " outputs");
     const int64_t K = nblk * attnmask_panel_block(layout);
     TORCH_CHECK_VALUE(h.dim() == 2 && h.size(1) == K, op, ": h has shape ", h.sizes(), "; expected (M, ", K, ")");
+    TORCH_CHECK_VALUE(norms.scalar_type() == at::kDouble && norms.is_contiguous() && norms.dim() == 1 &&
+                          norms.size(0) == N,
+                      op, ": norms has shape ", norms.sizes(), " and dtype ", norms.scalar_type(), "; expected float64 (",
+                      N, ",)");
     const int64_t M = h.size(0);
-    check_screen(estimates, bound, M, N, op);
     at::Tensor out = at::empty({M}, h.options().dtype(at::kLong));
+    if (M == 0) return out;
+    const int T = at::get_num_threads();
+    // entries a thread and row before the row is computed whole: a thread's own top can be far below the row's,
+    // and until it rises every output is an entry
+    const int64_t cap = std::max<int64_t>(1024, N / 64);
+    std::vector<double> reach(M), top(T * M);
+    std::vector<int64_t> count(T * M);
+    const std::unique_ptr<double[]> hi(new double[T * M * cap]);  // not initialized: written before read
+    const std::unique_ptr<int64_t[]> cand(new int64_t[T * M * cap]);
     const uint8_t *p = panels.const_data_ptr<uint8_t>();
-    const int64_t group_bytes = nblk * unit;
-    screened_rows(h.const_data_ptr<float>(), estimates.const_data_ptr<float>(), bound.const_data_ptr<double>(),
-                  nullptr, M, N, K, out.mutable_data_ptr<int64_t>(),
-                  [&](const float *xm, const std::vector<int64_t> &cand, std::vector<float> &scratch, float *vals) {
-                      std::vector<int64_t> seen;  // the candidates' groups, in order of first appearance
-                      for (int64_t n : cand)
-                          if (std::find(seen.begin(), seen.end(), n / 16) == seen.end()) seen.push_back(n / 16);
-                      const int64_t G = static_cast<int64_t>(seen.size());
-                      std::vector<uint8_t> copy(static_cast<size_t>(G * group_bytes));
-                      for (int64_t i = 0; i < G; i++)
-                          std::copy(p + seen[i] * group_bytes, p + (seen[i] + 1) * group_bytes, copy.data() + i * group_bytes);
-                      scratch.resize(static_cast<size_t>(16 * G));
-                      if (attnmask_panel_matmul(layout, copy.data(), xm, scratch.data(), 1, 16 * G, K, 1))
-                          throw std::bad_alloc();
-                      for (size_t j = 0; j < cand.size(); j++) {
-                          const int64_t i = std::find(seen.begin(), seen.end(), cand[j] / 16) - seen.begin();
-                          vals[j] = scratch[16 * i + cand[j] % 16];
-                      }
-                  });
+    const float *x = h.const_data_ptr<float>();
+    if (attnmask_panel_screen_i8(layout, p, x, norms.const_data_ptr<double>(), M, N, K, T, cap, reach.data(), top.data(),
+                                 count.data(), cand.get(), hi.get()))
+        throw std::bad_alloc();  // -> MemoryError: the rows' copy
+    int64_t *o = out.mutable_data_ptr<int64_t>();
+    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> c;
+        std::vector<uint8_t> copy;
+        std::vector<float> scratch, vals;
+        for (int64_t m = begin; m < end; m++) {
+            o[m] = -1;
+            bool open = std::isnan(reach[m]);
+            double best = -std::numeric_limits<double>::infinity();
+            for (int t = 0; t < T && !open; t++) {
+                open = count[t * M + m] < 0;
+                best = std::max(best, top[t * M + m]);
+            }
+            if (open) continue;
+            c.clear();
+            for (int t = 0; t < T; t++)  // thread t's groups follow thread t - 1's: n increasing
+                for (int64_t i = 0; i < count[t * M + m]; i++)
+                    if (hi[(t * M + m) * cap + i] >= best) c.push_back(cand[(t * M + m) * cap + i]);
+            const int64_t n_cand = static_cast<int64_t>(c.size());
+            if (n_cand == 0 || n_cand > std::max<int64_t>(64, N / 8)) continue;
+            vals.resize(static_cast<size_t>(n_cand));
+            block_exact_outputs(p, layout, nblk * unit, K, x + m * K, c, copy, scratch, vals.data());
+            bool finite = true;
+            int64_t win = 0;
+            for (int64_t i = 0; i < n_cand; i++) {
+                finite &= std::isfinite(vals[i]);
+                if (vals[i] > vals[win]) win = i;
+            }
+            if (finite) o[m] = c[win];
+        }
+    });
+    std::vector<int64_t> open_rows;
+    for (int64_t m = 0; m < M; m++)
+        if (o[m] < 0) open_rows.push_back(m);
+    if (!open_rows.empty()) {  // the whole product of those rows, and PyTorch's arg-max of it
+        at::Tensor rows = at::empty({static_cast<int64_t>(open_rows.size())}, h.options().dtype(at::kLong));
+        std::copy(open_rows.begin(), open_rows.end(), rows.mutable_data_ptr<int64_t>());
+        const at::Tensor whole = attnmask::block_panels_matmul(panels, h.index_select(0, rows).contiguous(), N);
+        const at::Tensor found = std::get<1>(whole.max(1)).contiguous();
+        for (size_t i = 0; i < open_rows.size(); i++) o[open_rows[i]] = found.const_data_ptr<int64_t>()[i];
+    }
     return out;
 }
 
