@@ -260,6 +260,24 @@ def test_a_block_heads_screen_answers_rows_it_cannot_screen_whole():
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 33, 4099])
+def test_first_largest_is_maxs_index(n):
+    """first_largest (greedy decoding's choice) against ``max(dim=-1).indices`` on rows with exact ties, a NaN
+    (several: the first wins), a row of -inf, signed zeros, and lengths around the vector's 16."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(7, n, generator=g).round()  # many ties
+    x[1, torch.randint(0, n, (2,), generator=g)] = float("nan")
+    x[2] = float("-inf")
+    x[3] = -1.0
+    x[3, 0], x[3, -1] = -0.0, 0.0
+    x[4, -1] = float("inf")
+    x[5] = 2.0
+    got = decoding.first_largest(x)
+    assert torch.equal(got, x.max(dim=-1).indices)
+    assert torch.equal(decoding.first_largest_reference(x), got)
+    assert int(got[1]) == int(x[1].isnan().nonzero()[0]) and int(got[5]) == 0
+
+
 def test_the_bound_keeps_a_row_the_estimates_rank_lower():
     """Estimates within their bounds that rank row 1 above row 2 while the exact outputs rank row 2 first:
     head_argmax answers 2, and 1 with zero bounds (so the answer comes from the bound)."""

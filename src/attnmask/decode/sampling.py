@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from attnmask.errors import UserError, UserTypeError
+from attnmask.ops import decoding
 
 DEFAULT_TEMPERATURE = 1.0  # the one default of the API and the CLI
 
@@ -109,8 +110,7 @@ def sample(logits: Tensor, sampling: Sampling | None = None, **keywords) -> Tens
     the keywords ``temperature``, ``top_k``, ``top_p``, ``generator`` are accepted instead."""
     s = Sampling.of(sampling, **keywords)
     if s.greedy:
-        # the first largest logit, as argmax, but max's reduction is about 2.5x faster on the CPU
-        return logits.max(dim=-1).indices  # (B,)
+        return decoding.first_largest(logits)  # (B,): each row's first largest logit, as max(dim=-1)
     logits = filter_logits(logits.float() / s.temperature, top_k=s.top_k, top_p=s.top_p)  # (B, V)
     probs = logits.softmax(dim=-1)  # (B, V)
     return torch.multinomial(probs, 1, generator=s.generator).squeeze(-1)  # (B,)

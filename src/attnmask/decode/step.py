@@ -823,7 +823,7 @@ def packed_forward(
         )  # fmt: skip
         if screened is not None:
             return head_argmax_of(screened, out)
-        return out.max(dim=-1).indices if argmax else out
+        return decoding.first_largest(out) if argmax else out
     if isinstance(plan, FusedPlan) and memory is None and not flex:
         cos, signed = x.new_empty(0), x.new_empty(0)
         if plan.rotaries:
@@ -840,7 +840,7 @@ def packed_forward(
         )  # fmt: skip
         if screened is not None:
             return head_argmax_of(screened, out)
-        return out.max(dim=-1).indices if argmax else out
+        return decoding.first_largest(out) if argmax else out
     slots = [slots_of(t, row_seq, positions, cache.block_size) for t in tables]  # (N,) each group
     flex_masks = _FlexMasks(cache, tables, row_seq, positions) if flex else None
     ropes = _rotaries(model, positions)
@@ -874,4 +874,4 @@ def packed_forward(
     if screened is not None and _native(h):
         return head_argmax_of(screened, h.contiguous())
     logits = _product(model.lm_head, h)  # (M, V)
-    return logits.max(dim=-1).indices if argmax else logits
+    return decoding.first_largest(logits) if argmax else logits

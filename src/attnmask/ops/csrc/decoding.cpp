@@ -814,6 +814,47 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
     return out;
 }
 
+// The index of row x's (N > 0) first largest value as PyTorch's max(dim=-1) gives it on the CPU: the first NaN
+// where there is one, else the first value equal to the largest (-0.0 == 0.0).
+int64_t first_largest_row(const float *x, int64_t N) {
+    float top = -std::numeric_limits<float>::infinity();
+    bool nan = false;
+    int64_t n = 0;
+#if defined(__AVX512F__)
+    __m512 tops = _mm512_set1_ps(top);
+    __mmask16 unordered = 0;
+    for (; n + 16 <= N; n += 16) {
+        const __m512 v = _mm512_loadu_ps(x + n);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        tops = _mm512_max_ps(tops, v);
+    }
+    nan = unordered != 0;
+    top = _mm512_reduce_max_ps(tops);
+#endif
+    for (; n < N; n++) {
+        nan |= std::isnan(x[n]);
+        top = x[n] > top ? x[n] : top;
+    }
+    for (n = 0; n < N; n++)
+        if (nan ? std::isnan(x[n]) : x[n] == top) return n;
+    return 0;  // not reached: some value is the largest
+}
+
+// x (M, N) float32 -> (M,) int64: each row's first_largest_row, rows split over the threads.
+at::Tensor first_largest(const at::Tensor &x) {
+    const char *op = "first_largest";
+    check_rows(x, op, "x");
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) > 0, op, ": x has shape ", x.sizes(), "; expected (M, N), N > 0");
+    const int64_t M = x.size(0), N = x.size(1);
+    at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+    const float *p = x.const_data_ptr<float>();
+    int64_t *o = out.mutable_data_ptr<int64_t>();
+    at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / N), [&](int64_t begin, int64_t end) {
+        for (int64_t m = begin; m < end; m++) o[m] = first_largest_row(p + m * N, N);
+    });
+    return out;
+}
+
 // The arg-max over n of each row's x_m . w_n (+ bias_n) as linear_panels computes it (the first of equal
 // largest), for W (N, K) float32, from estimates of every output and the exact outputs of a few rows:
 //   1. `estimates` (M, N): x_m . s_n for a screen s_n of each row, computed by the caller in float32 in any
@@ -1625,6 +1666,7 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("linear_rows", &linear_rows);
     lib.impl("head_argmax", &head_argmax);
     lib.impl("block_head_argmax", &block_head_argmax);
+    lib.impl("first_largest", &first_largest);
     lib.impl("paged_attend", &paged_attend);
     lib.impl("packed_step", &packed_step);
     lib.impl("seq2seq_step", &seq2seq_step);
