@@ -580,10 +580,8 @@ class Engine:
         tables = []  # one (Q, W) tensor a layer group
         for g in range(len(self.cache.groups)):
             width = max(len(c.seq.tables[g]) for c in chunks)
-            table = torch.zeros(len(chunks), width, dtype=torch.long)  # unused entries: the null block
-            for i, c in enumerate(chunks):
-                table[i, : len(c.seq.tables[g])] = torch.tensor(c.seq.tables[g])
-            tables.append(table.to(device))
+            rows = [c.seq.tables[g] + [0] * (width - len(c.seq.tables[g])) for c in chunks]  # 0: the null block
+            tables.append(torch.tensor(rows, dtype=torch.long, device=device))
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         with torch.inference_mode():
             logits = packed_forward(

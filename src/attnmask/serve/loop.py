@@ -17,9 +17,10 @@ thread (docs/benchmarks.md, serving).
 
 A handler :meth:`~EngineLoop.submit`\\ s a request and gets a :class:`RequestStream`: every
 :class:`~attnmask.engine.TokenEvent` of that request is put on the stream's asyncio queue through
-``loop.call_soon_threadsafe``, stamped with the time the step ended (for time-to-first-token and
-inter-token latency). Leaving the stream before the request has finished (the client went away, the
-handler was cancelled) cancels the request, so its cache blocks are freed at the next step.
+``loop.call_soon_threadsafe`` (one call per event loop and step, for all of the step's events), stamped
+with the time the step ended (for time-to-first-token and inter-token latency). Leaving the stream before
+the request has finished (the client went away, the handler was cancelled) cancels the request, so its
+cache blocks are freed at the next step.
 
 ``engine.stats()`` reads the scheduler's lists, which only the loop thread may touch, so the loop
 keeps a snapshot, taken after every step (:meth:`EngineLoop.stats`).
@@ -211,10 +212,7 @@ class EngineLoop:
             for rid in running:
                 self.engine.cancel(rid)
             with contextlib.suppress(Exception):
-                events = self.engine.step()  # deliver the cancellations
-                now = time.perf_counter()
-                for event in events:
-                    self._deliver(event.request_id, Timed(event, now), final=event.finished)
+                self._deliver(self.engine.step(), time.perf_counter())  # the cancellations
 
     # ---- the thread --------------------------------------------------------------------------
     poll = 0.05  # seconds between checks of ``until`` while idle
@@ -240,16 +238,21 @@ class EngineLoop:
                 return
             now = time.perf_counter()
             self._stats = engine.stats()
-            for event in events:
-                self._deliver(event.request_id, Timed(event, now), final=event.finished)
+            self._deliver(events, now)
 
-    def _deliver(self, request_id: str, item: Timed, *, final: bool) -> None:
+    def _deliver(self, events: Sequence[TokenEvent], now: float) -> None:
+        """Put each event on its request's stream (a finished request's stream leaves the table): one call into
+        each event loop for the whole step, not one per event (each call wakes the loop through a socket)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Timed]]] = {}
         with self._streams_lock:
-            stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
-        if stream is None:  # the client has gone
-            return
-        with contextlib.suppress(RuntimeError):  # its event loop is closed
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            for event in events:
+                rid = event.request_id
+                stream = self._streams.pop(rid, None) if event.finished else self._streams.get(rid)
+                if stream is not None:  # else the client has gone
+                    batches.setdefault(stream.loop, []).append((stream.queue, Timed(event, now)))
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # its event loop is closed
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, err: BaseException) -> None:
         with self._streams_lock:
@@ -257,3 +260,8 @@ class EngineLoop:
         for stream in streams:
             with contextlib.suppress(RuntimeError):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Timed(None, time.perf_counter(), err))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Timed]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
