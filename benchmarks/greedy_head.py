@@ -60,7 +60,9 @@ def hidden_rows(model, tokenizer, rows: int) -> torch.Tensor:
 
 
 def candidates(h: torch.Tensor, weight: torch.Tensor) -> list[int]:
-    """How many rows of the head each row of ``h`` leaves within reach of its top (exact outputs computed)."""
+    """How many rows of the head each row of ``h`` leaves within reach of its top (exact outputs computed), under
+    :func:`~attnmask.ops.decoding.screen_estimates`' bound: above SCREEN_MAX_ROWS rows argmax_rows gives each row
+    its own rounding's reach, within this one, so it computes at most these."""
     est, bound = decoding.screen_estimates(h, weight)  # int8 estimates above SCREEN_MAX_ROWS rows, as argmax_rows
     est = est.double()
     reach = bound[None] * h.double().norm(dim=1, keepdim=True) * (1 + 1e-6)

@@ -278,6 +278,29 @@ def test_first_largest_is_maxs_index(n):
     assert int(got[1]) == int(x[1].isnan().nonzero()[0]) and int(got[5]) == 0
 
 
+def test_the_screens_one_pass_answers_every_row(int8_estimates):
+    """screen_argmax (argmax_rows above SCREEN_MAX_ROWS rows) answers, as PyTorch's max does, the rows it cannot
+    screen (a NaN, an infinity, a row of zeros: every output a candidate) with every other row's screened
+    answer, with a bias and without, on 1 and 2 threads."""
+    n, k = 2500, 256
+    w, h = _randn(n, k, seed=21), _randn(12, k, seed=22)
+    h[2, 7] = float("nan")
+    h[5, 0] = float("inf")
+    h[8] = 0.0
+    bias = _randn(n, seed=23)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for b in (None, bias):
+                want = decoding.linear_panels(h, decoding.panels(w), b, n).max(dim=-1).indices
+                screen, bound, norms = decoding._screen(w)
+                assert torch.equal(decoding.screen_argmax(h, w, b, screen, bound, norms), want), (threads, b is None)
+                assert torch.equal(decoding.argmax_rows(h, w, b), want)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_bound_keeps_a_row_the_estimates_rank_lower():
     """Estimates within their bounds that rank row 1 above row 2 while the exact outputs rank row 2 first:
     head_argmax answers 2, and 1 with zero bounds (so the answer comes from the bound)."""
@@ -464,10 +487,10 @@ def test_an_encoder_decoders_greedy_step_screens_its_head(int8_estimates, monkey
     with torch.inference_mode():
         want = decode.greedy(model, src=SOURCES, max_new_tokens=8, eos_id=None)
     monkeypatch.setattr(decoding, "SCREEN_MAX_ROWS", 0)
-    calls = _counted(monkeypatch, "argmax_rows", "head_argmax")
+    calls = _counted(monkeypatch, "argmax_rows", "screen_argmax")
     with torch.inference_mode():
         assert decode.greedy(model, src=SOURCES, max_new_tokens=8, eos_id=None) == want
-        assert calls["argmax_rows"] == 8 and calls["head_argmax"] == 8
+        assert calls["argmax_rows"] == 8 and calls["screen_argmax"] == 8
         monkeypatch.setattr(decoding, "seq2seq_step", decoding.seq2seq_step_reference)
         assert decode.greedy(model, src=SOURCES, max_new_tokens=8, eos_id=None) == want
 

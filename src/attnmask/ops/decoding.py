@@ -21,6 +21,9 @@ operators do the same work in one call each (figures: the SmolLM2 sections of ``
   proven bound on how far each can be from the exact output, and the exact outputs of the few rows that can
   still win (:func:`screen` keeps a weight's screen, its copy in 8-bit blocks, and bounds;
   :func:`argmax_rows` the whole: greedy decoding's head, from about a quarter of its bytes);
+  ``screen_argmax(h, weight, bias, screen, bound, norms)`` the same from the screen's int8 estimates, each
+  compared as it is made and never stored (many rows); ``block_head_argmax(h, panels, norms, out_features)``
+  for a head in 8-bit block panels; ``first_largest(x)``: ``x.max(dim=-1).indices`` in one vector pass;
 - ``torch.ops.attnmask.paged_attend(q, k_pool, v_pool, tables, row_seq, row_pos, window, heads, scale)``:
   packed rows of several sequences, each attending to its own sequence's cached keys up to its own
   position (and within ``window``), read through a block table: the serving engine's attention
@@ -76,6 +79,8 @@ __all__ = [
     "head_argmax",
     "head_argmax_reference",
     "screen",
+    "screen_argmax",
+    "screen_argmax_reference",
     "screen_estimates",
     "screens",
     "packed_step",
@@ -155,6 +160,14 @@ def block_head_argmax_reference(h: Tensor, panels: Tensor, norms: Tensor, out_fe
     """What ``block_head_argmax`` answers: the first largest output of each row of ``block_panels_matmul``,
     from the whole product (the norms unread)."""
     return blocks.block_panels_matmul(panels, h, out_features).max(dim=-1).indices
+
+
+def screen_argmax_reference(
+    h: Tensor, weight: Tensor, bias: Tensor | None, screen: Tensor, bound: Tensor, norms: Tensor
+) -> Tensor:
+    """What ``screen_argmax`` answers: the first largest output of each row of ``h W^T + b``, from the whole
+    product (the screen unread)."""
+    return linear_rows_reference(h, weight, bias).max(dim=-1).indices
 
 
 def first_largest_reference(x: Tensor) -> Tensor:
@@ -457,6 +470,9 @@ _LIBRARY.define("head_argmax(Tensor h, Tensor weight, Tensor? bias, Tensor estim
 _LIBRARY.define("block_head_argmax(Tensor h, Tensor panels, Tensor norms, int out_features) -> Tensor")
 _LIBRARY.define("first_largest(Tensor x) -> Tensor")
 _LIBRARY.define(
+    "screen_argmax(Tensor h, Tensor weight, Tensor? bias, Tensor screen, Tensor bound, Tensor norms) -> Tensor"
+)
+_LIBRARY.define(
     "packed_step(Tensor x, Tensor cos, Tensor signed_sin, int[] layer_rope, Tensor[] norms, float[] eps, "
     "Tensor[] products, int[] kinds, str activation, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
     "Tensor[] tables, int[] layer_group, int[] windows, Tensor row_seq, Tensor row_pos, Tensor logit_rows, "
@@ -515,6 +531,11 @@ def _(h, panels, norms, out_features):
     return h.new_empty(h.shape[0], dtype=torch.long)
 
 
+@torch.library.register_fake("attnmask::screen_argmax", lib=_LIBRARY)
+def _(h, weight, bias, screen, bound, norms):
+    return h.new_empty(h.shape[0], dtype=torch.long)
+
+
 @torch.library.register_fake("attnmask::first_largest", lib=_LIBRARY)
 def _(x):
     return x.new_empty(x.shape[0], dtype=torch.long)
@@ -549,6 +570,7 @@ for _name, _definition in [
     ("head_argmax", head_argmax_reference),
     ("block_head_argmax", block_head_argmax_reference),
     ("first_largest", first_largest_reference),
+    ("screen_argmax", screen_argmax_reference),
     ("paged_attend", paged_attend_reference),
     ("packed_step", packed_step_reference),
     ("seq2seq_step", seq2seq_step_reference),
@@ -567,6 +589,7 @@ linear_panels = torch.ops.attnmask.linear_panels.default
 head_argmax = torch.ops.attnmask.head_argmax.default
 block_head_argmax = torch.ops.attnmask.block_head_argmax.default
 _first_largest = torch.ops.attnmask.first_largest.default
+screen_argmax = torch.ops.attnmask.screen_argmax.default
 
 
 def first_largest(x: Tensor) -> Tensor:
@@ -714,16 +737,22 @@ def screen_estimates(h: Tensor, weight: Tensor) -> tuple[Tensor, Tensor] | None:
 
 def argmax_rows(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Each row's first largest output of ``h (M, K) weight (N, K)^T (+ bias)`` as ``linear_panels``
-    computes it, ``(M,)`` int64: through ``head_argmax`` on the estimates of the weight's screen
-    (:func:`screen_estimates`: about a quarter of the weight's bytes, or with more rows a quarter of its
-    work, and a few of its rows) where :func:`screens` says it pays, the whole product for the rows it
-    leaves open (non-finite values, too many rows within reach of the top). Call it with the native kernels
+    computes it, ``(M,)`` int64, from the weight's screen where :func:`screens` says it pays (about a quarter
+    of the weight's bytes, or with more rows a quarter of its work, and the exact outputs of the few rows that
+    can still win), the whole product elsewhere. Up to ``SCREEN_MAX_ROWS`` rows: ``head_argmax`` on the
+    screen's float32 products (:func:`screen_estimates`), the whole product for the rows it leaves open
+    (non-finite values, too many rows within reach of the top). More: ``screen_argmax``, the screen's int8
+    estimates each compared with its row's reach as it is made (:func:`screen_estimates` says how far they can
+    be from the exact outputs; there each row has its own ``rho``), never stored. Call it with the native kernels
     loaded: without them the screen's product is the PyTorch definition's, slower than the whole head."""
     n = weight.shape[0]
-    made = screen_estimates(h, weight) if screens(weight, h.shape[0]) else None
+    made = _screen(weight) if screens(weight, h.shape[0]) else None
     if made is None:
         return first_largest(linear_panels(h, panels(weight), bias, n))
-    found = head_argmax(h, weight, bias, *made)
+    screen_panels, bound, norms = made
+    if h.shape[0] > SCREEN_MAX_ROWS:
+        return screen_argmax(h, weight, bias, screen_panels, bound, norms)
+    found = head_argmax(h, weight, bias, blocks.block_panels_matmul(screen_panels, h, n), bound)
     return _answer_open(
         found, lambda rows: linear_panels(h.index_select(0, rows).contiguous(), panels(weight), bias, n)
     )

@@ -17,9 +17,10 @@ int64_t attnmask_panel_block(int layout);
 int attnmask_panel_matmul(int layout, const uint8_t *panels, const float *x, float *y, int64_t M, int64_t N, int64_t K,
                           int threads);
 // The screen of a head in 8-bit panels in one pass: each thread's top and candidates of every row (blocks_kernel.c).
-int attnmask_panel_screen_i8(int layout, const uint8_t *panels, const float *x, const double *norms, int64_t M,
-                             int64_t N, int64_t K, int threads, int64_t cap, double *reach, double *top, int64_t *count,
-                             int64_t *cand, double *hi);
+int attnmask_panel_screen_i8(int layout, const uint8_t *panels, const float *x, const double *norms,
+                             const double *bound, const float *bias, int exact_panels, int64_t M, int64_t N, int64_t K,
+                             int threads, int64_t cap, double *reach, double *top, int64_t *count, int64_t *cand,
+                             double *hi);
 }
 
 // The panels' layouts (blocks_kernel.c's enum): 4-bit codes with float32 scales (Q4_K; Q4_1 with scales that are

@@ -1325,33 +1325,44 @@ int attnmask_panel_estimate_i8(int layout, const uint8_t *panels, const float *x
     return 0;
 }
 
-/* The screen of a head in 8-bit panels in one pass (attnmask::block_head_argmax): every estimate as
- * attnmask_panel_estimate_i8 computes it, compared as soon as it is made and never stored.
+/* A head's screen in one pass (attnmask::block_head_argmax, attnmask::screen_argmax): every estimate of the
+ * 8-bit panels as attnmask_panel_estimate_i8 computes it, compared as soon as it is made and never stored.
  *
- * Row m's estimates are within reach[m] * norms[n] of the exact outputs (norms: the rows' ||w_n||, float64,
- * rounded up; reach: ((1 + gamma) ||x_m - dx q|| + 2 gamma ||x_m||) (1 + 1e-6), gamma = 2K u / (1 - 2K u),
- * u = 2^-24: the estimate's sum meets at most K / 32 + 1 roundings and the exact chain 32 + K / 32; the
- * margin covers float64's rounding of the norms and of the comparisons), computed here, NaN for a row with a
- * NaN or an infinity. Each thread takes a contiguous share of the groups, in order, and for each row keeps
- * the largest e - R it has seen (top[t * M + m], from -inf) and records (cand, hi: cap entries per thread and
- * row, at t * M * cap + m * cap) every n whose e + R reaches that top when n is seen. A thread's top only
- * grows, so every n with e + R >= the largest of the threads' tops is recorded, in increasing n. count[t * M +
- * m]: the entries, or -1 where an estimate was not finite or the row needed more than cap entries (recorded
- * entries below the top are dropped first). Returns 0, or -1 if the rows' copy cannot be allocated. */
-int attnmask_panel_screen_i8(int layout, const uint8_t *panels, const float *x, const double *norms, int64_t M,
-                             int64_t N, int64_t K, int threads, int64_t cap, double *reach, double *top, int64_t *count,
-                             int64_t *cand, double *hi) {
+ * How far an estimate e of row m and output n can be from the exact output, its reach B: with nx = ||x_m||,
+ * xerr = ||x_m - dx q|| (the row's rounding to 8 bits), gamma = 2K u / (1 - 2K u), u = 2^-24 (the estimate's
+ * sum meets at most K / 32 + 1 roundings, an exact float32 chain at most 32 + K / 32),
+ *   - the panels are the weight itself (a block head; bound null, exact_panels 1): B = norms_n reach_m with
+ *     reach_m = (1 + gamma) xerr + 2 gamma nx, norms the rows' ||w_n||;
+ *   - the panels are a screen s of a float32 weight w (exact_panels 0): B = bound_n nx + norms_n reach_m with
+ *     reach_m = (1 + gamma) xerr, norms the screen rows' ||s_n||, bound_n >= ||w_n - s_n|| + 3 gamma
+ *     (||s_n|| + ||w_n||) (attnmask.ops.decoding.screen);
+ *   - with a bias, e is e + bias_n and B grows by the exact output's last rounding, 2^-23 (|e| + B).
+ * reach and nx carry a margin of 1e-6 for float64's own roundings (reach[m], reach[M + m] = nx: computed here,
+ * NaN for a row with a NaN or an infinity). The comparisons run in float64, each operation IEEE's, the same
+ * values in the vector loop and the portable one.
+ *
+ * Each thread takes a contiguous share of the groups, in order, and for each row keeps the largest e - B it
+ * has seen (top[t * M + m], from -inf) and records (cand, hi: cap entries per thread and row, at
+ * (t * M + m) cap) every n whose e + B reaches that top when n is seen. A thread's top only grows, so every n
+ * with e + B >= the largest of the threads' tops is recorded, in increasing n. count[t * M + m]: the entries,
+ * or -1 where an estimate was not finite or the row needed more than cap entries (recorded entries below the
+ * top are dropped first). Returns 0, or -1 if the rows' copy cannot be allocated. */
+int attnmask_panel_screen_i8(int layout, const uint8_t *panels, const float *x, const double *norms,
+                             const double *bound, const float *bias, int exact_panels, int64_t M, int64_t N, int64_t K,
+                             int threads, int64_t cap, double *reach, double *top, int64_t *count, int64_t *cand,
+                             double *hi) {
     const int64_t nblk = K / QK, unit = panel_unit(layout), groups = (N + PANEL_COLS - 1) / PANEL_COLS;
     const int half = half_scales(layout);
     const double u = 0x1p-24, gamma = 2 * K * u / (1 - 2 * K * u), margin = 1.0 + 1e-6;
+    double *nx = reach + M;
     float *dx;
     const uint8_t *xu = est_prepare(x, M, K, &dx, reach);
     if (!xu) return -1;
     for (int64_t r = 0; r < M; r++) {
         double sq = 0.0;
         for (int64_t k = 0; k < K; k++) sq += (double)x[r * K + k] * x[r * K + k];
-        const double R = ((1 + gamma) * sqrt(reach[r]) + 2 * gamma * sqrt(sq) * margin) * margin;
-        reach[r] = isfinite(R) ? R : NAN;
+        const double size = sqrt(sq) * margin, R = ((1 + gamma) * sqrt(reach[r]) + (exact_panels ? 2 * gamma * size : 0.0)) * margin;
+        reach[r] = isfinite(R) && isfinite(size) ? R : NAN, nx[r] = size;
     }
     for (int64_t i = 0; i < (int64_t)threads * M; i++) top[i] = -INFINITY, count[i] = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
@@ -1379,11 +1390,18 @@ int attnmask_panel_screen_i8(int layout, const uint8_t *panels, const float *x, 
                     __m512d lo = _mm512_set1_pd(-INFINITY);
                     for (int j = 0; j < 2; j++) {
                         const __mmask8 lanes = (__mmask8)(valid >> (8 * j));
-                        const __m512d ed = _mm512_cvtps_pd(j ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
-                                                          : _mm512_castps512_ps256(v));
-                        const __m512d B = _mm512_mul_pd(_mm512_maskz_loadu_pd(lanes, norms + n0 + 8 * j), _mm512_set1_pd(reach[m]));
-                        lo = _mm512_mask_max_pd(lo, lanes, lo, _mm512_sub_pd(ed, B));
-                        _mm512_storeu_pd(h + 8 * j, _mm512_add_pd(ed, B));
+                        __m512d e = _mm512_cvtps_pd(j ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
+                                                      : _mm512_castps512_ps256(v));
+                        __m512d B = _mm512_mul_pd(_mm512_maskz_loadu_pd(lanes, norms + n0 + 8 * j), _mm512_set1_pd(reach[m]));
+                        if (bound)
+                            B = _mm512_add_pd(B, _mm512_mul_pd(_mm512_maskz_loadu_pd(lanes, bound + n0 + 8 * j),
+                                                               _mm512_set1_pd(nx[m])));
+                        if (bias) {
+                            e = _mm512_add_pd(e, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(lanes, bias + n0 + 8 * j)));
+                            B = _mm512_add_pd(B, _mm512_mul_pd(_mm512_set1_pd(0x1p-23), _mm512_add_pd(_mm512_abs_pd(e), B)));
+                        }
+                        lo = _mm512_mask_max_pd(lo, lanes, lo, _mm512_sub_pd(e, B));
+                        _mm512_storeu_pd(h + 8 * j, _mm512_add_pd(e, B));
                     }
                     best = fmax(best, _mm512_reduce_max_pd(lo));
                     for (int j = 0; j < 2; j++)
@@ -1393,9 +1411,14 @@ int attnmask_panel_screen_i8(int layout, const uint8_t *panels, const float *x, 
                     for (int64_t l = 0; l < cols; l++) { /* each operation IEEE's: the vector loop's values */
                         const float v = out[r * PANEL_COLS + l];
                         finite &= isfinite(v) != 0;
-                        const double B = norms[n0 + l] * reach[m], e = (double)v - B;
-                        h[l] = (double)v + B;
-                        best = e > best ? e : best;
+                        double e = (double)v, B = norms[n0 + l] * reach[m];
+                        if (bound) B = B + bound[n0 + l] * nx[m];
+                        if (bias) {
+                            e = e + (double)bias[n0 + l];
+                            B = B + 0x1p-23 * (fabs(e) + B);
+                        }
+                        h[l] = e + B;
+                        best = e - B > best ? e - B : best;
                     }
                     for (int64_t l = 0; l < cols; l++) reaches |= (uint32_t)(h[l] >= best) << l;
 #endif

@@ -40,6 +40,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -1060,53 +1061,29 @@ void block_exact_outputs(const uint8_t *p, int layout, int64_t group_bytes, int6
     }
 }
 
-// Each row's first largest output of block_panels_matmul(panels, h, out_features) for a head in 8-bit block panels
-// (Q8_0's layouts: Q8_0, Q5_0), without computing every output (attnmask.ops.decoding.block_argmax_rows):
-//   1. attnmask_panel_screen_i8 makes every int8 estimate e_n of the row and compares it at once with the
-//      reach R_n = norms[n] reach_m that bounds |e_n - exact_n| (blocks_kernel.c says why), keeping the largest
-//      e - R and each n whose e + R reached it when seen: the estimates are never stored;
-//   2. the winner's exact output is at least every output, so e + R reaches the largest e - R: only those n
-//      can win, and their exact outputs (block_exact_outputs) give the first largest;
-//   3. a row with a NaN or an infinity (in the row or an estimate), or with more than max(64, N / 8)
-//      candidates, is computed whole, its arg-max taken as PyTorch's max takes it.
-at::Tensor block_head_argmax(const at::Tensor &h, const at::Tensor &panels, const at::Tensor &norms,
-                             int64_t out_features) {
-    const char *op = "block_head_argmax";
-    check_rows(h, op, "h");
-    TORCH_CHECK_VALUE(panels.device().is_cpu() && panels.scalar_type() == at::kByte && panels.dim() == 3 &&
-                          panels.is_contiguous(),
-                      op, ": panels must be contiguous uint8 (groups, blocks, unit) on the CPU, from pack_block_panels");
-    const int layout = attnmask_panel_layout(panels.size(2));
-    const int64_t N = out_features, groups = panels.size(0), nblk = panels.size(1), unit = panels.size(2);
-    TORCH_CHECK_VALUE((layout == P8 || layout == P8H) && N > 0 && groups == (N + 15) / 16, op, ": panels of shape ",
-                      panels.sizes(), " are not 8-bit panels (Q8_0, Q5_0) of ", N, " outputs");
-    const int64_t K = nblk * attnmask_panel_block(layout);
-    TORCH_CHECK_VALUE(h.dim() == 2 && h.size(1) == K, op, ": h has shape ", h.sizes(), "; expected (M, ", K, ")");
-    TORCH_CHECK_VALUE(norms.scalar_type() == at::kDouble && norms.is_contiguous() && norms.dim() == 1 &&
-                          norms.size(0) == N,
-                      op, ": norms has shape ", norms.sizes(), " and dtype ", norms.scalar_type(), "; expected float64 (",
-                      N, ",)");
-    const int64_t M = h.size(0);
-    at::Tensor out = at::empty({M}, h.options().dtype(at::kLong));
-    if (M == 0) return out;
+// Each row's screened arg-max from 8-bit panels in one pass (attnmask_panel_screen_i8, blocks_kernel.c: the panels'
+// int8 estimates, each compared with its reach as it is made, never stored; norms, bound, bias and exact_panels
+// as it takes them): the winner's exact output is at least every output, so its estimate plus reach reaches the
+// largest estimate minus reach, and only the n recorded there can win. exact(x_m, candidates, values) gives their
+// exact outputs; o[m] is the first largest, or -1 for a row left open (a NaN or an infinity in the row or an
+// estimate, or more than max(64, N / 8) candidates). Rows split over the threads.
+template <typename Exact>
+void screen_rows(int layout, const uint8_t *p, const float *x, const double *norms, const double *bound,
+                 const float *bias, bool exact_panels, int64_t M, int64_t N, int64_t K, int64_t *o, const Exact &exact) {
     const int T = at::get_num_threads();
-    // entries a thread and row before the row is computed whole: a thread's own top can be far below the row's,
+    // entries a thread and row before the row is left open: a thread's own top can be far below the row's,
     // and until it rises every output is an entry
     const int64_t cap = std::max<int64_t>(1024, N / 64);
-    std::vector<double> reach(M), top(T * M);
+    std::vector<double> reach(2 * M), top(T * M);
     std::vector<int64_t> count(T * M);
     const std::unique_ptr<double[]> hi(new double[T * M * cap]);  // not initialized: written before read
     const std::unique_ptr<int64_t[]> cand(new int64_t[T * M * cap]);
-    const uint8_t *p = panels.const_data_ptr<uint8_t>();
-    const float *x = h.const_data_ptr<float>();
-    if (attnmask_panel_screen_i8(layout, p, x, norms.const_data_ptr<double>(), M, N, K, T, cap, reach.data(), top.data(),
-                                 count.data(), cand.get(), hi.get()))
+    if (attnmask_panel_screen_i8(layout, p, x, norms, bound, bias, exact_panels ? 1 : 0, M, N, K, T, cap, reach.data(),
+                                 top.data(), count.data(), cand.get(), hi.get()))
         throw std::bad_alloc();  // -> MemoryError: the rows' copy
-    int64_t *o = out.mutable_data_ptr<int64_t>();
     at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
         std::vector<int64_t> c;
-        std::vector<uint8_t> copy;
-        std::vector<float> scratch, vals;
+        std::vector<float> vals;
         for (int64_t m = begin; m < end; m++) {
             o[m] = -1;
             bool open = std::isnan(reach[m]);
@@ -1123,7 +1100,7 @@ at::Tensor block_head_argmax(const at::Tensor &h, const at::Tensor &panels, cons
             const int64_t n_cand = static_cast<int64_t>(c.size());
             if (n_cand == 0 || n_cand > std::max<int64_t>(64, N / 8)) continue;
             vals.resize(static_cast<size_t>(n_cand));
-            block_exact_outputs(p, layout, nblk * unit, K, x + m * K, c, copy, scratch, vals.data());
+            exact(x + m * K, c, vals.data());
             bool finite = true;
             int64_t win = 0;
             for (int64_t i = 0; i < n_cand; i++) {
@@ -1133,6 +1110,51 @@ at::Tensor block_head_argmax(const at::Tensor &h, const at::Tensor &panels, cons
             if (finite) o[m] = c[win];
         }
     });
+}
+
+// The 8-bit panels' layout of a unit size, checked: panels (groups, blocks, unit) of N outputs.
+int eight_bit_layout(const at::Tensor &panels, int64_t N, const char *op, const char *name) {
+    TORCH_CHECK_VALUE(panels.device().is_cpu() && panels.scalar_type() == at::kByte && panels.dim() == 3 &&
+                          panels.is_contiguous(),
+                      op, ": ", name, " must be contiguous uint8 (groups, blocks, unit) on the CPU, from pack_block_panels");
+    const int layout = attnmask_panel_layout(panels.size(2));
+    TORCH_CHECK_VALUE((layout == P8 || layout == P8H) && N > 0 && panels.size(0) == (N + 15) / 16, op, ": ", name,
+                      " of shape ", panels.sizes(), " are not 8-bit panels (Q8_0, Q5_0) of ", N, " outputs");
+    return layout;
+}
+
+void check_row_values(const at::Tensor &t, int64_t N, const char *op, const char *name) {
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kDouble && t.is_contiguous() && t.dim() == 1 &&
+                          t.size(0) == N,
+                      op, ": ", name, " has shape ", t.sizes(), " and dtype ", t.scalar_type(), "; expected float64 (",
+                      N, ",) on the CPU");
+}
+
+// Each row's first largest output of block_panels_matmul(panels, h, out_features) for a head in 8-bit block panels
+// (Q8_0's layouts: Q8_0, Q5_0), without computing every output (attnmask.ops.decoding.block_argmax_rows):
+// screen_rows on the panels themselves (norms: the rows' ||w_n||), the candidates' exact outputs as
+// block_panels_matmul computes them (block_exact_outputs); the rows left open computed whole, their arg-max
+// taken as PyTorch's max takes it.
+at::Tensor block_head_argmax(const at::Tensor &h, const at::Tensor &panels, const at::Tensor &norms,
+                             int64_t out_features) {
+    const char *op = "block_head_argmax";
+    check_rows(h, op, "h");
+    const int64_t N = out_features;
+    const int layout = eight_bit_layout(panels, N, op, "panels");
+    const int64_t nblk = panels.size(1), unit = panels.size(2), K = nblk * attnmask_panel_block(layout);
+    TORCH_CHECK_VALUE(h.dim() == 2 && h.size(1) == K, op, ": h has shape ", h.sizes(), "; expected (M, ", K, ")");
+    check_row_values(norms, N, op, "norms");
+    const int64_t M = h.size(0);
+    at::Tensor out = at::empty({M}, h.options().dtype(at::kLong));
+    if (M == 0) return out;
+    const uint8_t *p = panels.const_data_ptr<uint8_t>();
+    int64_t *o = out.mutable_data_ptr<int64_t>();
+    screen_rows(layout, p, h.const_data_ptr<float>(), norms.const_data_ptr<double>(), nullptr, nullptr, true, M, N, K, o,
+                [&](const float *xm, const std::vector<int64_t> &c, float *vals) {
+                    thread_local std::vector<uint8_t> copy;
+                    thread_local std::vector<float> scratch;
+                    block_exact_outputs(p, layout, nblk * unit, K, xm, c, copy, scratch, vals);
+                });
     std::vector<int64_t> open_rows;
     for (int64_t m = 0; m < M; m++)
         if (o[m] < 0) open_rows.push_back(m);
@@ -1140,8 +1162,50 @@ at::Tensor block_head_argmax(const at::Tensor &h, const at::Tensor &panels, cons
         at::Tensor rows = at::empty({static_cast<int64_t>(open_rows.size())}, h.options().dtype(at::kLong));
         std::copy(open_rows.begin(), open_rows.end(), rows.mutable_data_ptr<int64_t>());
         const at::Tensor whole = attnmask::block_panels_matmul(panels, h.index_select(0, rows).contiguous(), N);
-        const at::Tensor found = std::get<1>(whole.max(1)).contiguous();
-        for (size_t i = 0; i < open_rows.size(); i++) o[open_rows[i]] = found.const_data_ptr<int64_t>()[i];
+        for (size_t i = 0; i < open_rows.size(); i++) o[open_rows[i]] = first_largest_row(whole[i].const_data_ptr<float>(), N);
+    }
+    return out;
+}
+
+// Each row's first largest output of h W^T (+ bias) as linear_panels computes it, for a float32 weight W (N, K)
+// with a screen in 8-bit panels (attnmask.ops.decoding.screen: screen, bound, and norms the screen rows' ||s_n||):
+// screen_rows on the screen, the candidates' exact outputs from W (exact_outputs); a row left open gets every
+// output exactly so, its arg-max taken as PyTorch's max takes it.
+at::Tensor screen_argmax(const at::Tensor &h, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
+                         const at::Tensor &screen, const at::Tensor &bound, const at::Tensor &norms) {
+    const char *op = "screen_argmax";
+    check_rows(h, op, "h");
+    check_rows(weight, op, "weight");
+    TORCH_CHECK_VALUE(h.dim() == 2 && weight.dim() == 2 && h.size(1) == weight.size(1), op, ": h has shape ",
+                      h.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
+    const int64_t M = h.size(0), N = weight.size(0), K = weight.size(1);
+    const int layout = eight_bit_layout(screen, N, op, "screen");
+    TORCH_CHECK_VALUE(screen.size(1) * attnmask_panel_block(layout) == K, op, ": screen of shape ", screen.sizes(),
+                      " is not of rows of ", K);
+    check_row_values(bound, N, op, "bound");
+    check_row_values(norms, N, op, "norms");
+    const float *b = checked_bias(bias, N, op), *w = weight.const_data_ptr<float>();
+    at::Tensor out = at::empty({M}, h.options().dtype(at::kLong));
+    if (M == 0) return out;
+    int64_t *o = out.mutable_data_ptr<int64_t>();
+    const float *x = h.const_data_ptr<float>();
+    auto exact = [&](const float *xm, const std::vector<int64_t> &c, float *vals) {
+        thread_local std::vector<float> lanes;
+        exact_outputs(xm, w, c.data(), static_cast<int64_t>(c.size()), K, b, lanes, vals);
+    };
+    screen_rows(layout, screen.const_data_ptr<uint8_t>(), x, norms.const_data_ptr<double>(),
+                bound.const_data_ptr<double>(), b, false, M, N, K, o, exact);
+    std::vector<int64_t> every;
+    std::vector<float> vals;
+    for (int64_t m = 0; m < M; m++) {
+        if (o[m] >= 0) continue;
+        if (every.empty()) {
+            every.resize(static_cast<size_t>(N));
+            std::iota(every.begin(), every.end(), int64_t{0});
+            vals.resize(static_cast<size_t>(N));
+        }
+        exact(x + m * K, every, vals.data());
+        o[m] = first_largest_row(vals.data(), N);
     }
     return out;
 }
@@ -1667,6 +1731,7 @@ TORCH_LIBRARY_IMPL(attnmask, CPU, lib) {
     lib.impl("head_argmax", &head_argmax);
     lib.impl("block_head_argmax", &block_head_argmax);
     lib.impl("first_largest", &first_largest);
+    lib.impl("screen_argmax", &screen_argmax);
     lib.impl("paged_attend", &paged_attend);
     lib.impl("packed_step", &packed_step);
     lib.impl("seq2seq_step", &seq2seq_step);
