@@ -6,8 +6,9 @@ count ``M``: the best of ``--repeats`` timings (``rows_stream.best_seconds``) of
 - ``whole``: ``linear_panels`` (the float32 head as the step multiplies by it, from its panels) and the
   logits' ``max`` (what greedy decoding took before);
 - ``screen``: ``decoding.argmax_rows`` (the estimates of every row from the head's copy in 8-bit blocks,
-  with more than 8 rows each row rounded to 8 bits where the CPU has AVX512-VNNI and VBMI,
-  ``head_argmax``'s candidates, their exact outputs): the same tokens, bit for bit (checked);
+  ``head_argmax``'s candidates, their exact outputs; with more than 8 rows, where the CPU has AVX512-VNNI and
+  VBMI, each row rounded to 8 bits and ``screen_argmax`` comparing each estimate as it is made): the same
+  tokens, bit for bit (checked);
 
 on rows that are the model's own last hidden states over a fixed text (so the candidates are those of
 decoding: their count is printed), and the bytes each reads. Also the maximum RSS of loading the model and
