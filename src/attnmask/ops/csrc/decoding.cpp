@@ -663,6 +663,7 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
     // However a unit's work is split, each score, weight and output lane is computed by the same
     // operations in the same order.
     struct Unit {
+        int64_t block = -1;  // the row block whose keys' places koff holds (the units of one block share them)
         int64_t r0, rows, h0, g, count, first, last, n, lo[ROW_BLOCK], hi[ROW_BLOCK];
         std::vector<float> p;     // pair c's scores, then weights: p[c * n ...], keys first..last
         std::vector<int64_t> koff;  // where key t of the unit's sequence is in the pools, in floats
@@ -677,10 +678,16 @@ at::Tensor paged_attend(const at::Tensor &q, const at::Tensor &k_pool, const at:
         }
         a.first = *std::min_element(a.lo, a.lo + a.rows), a.last = *std::max_element(a.hi, a.hi + a.rows);
         a.n = a.last - a.first + 1;  // the union of the rows' keys
-        a.p.resize(a.count * a.n), a.koff.resize(a.last + 1);
-        // the keys' places, once a unit (not once a key and pass over the values)
+        a.p.resize(a.count * a.n);
+        if (a.block == block) return;  // the keys' places: those of the block's previous unit (another head)
+        // the keys' places, once a row block (not once a key and pass over the values), block by block
+        a.block = block;
+        a.koff.resize(a.last + 1);
         const int64_t *blocks = tab + seq[a.r0] * W;
-        for (int64_t t = a.first; t <= a.last; t++) a.koff[t] = (blocks[t / S] * S + t % S) * Hkv * D;
+        for (int64_t b = a.first / S; b <= a.last / S; b++) {
+            const int64_t t0 = std::max(a.first, b * S), t1 = std::min(a.last, b * S + S - 1);
+            for (int64_t t = t0; t <= t1; t++) a.koff[t] = (blocks[b] * S + t - b * S) * Hkv * D;
+        }
     };
     // the scores of key blocks [b0, b1), KEY_BLOCK keys at a time for every (row, head) of the unit, so
     // that the keys stay in L1 while each pair's query goes over them; their maxima into tops
