@@ -807,13 +807,18 @@ at::Tensor linear_panels(const at::Tensor &x, const at::Tensor &panels, const st
     return out;
 }
 
+// x (M, K) and weight (N, K), float32 CPU contiguous, of one K (x is called `name` in the message).
+void check_product(const at::Tensor &x, const at::Tensor &weight, const char *op, const char *name) {
+    check_rows(x, op, name);
+    check_rows(weight, op, "weight");
+    TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op, ": ", name, " has shape ",
+                      x.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
+}
+
 // The same product for W (N, K) row-major, packed for the call: the bits of linear_panels.
 at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
     const char *op = "linear_rows";
-    check_rows(x, op, "x");
-    check_rows(weight, op, "weight");
-    TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op, ": x has shape ",
-                      x.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
+    check_product(x, weight, op, "x");
     const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
     const float *b = checked_bias(bias, N, op);
     at::Tensor out = at::empty({M, N}, x.options());
@@ -1027,11 +1032,8 @@ void screened_rows(const float *x, const float *estimates, const double *b, cons
 at::Tensor head_argmax(const at::Tensor &h, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
                        const at::Tensor &estimates, const at::Tensor &bound) {
     const char *op = "head_argmax";
-    check_rows(h, op, "h");
-    check_rows(weight, op, "weight");
+    check_product(h, weight, op, "h");
     check_rows(estimates, op, "estimates");
-    TORCH_CHECK_VALUE(h.dim() == 2 && weight.dim() == 2 && h.size(1) == weight.size(1), op, ": h has shape ",
-                      h.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
     const int64_t M = h.size(0), N = weight.size(0), K = weight.size(1);
     check_screen(estimates, bound, M, N, op);
     at::Tensor out = at::empty({M}, h.options().dtype(at::kLong));
@@ -1181,10 +1183,7 @@ at::Tensor block_head_argmax(const at::Tensor &h, const at::Tensor &panels, cons
 at::Tensor screen_argmax(const at::Tensor &h, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
                          const at::Tensor &screen, const at::Tensor &bound, const at::Tensor &norms) {
     const char *op = "screen_argmax";
-    check_rows(h, op, "h");
-    check_rows(weight, op, "weight");
-    TORCH_CHECK_VALUE(h.dim() == 2 && weight.dim() == 2 && h.size(1) == weight.size(1), op, ": h has shape ",
-                      h.sizes(), " and weight ", weight.sizes(), "; expected (M, K) and (N, K)");
+    check_product(h, weight, op, "h");
     const int64_t M = h.size(0), N = weight.size(0), K = weight.size(1);
     const int layout = eight_bit_layout(screen, N, op, "screen");
     TORCH_CHECK_VALUE(screen.size(1) * attnmask_panel_block(layout) == K, op, ": screen of shape ", screen.sizes(),
