@@ -644,7 +644,7 @@ def test_smollm2_quantized_step_in_one_call_is_the_calls_one_by_one(smol_q, monk
 
 
 def test_a_block_heads_greedy_batch_reads_its_screen_and_keeps_every_requests_tokens(tmp_path, monkeypatch):
-    """Greedy engine steps of more than 8 rows find each token from the Q8_0 head's int8 estimates
+    """Greedy engine steps of BLOCK_SCREEN_MIN_ROWS rows or more find each token from the Q8_0 head's int8 estimates
     (decoding.block_argmax_rows, taken here in every build: where the kernels have no vector loop for the
     estimates, the portable one's values): each request's tokens are the ones it gets alone."""
     from attnmask.engine import Engine, RequestParams

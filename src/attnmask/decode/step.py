@@ -450,12 +450,12 @@ def screened_head(model, rows: int = 1) -> nn.Module | None:
     """The head where :func:`head_argmax_of` can find its arg-max without the logits, native kernels built;
     else None: a plain float32 CPU linear map, unwatched, large enough to pay for ``rows`` rows
     (:func:`~attnmask.ops.decoding.screens`), or a block head in the 8-bit layout (Q8_0, Q5_0) with float32
-    activations, for more than ``SCREEN_MAX_ROWS`` rows where the int8 estimates run fast
+    activations, for ``BLOCK_SCREEN_MIN_ROWS`` rows or more where the int8 estimates run fast
     (:func:`~attnmask.ops.decoding.block_argmax_rows`; at fewer rows its reading is what the head costs)."""
     head = model.lm_head
     if _block_head(head) and head.kind in ("Q8_0", "Q5_0"):
         fits = head.activations == "float32" and head.codes.is_cpu and not _watched(head)
-        return head if fits and rows > decoding.SCREEN_MAX_ROWS and decoding.estimates_fast() else None
+        return head if fits and rows >= decoding.BLOCK_SCREEN_MIN_ROWS and decoding.estimates_fast() else None
     if type(head) not in (nn.Linear, Linear) or _watched(head):
         return None
     w, b = head.weight, head.bias
@@ -477,7 +477,7 @@ def _block_head(head: nn.Module) -> bool:
 def prepare_screen(model) -> None:
     """Make the head's screen now (the weight's 8-bit copy and bounds, or a block head's row norms), where
     greedy steps of one row or of many will read it, rather than in the first request's step."""
-    for rows in (1, decoding.SCREEN_MAX_ROWS + 1):
+    for rows in (1, decoding.BLOCK_SCREEN_MIN_ROWS, decoding.SCREEN_MAX_ROWS + 1):
         head = screened_head(model, rows)
         if head is not None and _block_head(head):
             decoding.block_norms(head.panels()[0], head.out_features)
