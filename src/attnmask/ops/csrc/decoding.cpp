@@ -989,6 +989,20 @@ void check_screen(const at::Tensor &estimates, const at::Tensor &bound, int64_t 
                       "; expected float64 (", N, ",)");
 }
 
+// The most candidates a screened row may leave before it is computed whole (their exact outputs would cost
+// about as much as the row's whole product).
+inline int64_t most_candidates(int64_t N) { return std::max<int64_t>(64, N / 8); }
+
+// The candidates' exact outputs' first largest (vals[0 .. c)), or -1 if one is not finite.
+inline int64_t finite_first_largest(const float *vals, int64_t c) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < c; i++) {
+        if (!std::isfinite(vals[i])) return -1;
+        if (vals[i] > vals[best]) best = i;
+    }
+    return best;
+}
+
 // Each row's screened arg-max (head_argmax's steps 2-4 below), rows split over the threads; exact(x_m,
 // candidates, scratch, values) gives the candidates' exact outputs. o[m] = -1 for a row left open.
 template <typename Exact>
@@ -1016,15 +1030,11 @@ void screened_rows(const float *x, const float *estimates, const double *b, cons
             cand.clear();
             r.candidates(top, cand);
             const int64_t c = static_cast<int64_t>(cand.size());
-            if (c > std::max<int64_t>(64, N / 8)) continue;
+            if (c > most_candidates(N)) continue;
             vals.resize(static_cast<size_t>(c));
             exact(xm, cand, scratch, vals.data());
-            int64_t best = 0;
-            for (int64_t i = 0; i < c && finite; i++) {
-                finite &= std::isfinite(vals[i]);
-                if (vals[i] > vals[best]) best = i;
-            }
-            if (finite) o[m] = cand[best];
+            const int64_t best = finite_first_largest(vals.data(), c);
+            if (best >= 0) o[m] = cand[best];
         }
     });
 }
@@ -1107,16 +1117,11 @@ void screen_rows(int layout, const uint8_t *p, const float *x, const double *nor
                 for (int64_t i = 0; i < count[t * M + m]; i++)
                     if (hi[(t * M + m) * cap + i] >= best) c.push_back(cand[(t * M + m) * cap + i]);
             const int64_t n_cand = static_cast<int64_t>(c.size());
-            if (n_cand == 0 || n_cand > std::max<int64_t>(64, N / 8)) continue;
+            if (n_cand == 0 || n_cand > most_candidates(N)) continue;
             vals.resize(static_cast<size_t>(n_cand));
             exact(x + m * K, c, vals.data());
-            bool finite = true;
-            int64_t win = 0;
-            for (int64_t i = 0; i < n_cand; i++) {
-                finite &= std::isfinite(vals[i]);
-                if (vals[i] > vals[win]) win = i;
-            }
-            if (finite) o[m] = c[win];
+            const int64_t win = finite_first_largest(vals.data(), n_cand);
+            if (win >= 0) o[m] = c[win];
         }
     });
 }
