@@ -49,6 +49,28 @@ def test_norms_and_silu_match_their_definitions(shape):
     _close(decoding.silu_mul(gate_up), decoding.silu_mul_reference(gate_up.double()), "silu_mul")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_row_wise_operators_are_the_same_bits_in_any_batch(threads):
+    """Norms and SiLU give each row the bits it has alone, when a batch is long enough to be shared among
+    the threads (16 rows of 576 and 1,536, a decoding step's) and when it is not."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows, c in ((16, 576), (3, 576), (64, 64), (40, 7)):
+            x, delta, w = _randn(rows, c, seed=1), _randn(rows, c, seed=2), _randn(c, seed=3)
+            gate_up = _randn(rows, 2 * c, seed=4) * 4
+            each = [decoding.add_rms_norm(x[i : i + 1], delta[i : i + 1], w, 1e-6) for i in range(rows)]
+            total, normed = decoding.add_rms_norm(x, delta, w, 1e-6)
+            assert torch.equal(total, torch.cat([t for t, _ in each])), (rows, c)
+            assert torch.equal(normed, torch.cat([n for _, n in each])), (rows, c)
+            alone = torch.cat([decoding.rms_norm(x[i : i + 1], w, 1e-5) for i in range(rows)])
+            assert torch.equal(decoding.rms_norm(x, w, 1e-5), alone), (rows, c)
+            alone = torch.cat([decoding.silu_mul(gate_up[i : i + 1]) for i in range(rows)])
+            assert torch.equal(decoding.silu_mul(gate_up), alone), (rows, c)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("k", [576, 100, 7])
 def test_linear_rows_matches_its_definition(rows, k):

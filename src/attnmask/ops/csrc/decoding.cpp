@@ -106,6 +106,24 @@ float vdot(const float *w, const float *x, int64_t K) {
     return k < K ? s + dot(w + k, x + k, K - k) : s;
 }
 
+// fn(r) for rows r in [0, rows), each `work` floats of a row's own work: shared among the threads where
+// each thread gets at least ROW_WORK floats of it (a 16-row step's SiLU, norms and rotations: each alone
+// too short to hand over, together ~4% of the step, serial while the other thread waited), else in order
+// on the calling thread. A row is computed by the same operations whichever thread takes it.
+constexpr int64_t ROW_WORK = 4096;
+
+template <typename Fn>
+void each_row(int64_t rows, int64_t work, const Fn &fn) {
+    const int64_t grain = std::max<int64_t>(1, ROW_WORK / std::max<int64_t>(1, work));
+    if (rows < 2 * grain || at::get_num_threads() < 2) {
+        for (int64_t r = 0; r < rows; r++) fn(r);
+        return;
+    }
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; r++) fn(r);
+    });
+}
+
 void norm_row(const float *x, const float *w, float *out, int64_t C, double eps) {
     const float inv = 1.0f / std::sqrt(vdot<false>(x, x, C) / static_cast<float>(C) + static_cast<float>(eps));
     for (int64_t c = 0; c < C; c++) out[c] = w[c] * (x[c] * inv);
@@ -124,7 +142,7 @@ at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &w, double eps) {
     const int64_t C = w.size(0), rows = x.numel() / C;
     const float *xp = x.const_data_ptr<float>(), *wp = w.const_data_ptr<float>();
     float *op = out.mutable_data_ptr<float>();
-    for (int64_t r = 0; r < rows; r++) norm_row(xp + r * C, wp, op + r * C, C, eps);
+    each_row(rows, C, [&](int64_t r) { norm_row(xp + r * C, wp, op + r * C, C, eps); });
     return out;
 }
 
@@ -138,8 +156,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x, const at::T
     const int64_t C = w.size(0), rows = x.numel() / C;
     const float *xp = x.const_data_ptr<float>(), *dp = delta.const_data_ptr<float>(), *wp = w.const_data_ptr<float>();
     float *sp = sum.mutable_data_ptr<float>(), *op = out.mutable_data_ptr<float>();
-    for (int64_t i = 0; i < rows * C; i++) sp[i] = xp[i] + dp[i];
-    for (int64_t r = 0; r < rows; r++) norm_row(sp + r * C, wp, op + r * C, C, eps);
+    each_row(rows, 2 * C, [&](int64_t r) {
+        for (int64_t i = r * C; i < (r + 1) * C; i++) sp[i] = xp[i] + dp[i];
+        norm_row(sp + r * C, wp, op + r * C, C, eps);
+    });
     return {sum, out};
 }
 
@@ -1264,7 +1284,7 @@ Act activation_of(c10::string_view name) {
 
 void gated_rows(Act act, const float *gate, int64_t gs, const float *up, int64_t us, int64_t rows, int64_t F,
                 float *out) {
-    for (int64_t r = 0; r < rows; r++) {
+    each_row(rows, 4 * F, [&](int64_t r) {  // an exponential an element: about four of a norm's floats
         const float *g = gate + r * gs, *u = up + r * us;
         float *o = out + r * F;
         if (act == Act::SILU) {
@@ -1272,7 +1292,7 @@ void gated_rows(Act act, const float *gate, int64_t gs, const float *up, int64_t
         } else {
             by_lanes(g, u, o, F, gelu_mul_lanes);
         }
-    }
+    });
 }
 
 void silu_rows(const float *gate, int64_t gs, const float *up, int64_t us, int64_t rows, int64_t F, float *out) {
@@ -1338,17 +1358,19 @@ at::Tensor attention_inputs(const at::Tensor &like, const float *q, int64_t qs, 
     at::Tensor out = at::empty({N, H * D}, like.options());
     float *qp = out.mutable_data_ptr<float>(), *kc = k_pool.mutable_data_ptr<float>();
     float *vc = v_pool.mutable_data_ptr<float>();
-    std::vector<float> normed(D);
+    TORCH_CHECK_VALUE(D <= 512, "packed_step: heads of ", D, " features; at most 512 are supported");
+    for (int64_t r = 0; r < N; r++)  // every slot checked before any row is written
+        TORCH_CHECK_VALUE(0 <= slots[r] && slots[r] < cells, "packed_step: row ", r, " writes slot ", slots[r],
+                          " of a pool of ", cells);
     auto head = [&](const float *x, const float *w, double eps, int64_t r, float *y) {
+        float normed[512];  // D <= 512 (checked above)
         if (w != nullptr) {  // RMSNorm over the head, as rms_norm computes each row of (N * heads, D)
-            norm_row(x, w, normed.data(), D, eps);
-            x = normed.data();
+            norm_row(x, w, normed, D, eps);
+            x = normed;
         }
         rotate_row(x, c ? c + r * D : nullptr, s ? s + r * D : nullptr, y, D);
     };
-    for (int64_t r = 0; r < N; r++) {
-        TORCH_CHECK_VALUE(0 <= slots[r] && slots[r] < cells, "packed_step: row ", r, " writes slot ", slots[r],
-                          " of a pool of ", cells);
+    each_row(N, (H + 2 * Hkv) * D, [&](int64_t r) {  // a row writes its own slots: rows apart, pools apart
         for (int64_t h = 0; h < H; h++) head(q + r * qs + h * D, qw, q_eps, r, qp + (r * H + h) * D);
         for (int64_t g = 0; g < Hkv; g++) {
             head(k + r * ks + g * D, kw, k_eps, r, kc + (slots[r] * Hkv + g) * D);
@@ -1356,7 +1378,7 @@ at::Tensor attention_inputs(const at::Tensor &like, const float *q, int64_t qs, 
             float *y = vc + (slots[r] * Hkv + g) * D;
             for (int64_t d = 0; d < D; d++) y[d] = x[d];
         }
-    }
+    });
     return out;
 }
 
