@@ -32,12 +32,18 @@ block of 32, llama.cpp's own arithmetic), side by side with the peers in the sam
 server (llama-server counts a token over its last 64, prompt included; attnmask, as OpenAI and vLLM,
 over the generated tokens: the answers differ between servers, each server's own stay comparable).
 
+``--repeats N`` runs the whole comparison N times in a row (each server started afresh each time) and ends
+with each server's median over the runs: tok/s per level, the ratio of its highest level to one stream,
+and attnmask's ratios to llama-server, each the median of the runs' own ratios. On a shared or virtual
+machine whose speed changes between processes (docs/benchmarks.md: a 16-row step at 24 ms in one process
+and 31.5 in the next), one run's ratio says little.
+
 ``--json`` holds every answer to a JSON object (structured output): attnmask's ``response_format``
 ``json_object`` (llguidance), llama-server's ``json_schema`` ``{"type": "object"}`` (its own grammar
 sampler); the table adds the fraction of answers that parse (one cut by ``max_tokens`` does not).
 
 Run: ``python benchmarks/serve.py [--levels 1,4,16,64] [--max-tokens 64] [--threads 2] [--quantized
-[--activations float32,int8]] [--llama-server PATH] [--llama-cpp-python PYTHON] [--skip-attnmask]
+[--activations float32,int8]] [--llama-server PATH] [--llama-cpp-python PYTHON] [--skip-attnmask] [--repeats N]
 [--frequency-penalty F] [--presence-penalty P] [--json]``.
 On a GPU: ``--device cuda``, attnmask's engine against transformers' continuous batching
 (``generate_batch``) on the same weights, in-process (:mod:`serve_cuda`).
@@ -54,6 +60,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -291,6 +298,9 @@ def main() -> None:
     parser.add_argument("--llama-cpp-python", default=None, help="python of an env with llama-cpp-python[server]")
     parser.add_argument("--skip-attnmask", action="store_true")
     parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of the whole comparison; then each server's medians"
+    )
+    parser.add_argument(
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -315,12 +325,28 @@ def main() -> None:
     settings = args.activations.split(",") if args.quantized else ["float32"]
     if any(a not in ("float32", "int8") for a in settings):
         parser.error(f"--activations: expected float32, int8 or both, comma-separated; got {args.activations!r}")
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected a positive number of runs; got {args.repeats}")
+    if not args.llama_server:
+        print("# llama-server: not found (--llama-server PATH)")
+    runs: list[dict[str, dict]] = []  # each run: server name -> level -> stats
+    for run in range(args.repeats):
+        if args.repeats > 1:
+            print(f"# run {run + 1} of {args.repeats}", flush=True)
+        runs.append(run_servers(args, levels, settings))
+    if args.repeats > 1:
+        summarize(runs, levels)
+
+
+def run_servers(args, levels: list[int], settings: list[str]) -> dict[str, dict]:
+    """One run of every server the arguments name, one after another: name -> level -> stats."""
+    rows = {}
     for activation in [] if args.skip_attnmask else settings:
         args.activation = activation  # start_attnmask's
         name = (
             "attnmask" + (" blocks" if args.quantized else "") + (", int8 activations" if activation == "int8" else "")
         )
-        bench(
+        rows[name] = bench(
             name,
             start_attnmask,
             args,
@@ -328,12 +354,33 @@ def main() -> None:
             {"extra_body": {"response_format": {"type": "json_object"}}} if args.json else None,
         )
     if args.llama_server:
-        bench("llama-server", start_llama, args, levels, {"extra_body": {"json_schema": {"type": "object"}}}
-              if args.json else None)  # fmt: skip
-    else:
-        print("# llama-server: not found (--llama-server PATH)")
+        rows["llama-server"] = bench("llama-server", start_llama, args, levels, {"extra_body": {"json_schema": {
+            "type": "object"}}} if args.json else None)  # fmt: skip
     if args.llama_cpp_python:
-        bench("llama_cpp.server", start_llama_cpp_python, args, levels)
+        rows["llama_cpp.server"] = bench("llama_cpp.server", start_llama_cpp_python, args, levels)
+    return rows
+
+
+def summarize(runs: list[dict[str, dict]], levels: list[int]) -> None:
+    """Each server's medians over the runs: tok/s per level, its highest level over one stream, and (attnmask's)
+    its tok/s over llama-server's at each level; every ratio the median of the runs' own ratios."""
+    top = max(levels)
+    print(f"# medians of {len(runs)} runs (each ratio: the median of the runs' ratios)")
+    for name in runs[0]:
+        rows = [run[name] for run in runs]
+        speeds = "  ".join(f"c={c} {statistics.median(r[c]['tok_s'] for r in rows):7.1f}" for c in levels)
+        line = f"{name:<12} tok/s {speeds}"
+        if top > 1:
+            line += f"  c={top}/c=1 {statistics.median(r[top]['tok_s'] / r[1]['tok_s'] for r in rows):5.2f}"
+        same = min(r[c].get("same", 1.0) for r in rows for c in levels)
+        line += f"  same as solo (lowest) {same:.0%}"
+        if name.startswith("attnmask") and "llama-server" in runs[0]:
+            peer = [run["llama-server"] for run in runs]
+            line += "  vs llama-server " + "  ".join(
+                f"c={c} {statistics.median(r[c]['tok_s'] / p[c]['tok_s'] for r, p in zip(rows, peer)):4.2f}x"
+                for c in levels
+            )
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
