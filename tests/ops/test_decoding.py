@@ -282,12 +282,14 @@ def test_a_block_heads_screen_answers_rows_it_cannot_screen_whole():
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 33, 4099])
+@pytest.mark.parametrize("n", [1, 15, 16, 33, 63, 64, 65, 127, 200, 4099])
 def test_first_largest_is_maxs_index(n):
     """first_largest (greedy decoding's choice) against ``max(dim=-1).indices`` on rows with exact ties, a NaN
-    (several: the first wins), a row of -inf, signed zeros, and lengths around the vector's 16."""
+    (several: the first wins), a row of -inf, signed zeros, the largest value last, and lengths around the
+    vector's 16 and the four vectors' 64."""
     g = torch.Generator().manual_seed(n)
-    x = torch.randn(7, n, generator=g).round()  # many ties
+    x = torch.randn(8, n, generator=g).round()  # many ties
+    x[7, -1] = 1e3
     x[1, torch.randint(0, n, (2,), generator=g)] = float("nan")
     x[2] = float("-inf")
     x[3] = -1.0

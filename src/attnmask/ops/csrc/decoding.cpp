@@ -854,21 +854,39 @@ int64_t first_largest_row(const float *x, int64_t N) {
     bool nan = false;
     int64_t n = 0;
 #if defined(__AVX512F__)
-    __m512 tops = _mm512_set1_ps(top);
+    // four maxima side by side (a maximum of values that are not NaN is the same in any order; which zero a
+    // tie of zeros keeps does not matter: -0.0 == 0.0 below), NaNs noted apart
+    __m512 tops[4];
+    for (__m512 &t : tops) t = _mm512_set1_ps(top);
     __mmask16 unordered = 0;
+    for (; n + 64 <= N; n += 64)
+        for (int j = 0; j < 4; j++) {
+            const __m512 v = _mm512_loadu_ps(x + n + 16 * j);
+            unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            tops[j] = _mm512_max_ps(tops[j], v);
+        }
     for (; n + 16 <= N; n += 16) {
         const __m512 v = _mm512_loadu_ps(x + n);
         unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        tops = _mm512_max_ps(tops, v);
+        tops[0] = _mm512_max_ps(tops[0], v);
     }
-    nan = unordered != 0;
-    top = _mm512_reduce_max_ps(tops);
+    nan = unordered != 0;  // then the top is not used: the first NaN is the answer
+    top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3])));
 #endif
     for (; n < N; n++) {
         nan |= std::isnan(x[n]);
         top = x[n] > top ? x[n] : top;
     }
-    for (n = 0; n < N; n++)
+    n = 0;
+#if defined(__AVX512F__)
+    const __m512 want = _mm512_set1_ps(top);  // then the first lane that is the top (or a NaN), 16 at a time
+    for (; n + 16 <= N; n += 16) {
+        const __m512 v = _mm512_loadu_ps(x + n);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, want, _CMP_EQ_OQ);
+        if (hit) return n + __builtin_ctz(hit);
+    }
+#endif
+    for (; n < N; n++)
         if (nan ? std::isnan(x[n]) : x[n] == top) return n;
     return 0;  // not reached: some value is the largest
 }
