@@ -13,8 +13,9 @@ import torch
 
 from attnmask import decode, masks, ops
 from attnmask.decode import steps
-from attnmask.decode.step import Seq2SeqPlan
+from attnmask.decode.step import Seq2SeqPlan, packed_forward
 from attnmask.model import fuse_projections_
+from attnmask.model.cache import PagedKVCache
 from attnmask.ops import blocks, decoding
 from tests.conftest import run_python, tiny_model
 
@@ -395,6 +396,17 @@ def test_decoding_runs_a_step_in_one_call(monkeypatch):
         with torch.no_grad():
             want = model.decode(torch.tensor([row + STEPS[b].tolist()]), mask=masks.causal())[0, len(row) :]
         torch.testing.assert_close(got[b], want, atol=1e-5 * want.abs().max(), rtol=0)
+
+
+def test_a_step_refuses_two_rows_that_write_one_cache_slot():
+    """The step writes its rows' keys and values from several threads: two rows naming one cache slot (one
+    position of a sequence twice) are refused, never raced."""
+    model = _fused_model()
+    cache = PagedKVCache.for_model(model, num_blocks=4, block_size=4)
+    tokens, positions, row_seq = torch.tensor([3, 4, 5]), torch.tensor([0, 1, 1]), torch.tensor([0, 0, 0])
+    with torch.inference_mode(), pytest.raises(ValueError, match="two rows write cache slot 5 .block 1"):
+        packed_forward(model, cache, tokens, positions, row_seq, torch.tensor([[1]]), torch.tensor([2]),
+                       steps.fused_plan(model))  # fmt: skip
 
 
 def test_a_watched_module_takes_the_same_calls_from_python(monkeypatch):

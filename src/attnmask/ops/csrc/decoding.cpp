@@ -1415,6 +1415,14 @@ std::vector<int64_t> slots_of(const at::Tensor &tables, const int64_t *seq, cons
                           " sequences of at most ", W * S, " positions");
         slots[r] = tab[seq[r] * W + pos[r] / S] * S + pos[r] % S;
     }
+    // no two rows write one cache slot: each row's key and value are its own (and the rows are written by
+    // several threads at once)
+    std::vector<int64_t> order(slots);
+    std::sort(order.begin(), order.end());
+    const auto twice = std::adjacent_find(order.begin(), order.end());
+    TORCH_CHECK_VALUE(twice == order.end(), "packed_step: two rows write cache slot ", twice == order.end() ? 0 : *twice,
+                      " (block ", twice == order.end() ? 0 : *twice / S, "); each row needs a slot of its own: a "
+                      "sequence's positions once each, and blocks no other sequence writes");
     return slots;
 }
 
