@@ -35,8 +35,8 @@ over the generated tokens: the answers differ between servers, each server's own
 ``--repeats N`` runs the whole comparison N times in a row (each server started afresh each time) and ends
 with each server's median over the runs: tok/s per level, the ratio of its highest level to one stream,
 and attnmask's ratios to llama-server, each the median of the runs' own ratios. On a shared or virtual
-machine whose speed changes between processes (docs/benchmarks.md: a 16-row step at 24 ms in one process
-and 31.5 in the next), one run's ratio says little.
+machine whose speed changes between processes (docs/benchmarks.md: one 16-row step took 24-25 ms in some
+processes and 30-35 ms in others), one run's ratio says little.
 
 ``--json`` holds every answer to a JSON object (structured output): attnmask's ``response_format``
 ``json_object`` (llguidance), llama-server's ``json_schema`` ``{"type": "object"}`` (its own grammar
