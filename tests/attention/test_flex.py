@@ -90,6 +90,56 @@ def test_flex_per_head_tensor_mask_and_prepared_mask_shared_by_layers(eager_flex
     assert pm.block_mask("cpu") is first  # built once, every layer reuses it
 
 
+def _spy_kernel(monkeypatch, seen: list):
+    """``_flex_kernel`` replaced by eager FlexAttention that records the head size and dynamo's
+    recompile limit of each call."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def kernel(q, k, v, **kwargs):
+        seen.append((q.shape[-1], torch._dynamo.config.recompile_limit))
+        return flex_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(backends, "_flex_kernel", lambda q: kernel)
+
+
+@pytest.mark.parametrize("D", [4, 8, 12, 16])
+def test_flex_pads_head_sizes_under_16_with_the_true_scale(monkeypatch, D):
+    """Triton's FlexAttention refuses D < 16 (a lowering error on CUDA, seen on an H200 with a tiny
+    model): such heads are zero-padded to 16, which changes no score and no kept output column."""
+    seen = []
+    _spy_kernel(monkeypatch, seen)
+    mask = masks.causal() & masks.sliding_window(3) & masks.padding(lengths=[6, 4])
+    q, k, v = qkv(2, 4, 2, 6, 6, D, seed=7)
+    with torch.no_grad():
+        out = attention(q, k, v, mask, backend="flex")
+    assert out.shape == (2, 4, 6, D)
+    assert [d for d, _ in seen] == [16]
+    assert_close(out.double(), reference_attention(q, k, v, mask.to_bool(2, 6, 6))[0], rtol=1e-5, atol=1e-5)
+
+
+def test_flex_raises_dynamos_recompile_limit_only_while_its_call_runs(monkeypatch):
+    """At dynamo's default limit of 8 compiled variants (shared with every other torch.compile of
+    flex_attention in the process) a ninth shape fell back to the unfused path that materialises
+    Tq x Tk, with a warning only: attnmask's calls run under ``FLEX_RECOMPILE_LIMIT``, and the process's
+    own setting is back when the call returns or raises."""
+    seen = []
+    _spy_kernel(monkeypatch, seen)
+    q, k, v = qkv(1, 2, 2, 5, 5, 16, seed=8)
+    with torch._dynamo.config.patch(recompile_limit=8):  # the process's own setting (dynamo's default)
+        with torch.no_grad():
+            attention(q, k, v, masks.causal(), backend="flex")
+        assert seen == [(16, backends.FLEX_RECOMPILE_LIMIT)] and backends.FLEX_RECOMPILE_LIMIT > 8
+        assert torch._dynamo.config.recompile_limit == 8
+
+        def broken(q, k, v, **kwargs):
+            raise RuntimeError("kernel failed")
+
+        monkeypatch.setattr(backends, "_flex_kernel", lambda q: broken)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="kernel failed"):
+            attention(q, k, v, masks.causal(), backend="flex")
+        assert torch._dynamo.config.recompile_limit == 8
+
+
 @pytest.mark.slow  # one compilation: 15-30 s on 2 cores
 def test_compiled_flex_on_the_cpu_equals_the_reference():
     """The fused kernel (torch.compile) for one problem with padding, empty rows and grouped heads."""

@@ -351,6 +351,14 @@ def _tiles(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
 # ---------------------------------------------------------------------------------------------
 FLEX_COMPILE = True  # False: eager FlexAttention (same masks and maths, unfused); tests use it for speed
 _FLEX_COMPILED: dict[str, Callable] = {}  # device type -> compiled flex_attention
+# Compiled variants of FlexAttention a process may hold before dynamo gives up on it. Dynamo keeps one
+# cache per function for every caller in the process (ours, the user's own torch.compile(flex_attention))
+# and at its default limit of 8 falls back, with a warning, to the unfused path that materialises
+# Tq x Tk: measured on an H200, a benchmark's ninth variant (D 128, forward+backward) ran 15-50x slower.
+# A CPU kernel is compiled per shape (below), so a ninth sequence length was enough there. The limit is
+# raised only while attnmask's own call runs.
+FLEX_RECOMPILE_LIMIT = 64
+_FLEX_MIN_HEAD_DIM = 16  # Triton's FlexAttention kernels need D >= 16 (smaller: a lowering error)
 # the dtypes compiled FlexAttention takes on the CPU (torch 2.13: no float64)
 _CPU_FLEX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -388,6 +396,28 @@ def _flex_kernel(q: Tensor):
     return _FLEX_COMPILED[kind]
 
 
+def flex_call(q: Tensor, k: Tensor, v: Tensor, *, block_mask, scale: float | None, enable_gqa: bool, **kwargs):
+    """FlexAttention over ``q, k, v (B, H, T, D)`` as attnmask runs it: the kernel of
+    :func:`_flex_kernel`; head sizes under 16 zero-padded to 16, which Triton's kernels need (exact: the
+    padded columns add 0 to every score and give output columns that are dropped), with the scale of the
+    true size; compiled under a recompile limit of ``FLEX_RECOMPILE_LIMIT``, restored when the call returns."""
+    D = q.shape[-1]
+    if scale is None:
+        scale = D**-0.5
+    if D < _FLEX_MIN_HEAD_DIM:
+        pad = (0, _FLEX_MIN_HEAD_DIM - D)
+        q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
+    kernel = _flex_kernel(q)
+    config = torch._dynamo.config
+    limit = config.recompile_limit
+    config.recompile_limit = max(limit, FLEX_RECOMPILE_LIMIT)
+    try:
+        out = kernel(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **kwargs)
+    finally:
+        config.recompile_limit = limit
+    return out[..., :D] if out.shape[-1] != D else out
+
+
 def _flex(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
     """Compiled FlexAttention with the mask's ``BlockMask`` (built once per PreparedMask, so once per
     forward for every layer). Fully masked rows give zero output and zero gradient by FlexAttention's
@@ -409,7 +439,7 @@ def _flex(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
                 "(SDPA and the block plan on the CPU)"
             )
         q, k, v = q.detach(), k.detach(), v.detach()  # FlexAttention refuses CPU tensors that require grad
-    out = _flex_kernel(q)(
+    out = flex_call(
         q, k, v, block_mask=pm.block_mask(q.device), scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )  # (B, H, Tq, D)
     return out, None

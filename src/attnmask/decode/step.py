@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnmask import masks, ops
-from attnmask.attention.backends import _flex_kernel, flex_available
+from attnmask.attention.backends import flex_available, flex_call
 from attnmask.errors import UserError
 from attnmask.linear import Linear
 from attnmask.model.cache import PagedKVCache
@@ -189,7 +189,8 @@ class SourceMemory:
         segments = torch.repeat_interleave(torch.arange(Q), lengths)  # (T,)
         starts = torch.cumsum(lengths, 0) - lengths  # (Q,)
         positions = torch.arange(ids.shape[0]) - starts[segments]  # (T,): restarting at each source
-        model._check_positions(positions[None])  # a source longer than the model's positions: a clear error
+        # a source longer than the model's positions: a clear error
+        model._positions(positions[None], 1, positions.shape[0], positions.device)
         last = (lengths - 1)[segments]  # (T,): each row reads its source whole
         tables = torch.arange(Q)[:, None]  # (Q, 1): one block per source
         x = model._embed(ids[None], positions[None], source=True)[0]  # (T, C)
@@ -401,7 +402,7 @@ def _attend_flex(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_mask, H: int, 
     k = k_pool.view(P * S, Hkv, D).permute(1, 0, 2)[None]  # (1, Hkv, P S, D), a view of the pool
     v = v_pool.view(P * S, Hkv, D).permute(1, 0, 2)[None]
     options = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2} if qq.is_cuda else None  # fits shared memory
-    out = _flex_kernel(qq)(qq, k, v, block_mask=block_mask, scale=D**-0.5, enable_gqa=Hkv != H, kernel_options=options)
+    out = flex_call(qq, k, v, block_mask=block_mask, scale=D**-0.5, enable_gqa=Hkv != H, kernel_options=options)
     return out[0, :, :N].permute(1, 0, 2).reshape(N, H * D).to(q.dtype)
 
 

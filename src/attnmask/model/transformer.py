@@ -234,13 +234,23 @@ class Transformer(nn.Module):
             x = x + self.pos_table[positions].to(x.dtype)
         return self.emb_dropout(x)
 
-    def _check_positions(self, positions: Tensor) -> None:
-        if torch.compiler.is_compiling():  # a host read would break the graph; the table lookup still bounds it
-            return
-        if self.config.positions != "rotary" and positions.numel() and int(positions.max()) >= self.config.max_seq_len:
-            raise UserError(
-                f"position {int(positions.max())} exceeds the model's max_seq_len={self.config.max_seq_len}"
-            )
+    def _positions(self, positions: Tensor | None, B: int, T: int, device) -> Tensor:
+        """``positions (B, T)``, default ``arange(T)``, checked against a learned or sinusoidal table's
+        ``max_seq_len`` without a device-to-host read off the CPU: the default's bound is known on the
+        host, explicit positions on an accelerator are asserted on the device."""
+        limit = self.config.max_seq_len
+        table = self.config.positions != "rotary"
+        if positions is None:
+            if table and limit < T:
+                raise UserError(f"position {T - 1} exceeds the model's max_seq_len={limit}")
+            return torch.arange(T, device=device).expand(B, T)
+        if not table or not positions.numel() or torch.compiler.is_compiling():  # compiled: the lookup bounds it
+            return positions
+        if positions.device.type != "cpu":
+            torch._assert_async(positions.max() < limit, f"a position exceeds the model's max_seq_len={limit}")
+        elif int(positions.max()) >= limit:
+            raise UserError(f"position {int(positions.max())} exceeds the model's max_seq_len={limit}")
+        return positions
 
     def _rope(self, positions: Tensor, rotary: Rotary | None = None):
         if self.config.positions != "rotary":
@@ -260,9 +270,7 @@ class Transformer(nn.Module):
         if not self.is_encoder_decoder:
             raise UserError("encode() needs an encoder-decoder model (ModelConfig.arch='encoder_decoder')")
         B, S = src_ids.shape
-        if positions is None:
-            positions = torch.arange(S, device=src_ids.device).expand(B, S)  # (B, S)
-        self._check_positions(positions)
+        positions = self._positions(positions, B, S, src_ids.device)  # (B, S)
         x = self._embed(src_ids, positions, source=True)
         src_mask = self.source_mask(src_ids) if src_mask is None else src_mask
         pm = prepare_mask(src_mask, B, self.config.n_heads, S, S, device=x.device)
@@ -298,9 +306,7 @@ class Transformer(nn.Module):
         B, T = ids.shape
         if self.is_encoder_decoder and memory is None:
             raise UserError("an encoder-decoder model's decoder needs memory: the encoder output (B, S, C)")
-        if positions is None:
-            positions = torch.arange(T, device=ids.device).expand(B, T)  # (B, T)
-        self._check_positions(positions)
+        positions = self._positions(positions, B, T, ids.device)  # (B, T)
         if mask is None:
             mask = self.target_mask(ids)
         x = self._embed(ids, positions, source=False)
