@@ -140,6 +140,18 @@ def test_flex_raises_dynamos_recompile_limit_only_while_its_call_runs(monkeypatc
         assert torch._dynamo.config.recompile_limit == 8
 
 
+def test_the_compiled_blockmask_builder_runs_under_the_same_limit(monkeypatch):
+    """Off the CPU the BlockMask builder is ``torch.compile(create_block_mask)``, whose eager fallback
+    past the limit evaluates the mask over the whole grid: it runs under ``RECOMPILE_LIMIT`` too."""
+    from attnmask.masks import core
+
+    seen = []
+    monkeypatch.setattr(core, "_COMPILED_BUILDER", lambda *a, **k: seen.append(torch._dynamo.config.recompile_limit))
+    with torch._dynamo.config.patch(recompile_limit=8):
+        core._create_block_mask(lambda b, h, q, kv: q >= kv, 1, 256, 256, torch.device("meta"), 128)
+        assert seen == [core.RECOMPILE_LIMIT] and torch._dynamo.config.recompile_limit == 8
+
+
 @pytest.mark.slow  # one compilation: 15-30 s on 2 cores
 def test_compiled_flex_on_the_cpu_equals_the_reference():
     """The fused kernel (torch.compile) for one problem with padding, empty rows and grouped heads."""

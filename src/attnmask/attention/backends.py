@@ -351,13 +351,9 @@ def _tiles(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
 # ---------------------------------------------------------------------------------------------
 FLEX_COMPILE = True  # False: eager FlexAttention (same masks and maths, unfused); tests use it for speed
 _FLEX_COMPILED: dict[str, Callable] = {}  # device type -> compiled flex_attention
-# Compiled variants of FlexAttention a process may hold before dynamo gives up on it. Dynamo keeps one
-# cache per function for every caller in the process (ours, the user's own torch.compile(flex_attention))
-# and at its default limit of 8 falls back, with a warning, to the unfused path that materialises
-# Tq x Tk: measured on an H200, a benchmark's ninth variant (D 128, forward+backward) ran 15-50x slower.
-# A CPU kernel is compiled per shape (below), so a ninth sequence length was enough there. The limit is
-# raised only while attnmask's own call runs.
-FLEX_RECOMPILE_LIMIT = 64
+# Compiled FlexAttention variants a process may hold (masks.core.RECOMPILE_LIMIT: past dynamo's default
+# of 8 it ran unfused; a CPU kernel is compiled per shape, so there a ninth sequence length was enough)
+FLEX_RECOMPILE_LIMIT = M.core.RECOMPILE_LIMIT
 _FLEX_MIN_HEAD_DIM = 16  # Triton's FlexAttention kernels need D >= 16 (smaller: a lowering error)
 # the dtypes compiled FlexAttention takes on the CPU (torch 2.13: no float64)
 _CPU_FLEX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -407,14 +403,10 @@ def flex_call(q: Tensor, k: Tensor, v: Tensor, *, block_mask, scale: float | Non
     if D < _FLEX_MIN_HEAD_DIM:
         pad = (0, _FLEX_MIN_HEAD_DIM - D)
         q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
-    kernel = _flex_kernel(q)
-    config = torch._dynamo.config
-    limit = config.recompile_limit
-    config.recompile_limit = max(limit, FLEX_RECOMPILE_LIMIT)
-    try:
-        out = kernel(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **kwargs)
-    finally:
-        config.recompile_limit = limit
+    out = M.core.call_compiled(
+        _flex_kernel(q), q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+        limit=FLEX_RECOMPILE_LIMIT, **kwargs,
+    )  # fmt: skip
     return out[..., :D] if out.shape[-1] != D else out
 
 

@@ -280,6 +280,25 @@ class Mask:
 
 
 _COMPILED_BUILDER = None
+# Compiled variants of one function a process may hold before dynamo gives up on it: dynamo keeps one
+# cache per function (create_block_mask, flex_attention) for every caller in the process, ours and the
+# user's own torch.compile of it, and at its default limit of 8 falls back, with a warning only, to the
+# eager function: create_block_mask then evaluates the mask over the whole B x Tq x Tk grid, flex_attention
+# materialises Tq x Tk (measured on an H200: a benchmark's ninth variant ran 15-50x slower). attnmask's
+# compiled calls run under this limit, raised only while the call runs (:func:`call_compiled`).
+RECOMPILE_LIMIT = 64
+
+
+def call_compiled(fn, *args, limit: int = RECOMPILE_LIMIT, **kwargs):
+    """``fn(*args, **kwargs)`` (a ``torch.compile`` result) with dynamo's recompile limit at least
+    ``limit`` while it runs; the process's own setting is back when it returns or raises."""
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    config.recompile_limit = max(before, limit)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        config.recompile_limit = before
 
 
 def _create_block_mask(mod, B: int | None, q_len: int, kv_len: int, device: torch.device, block_size, heads=None):
@@ -289,14 +308,14 @@ def _create_block_mask(mod, B: int | None, q_len: int, kv_len: int, device: torc
     from torch.nn.attention.flex_attention import create_block_mask
 
     build = create_block_mask
+    H = None if heads in (None, 1) else heads
     if device.type != "cpu" and not torch.compiler.is_compiling():
         if _COMPILED_BUILDER is None:
             # automatic dynamic shapes: a second batch size or length compiles once more and then stays
             # dynamic (static, a training run whose packed batches had 16, 9, 16, 12 rows recompiled for
             # each new count, 5-10 s each on an H200)
             _COMPILED_BUILDER = torch.compile(create_block_mask, dynamic=None)
-        build = _COMPILED_BUILDER
-    H = None if heads in (None, 1) else heads
+        return call_compiled(_COMPILED_BUILDER, mod, B, H, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
     return build(mod, B, H, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
 
 
