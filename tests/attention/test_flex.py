@@ -254,6 +254,32 @@ def test_prepare_mask_on_an_accelerator_keeps_empty_rows_as_a_tensor():
     assert pm.sdpa_mask(torch.bfloat16).dtype == torch.bool  # no additive copy off the CPU
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"arch": "encoder_decoder", "positions": "sinusoidal"},
+        {"arch": "decoder", "positions": "learned"},
+        {"arch": "decoder", "positions": "rotary"},
+        {  # Gemma 3's parts: grouped heads, q/k norms, a windowed and a global layer
+            "arch": "decoder", "positions": "rotary", "n_kv_heads": 2, "qk_norm": True, "sliding_window": 3,
+            "layer_types": ("sliding", "full"),
+        },
+    ],
+)  # fmt: skip
+def test_a_models_forward_off_the_cpu_reads_nothing_back(monkeypatch, config):
+    """The whole forward on the ``meta`` device, where any read of a value back to the host raises: what
+    the CUDA test below checks, without a GPU (it caught a ``max_seq_len`` check reading the positions'
+    maximum back in every forward, found on an H200)."""
+    from tests.conftest import tiny_model
+
+    Calls(monkeypatch)
+    model = tiny_model(pad_id=0, **config).to("meta")
+    ids = torch.empty(2, 6, dtype=torch.long, device="meta")
+    with torch.no_grad():
+        out = model(ids, ids) if model.is_encoder_decoder else model(ids)
+    assert out.logits.shape == (2, 6, model.config.vocab_size)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_forward_makes_no_device_to_host_copy():
