@@ -27,6 +27,7 @@ import torch
 
 from attnmask.decode import step as step_module
 from attnmask.engine import Engine, RequestParams
+from attnmask.model import fuse_projections_
 from attnmask.pretrained.hf import transformer_from_hf_model
 
 
@@ -123,12 +124,16 @@ def main() -> None:
     p.add_argument("--levels", default="1,16", help="comma-separated numbers of requests decoded at once")
     p.add_argument("--tokens", type=int, default=64, help="new tokens a request")
     p.add_argument("--profile-steps", type=int, default=10, help="batch-1 steps under torch.profiler")
+    p.add_argument("--fuse", action="store_true", help="q/k/v and gate/up as one product each, as `attnmask serve` "
+                   "loads a model (default: apart, as transformers' conversion gives them)")  # fmt: skip
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"# {name}, torch {torch.__version__}, {dtype}; SmolLM2-135M's shape, random weights, greedy")
     model = smollm2_shape(device, dtype)
+    if args.fuse:
+        fuse_projections_(model)
     with torch.inference_mode():
         for level in [int(x) for x in args.levels.split(",")]:
             ms = timed_level(model, level, args.tokens, 32)

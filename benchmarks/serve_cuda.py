@@ -79,6 +79,7 @@ def run_hf(hf, prompts: list[list[int]], args) -> tuple[float, list[list[int]]]:
 def main_cuda(args) -> None:
     import transformers as tf
 
+    from attnmask.model import fuse_projections_
     from attnmask.pretrained import load
     from attnmask.train.export import export_hf
     from serve import PROMPTS  # benchmarks/, run as a script
@@ -90,7 +91,9 @@ def main_cuda(args) -> None:
     hf_dir = Path(tempfile.mkdtemp()) / "hf"
     export_hf(model, tokenizer, chat, hf_dir)
     hf = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to("cuda").eval()
-    model = model.to("cuda", dtype).eval()
+    # as `attnmask serve` loads it: q/k/v and gate/up fused, 5 products a layer instead of 7 (the
+    # export above needs them apart; the figures of 2026-11-25 were measured with them apart)
+    model = fuse_projections_(model.to("cuda", dtype).eval())
     levels = sorted({int(x) for x in args.levels.split(",")} | {1})
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {tf.__version__}")
     attn = hf.config._attn_implementation
