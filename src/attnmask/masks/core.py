@@ -291,7 +291,10 @@ RECOMPILE_LIMIT = 64
 
 def call_compiled(fn, *args, limit: int = RECOMPILE_LIMIT, **kwargs):
     """``fn(*args, **kwargs)`` (a ``torch.compile`` result) with dynamo's recompile limit at least
-    ``limit`` while it runs; the process's own setting is back when it returns or raises."""
+    ``limit`` while it runs; the process's own setting is back when it returns or raises. Inside a
+    ``torch.compile`` trace ``fn`` is traced as it is (the caller's compilation has its own limit)."""
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
     config = torch._dynamo.config
     before = config.recompile_limit
     config.recompile_limit = max(before, limit)
@@ -307,7 +310,6 @@ def _create_block_mask(mod, B: int | None, q_len: int, kv_len: int, device: torc
     global _COMPILED_BUILDER
     from torch.nn.attention.flex_attention import create_block_mask
 
-    build = create_block_mask
     H = None if heads in (None, 1) else heads
     if device.type != "cpu" and not torch.compiler.is_compiling():
         if _COMPILED_BUILDER is None:
@@ -316,7 +318,7 @@ def _create_block_mask(mod, B: int | None, q_len: int, kv_len: int, device: torc
             # each new count, 5-10 s each on an H200)
             _COMPILED_BUILDER = torch.compile(create_block_mask, dynamic=None)
         return call_compiled(_COMPILED_BUILDER, mod, B, H, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
-    return build(mod, B, H, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
+    return create_block_mask(mod, B, H, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
 
 
 def _as_mask(m) -> Mask:
