@@ -364,6 +364,36 @@ def test_packed_forward_gives_the_full_forward_logits(variant, flex, monkeypatch
             torch.testing.assert_close(torch.cat(got[s]), w, atol=2e-5 * w.abs().max(), rtol=0)
 
 
+@pytest.mark.parametrize("variant", ["rotary-gqa-fused", "learned-post-norm", "rotary-windows"])
+def test_the_packed_step_off_the_cpu_reads_nothing_back(variant, monkeypatch):
+    """The step as it runs on a GPU (FlexAttention over the pool, a ``BlockMask`` per layer group and
+    window) on the ``meta`` device, where any read of a value back to the host raises: a step a CUDA
+    graph could capture. The kernel and the compiled BlockMask builder are stand-ins that return the
+    right shapes; everything around them runs as it is."""
+    from types import SimpleNamespace
+
+    from attnmask.decode import step as step_module
+    from attnmask.masks import core
+
+    built = []
+
+    def builder(mod, B, H, q_len, kv_len, **kw):
+        built.append((q_len, kv_len))
+        return SimpleNamespace(shape=(1, 1, q_len, kv_len))
+
+    monkeypatch.setattr(core, "_COMPILED_BUILDER", builder)
+    monkeypatch.setattr(step_module, "flex_call", lambda q, k, v, **kw: q.new_zeros(q.shape))
+    model = model_of(variant).to("meta")
+    cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4)
+    assert cache.k[0].device.type == "meta"
+    ids = lambda *shape: torch.empty(*shape, dtype=torch.long, device="meta")  # noqa: E731
+    tables = [ids(2, 3) for _ in cache.groups]
+    with torch.inference_mode():
+        logits = packed_forward(model, cache, ids(5), ids(5), ids(5), tables, ids(2), flex=True)
+    assert logits.shape == (2, 24)
+    assert built and all(q_len == 128 and kv_len == 8 * 4 for q_len, kv_len in built)  # rows padded to 128
+
+
 def test_packed_forward_computes_only_the_asked_rows_and_writes_every_key():
     model = model_of("rotary-gqa")
     cache = PagedKVCache.for_model(model, num_blocks=6, block_size=2)
