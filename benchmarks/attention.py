@@ -600,7 +600,7 @@ def main_gpu(args, argv) -> int:
     # every variant compiled in one process: "flex direct" (torch.compile(flex_attention) here) runs under
     # the recompile limit attnmask's own calls raise to, or past 8 variants it falls back to the unfused
     # path and times that (seen on an H200: D 128 forward+backward 15-50x slower in every flex column)
-    limit = torch._dynamo.config.patch(recompile_limit=backends.FLEX_RECOMPILE_LIMIT)
+    limit = torch._dynamo.config.patch(recompile_limit=masks.core.RECOMPILE_LIMIT)
     for backward, Dh, T, pad in itertools.product(passes, Ds, Ts, pads):
         with limit:
             B, Hh, best, flops = run_gpu_case(dtype, backward, T, Dh, pad, repeats, device)

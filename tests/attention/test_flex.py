@@ -120,7 +120,7 @@ def test_flex_pads_head_sizes_under_16_with_the_true_scale(monkeypatch, D):
 def test_flex_raises_dynamos_recompile_limit_only_while_its_call_runs(monkeypatch):
     """At dynamo's default limit of 8 compiled variants (shared with every other torch.compile of
     flex_attention in the process) a ninth shape fell back to the unfused path that materialises
-    Tq x Tk, with a warning only: attnmask's calls run under ``FLEX_RECOMPILE_LIMIT``, and the process's
+    Tq x Tk, with a warning only: attnmask's calls run under ``masks.core.RECOMPILE_LIMIT``, and the process's
     own setting is back when the call returns or raises."""
     seen = []
     _spy_kernel(monkeypatch, seen)
@@ -128,7 +128,7 @@ def test_flex_raises_dynamos_recompile_limit_only_while_its_call_runs(monkeypatc
     with torch._dynamo.config.patch(recompile_limit=8):  # the process's own setting (dynamo's default)
         with torch.no_grad():
             attention(q, k, v, masks.causal(), backend="flex")
-        assert seen == [(16, backends.FLEX_RECOMPILE_LIMIT)] and backends.FLEX_RECOMPILE_LIMIT > 8
+        assert seen == [(16, masks.core.RECOMPILE_LIMIT)] and masks.core.RECOMPILE_LIMIT > 8
         assert torch._dynamo.config.recompile_limit == 8
 
         def broken(q, k, v, **kwargs):

@@ -351,9 +351,6 @@ def _tiles(q, k, v, pm: PreparedMask, *, scale, dropout_p, return_weights):
 # ---------------------------------------------------------------------------------------------
 FLEX_COMPILE = True  # False: eager FlexAttention (same masks and maths, unfused); tests use it for speed
 _FLEX_COMPILED: dict[str, Callable] = {}  # device type -> compiled flex_attention
-# Compiled FlexAttention variants a process may hold (masks.core.RECOMPILE_LIMIT: past dynamo's default
-# of 8 it ran unfused; a CPU kernel is compiled per shape, so there a ninth sequence length was enough)
-FLEX_RECOMPILE_LIMIT = M.core.RECOMPILE_LIMIT
 _FLEX_MIN_HEAD_DIM = 16  # Triton's FlexAttention kernels need D >= 16 (smaller: a lowering error)
 # the dtypes compiled FlexAttention takes on the CPU (torch 2.13: no float64)
 _CPU_FLEX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -396,17 +393,16 @@ def flex_call(q: Tensor, k: Tensor, v: Tensor, *, block_mask, scale: float | Non
     """FlexAttention over ``q, k, v (B, H, T, D)`` as attnmask runs it: the kernel of
     :func:`_flex_kernel`; head sizes under 16 zero-padded to 16, which Triton's kernels need (exact: the
     padded columns add 0 to every score and give output columns that are dropped), with the scale of the
-    true size; compiled under a recompile limit of ``FLEX_RECOMPILE_LIMIT``, restored when the call returns."""
+    true size; run by :func:`attnmask.masks.core.call_compiled` (past dynamo's default of 8 compiled variants
+    it ran unfused; a CPU kernel is compiled per shape, so there a ninth sequence length was enough)."""
     D = q.shape[-1]
     if scale is None:
         scale = D**-0.5
     if D < _FLEX_MIN_HEAD_DIM:
         pad = (0, _FLEX_MIN_HEAD_DIM - D)
         q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
-    out = M.core.call_compiled(
-        _flex_kernel(q), q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-        limit=FLEX_RECOMPILE_LIMIT, **kwargs,
-    )  # fmt: skip
+    kernel = _flex_kernel(q)
+    out = M.core.call_compiled(kernel, q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **kwargs)
     return out[..., :D] if out.shape[-1] != D else out
 
 
