@@ -76,6 +76,7 @@ static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dp
 int attnmask_blocks_simd(void) { return BLOCKS_AVX512 ? 512 : BLOCKS_AVX2 ? 256 : 0; }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* The activations' scratch copy: one buffer per thread, kept from call to call (no allocation per
  * product: a decoding step makes 121 of them) and on a cache line: the AVX-512 loops read it 64 bytes
@@ -467,6 +468,31 @@ PANEL_TILES(4)
 static const panel_tile_fn PANEL_TILE_TABLE[PANEL_LAYOUTS][5][4] = {PANEL_TABLE(0), PANEL_TABLE(1), PANEL_TABLE(2),
                                                                     PANEL_TABLE(3), PANEL_TABLE(4)};
 static inline int log2_small(int v) { return v >= 16 ? 4 : v >= 8 ? 3 : v >= 4 ? 2 : v >= 2 ? 1 : 0; }
+/* y's rows m0..m1 at the lanes of vectors v_first..v_end (panel_matmul's tiles: as many rows and vectors a
+ * tile as its registers hold). */
+static inline __attribute__((always_inline)) void panel_lanes(const int layout, const uint8_t *panels, int64_t nblk,
+                                                              const float *xs, const float *sums, float *y, int64_t N,
+                                                              int64_t K, int64_t m0, int64_t m1, int64_t v_first,
+                                                              int64_t v_end, float *out) {
+    for (int64_t c0 = v_first; c0 < v_end; c0 += TILE) {
+        const int64_t width = min64(TILE, v_end - c0);
+        for (int64_t r0 = m0; r0 < m1;) {
+            int R = 2 * TILE;
+            while (R > m1 - r0) R /= 2;
+            for (int64_t u0 = 0; u0 < width;) {
+                int U = R > TILE ? 1 : TILE / R;
+                while (U > width - u0) U /= 2;
+                PANEL_TILE_TABLE[layout][log2_small(R)][log2_small(U)](panels, c0 + u0, nblk, xs + r0 * K, K,
+                                                                        sums ? sums + r0 * nblk : NULL, out);
+                for (int r = 0; r < R; r++)
+                    for (int64_t c = (c0 + u0) * VL; c < min64((c0 + u0 + U) * VL, N); c++)
+                        y[(r0 + r) * N + c] = out[r * TILE * VL + c - (c0 + u0) * VL];
+                u0 += U;
+            }
+            r0 += R;
+        }
+    }
+}
 #endif
 
 /* Activation rows a product takes through its lanes before the next: as many as 512 KiB of float32
@@ -494,33 +520,29 @@ static inline __attribute__((always_inline)) int panel_matmul(const int layout, 
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) p4_prepare_row(x + r * K, copy + r * K, copy + M * K + r * nblk, K);
         }
-        /* each thread its share of the lanes (an even split: a product is too short for handing out) */
-        const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
 #if BLOCKS_AVX2
-        const int64_t vectors = groups * HALVES, v_first = vectors * t / T, v_end = vectors * (t + 1) / T;
+        /* Rows as many as a tile's (a step of many streams, a prompt's chunk: the products bound by the
+         * arithmetic): the lanes handed out a few vectors at a time as the threads come for them, about 16
+         * grabs a product. A virtual machine's cores run at speeds that differ from moment to moment (one
+         * measured 20-28% slower than the other for seconds at a time), and an even split made every such
+         * product wait for the slower one. Fewer rows (batch 1, bound by reading the weight): each thread
+         * streams one contiguous half, which reads memory faster than grabs of it. Which thread computes
+         * a vector never changes its outputs. */
+        const int64_t vectors = groups * HALVES, grab = max64(1, vectors / 16);
         float out[2 * TILE * TILE * VL] __attribute__((aligned(64)));
         for (int64_t m0 = 0; m0 < M; m0 += panel_row_block(K)) {
             const int64_t m1 = min64(m0 + panel_row_block(K), M);
-            for (int64_t c0 = v_first; c0 < v_end; c0 += TILE) {
-                const int64_t width = min64(TILE, v_end - c0);
-                for (int64_t r0 = m0; r0 < m1;) {
-                    int R = 2 * TILE;
-                    while (R > m1 - r0) R /= 2;
-                    for (int64_t u0 = 0; u0 < width;) {
-                        int U = R > TILE ? 1 : TILE / R;
-                        while (U > width - u0) U /= 2;
-                        PANEL_TILE_TABLE[layout][log2_small(R)][log2_small(U)](panels, c0 + u0, nblk, xs + r0 * K, K,
-                                                                                sums ? sums + r0 * nblk : NULL, out);
-                        for (int r = 0; r < R; r++)
-                            for (int64_t c = (c0 + u0) * VL; c < min64((c0 + u0 + U) * VL, N); c++)
-                                y[(r0 + r) * N + c] = out[r * TILE * VL + c - (c0 + u0) * VL];
-                        u0 += U;
-                    }
-                    r0 += R;
-                }
+            if (M >= TILE) {
+#pragma omp for schedule(dynamic, 1) nowait
+                for (int64_t k = 0; k < (vectors + grab - 1) / grab; k++)
+                    panel_lanes(layout, panels, nblk, xs, sums, y, N, K, m0, m1, k * grab, min64(k * grab + grab, vectors), out);
+            } else {
+                const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+                panel_lanes(layout, panels, nblk, xs, sums, y, N, K, m0, m1, vectors * t / T, vectors * (t + 1) / T, out);
             }
         }
 #else
+        const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t n_first = groups * t / T * PANEL_COLS, n_end = min64(groups * (t + 1) / T * PANEL_COLS, N);
         const int64_t unit = panel_unit(layout), cb = panel_codes(layout);
         for (int64_t r = 0; r < M; r++)
