@@ -514,6 +514,7 @@ static inline __attribute__((always_inline)) int panel_matmul(const int layout, 
         xs = copy, sums = copy + M * K;
     }
     const int64_t groups = (N + PANEL_COLS - 1) / PANEL_COLS;
+    int64_t handed = 0; /* the tail's vectors handed out so far (below) */
 #pragma omp parallel num_threads(threads) if (threads > 1 && (groups > 1 || M > 64))
     {
         if (four_bit(layout)) { /* the rows' copies shared out, then all of them before any product */
@@ -521,27 +522,27 @@ static inline __attribute__((always_inline)) int panel_matmul(const int layout, 
             for (int64_t r = 0; r < M; r++) p4_prepare_row(x + r * K, copy + r * K, copy + M * K + r * nblk, K);
         }
 #if BLOCKS_AVX2
-        /* Rows as many as a tile's (a step of many streams, a prompt's chunk: the products bound by the
-         * arithmetic): the lanes handed out a few vectors at a time as the threads come for them, about 16
-         * grabs a product. A virtual machine's cores run at speeds that differ from moment to moment (one
-         * measured 20-28% slower than the other for seconds at a time), and an even split made every such
-         * product wait for the slower one. Fewer rows (batch 1, bound by reading the weight): each thread
-         * streams one contiguous half, which reads memory faster than grabs of it. Which thread computes
-         * a vector never changes its outputs. */
-        const int64_t vectors = groups * HALVES, grab = max64(1, vectors / 16);
+        /* Each thread its own contiguous share of the lanes. Where the rows are as many as a tile's and one
+         * block of them (a step of many streams: a product bound by the arithmetic), that share is three
+         * quarters of the lanes split evenly, and the last quarter is handed out a few vectors at a time as
+         * the threads come for it: a virtual machine's cores run at speeds that differ from moment to
+         * moment (one measured 20-28% slower than the other for seconds at a time), and with an even split
+         * every such product waited for the slower one; the faster thread now takes the tail, up to a
+         * speed ratio of 5 : 3. Which thread computes a vector never changes its outputs. */
+        const int64_t vectors = groups * HALVES, T = omp_get_num_threads(), t = omp_get_thread_num();
         float out[2 * TILE * TILE * VL] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += panel_row_block(K)) {
-            const int64_t m1 = min64(m0 + panel_row_block(K), M);
-            if (M >= TILE) {
-#pragma omp for schedule(dynamic, 1) nowait
-                for (int64_t k = 0; k < (vectors + grab - 1) / grab; k++)
-                    panel_lanes(layout, panels, nblk, xs, sums, y, N, K, m0, m1, k * grab, min64(k * grab + grab, vectors), out);
-            } else {
-                const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
-                panel_lanes(layout, panels, nblk, xs, sums, y, N, K, m0, m1, vectors * t / T, vectors * (t + 1) / T, out);
-            }
+        if (T > 1 && M >= TILE && M <= panel_row_block(K)) {
+            const int64_t own = vectors * 3 / 4, grab = max64(1, (vectors - own) / 8);
+            panel_lanes(layout, panels, nblk, xs, sums, y, N, K, 0, M, own * t / T, own * (t + 1) / T, out);
+            for (int64_t v; (v = own + __atomic_fetch_add(&handed, grab, __ATOMIC_RELAXED)) < vectors;)
+                panel_lanes(layout, panels, nblk, xs, sums, y, N, K, 0, M, v, min64(v + grab, vectors), out);
+        } else {
+            for (int64_t m0 = 0; m0 < M; m0 += panel_row_block(K))
+                panel_lanes(layout, panels, nblk, xs, sums, y, N, K, m0, min64(m0 + panel_row_block(K), M),
+                            vectors * t / T, vectors * (t + 1) / T, out);
         }
 #else
+        (void)handed;
         const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t n_first = groups * t / T * PANEL_COLS, n_end = min64(groups * (t + 1) / T * PANEL_COLS, N);
         const int64_t unit = panel_unit(layout), cb = panel_codes(layout);
