@@ -526,7 +526,7 @@ static inline __attribute__((always_inline)) int panel_matmul(const int layout, 
          * block of them (a step of many streams: a product bound by the arithmetic), that share is three
          * quarters of the lanes split evenly, and the last quarter is handed out a few vectors at a time as
          * the threads come for it: a virtual machine's cores run at speeds that differ from moment to
-         * moment (one measured 20-28% slower than the other for seconds at a time), and with an even split
+         * moment (one measured up to 28% slower than the other, for seconds at a time), and with an even split
          * every such product waited for the slower one; the faster thread now takes the tail, up to a
          * speed ratio of 5 : 3. Which thread computes a vector never changes its outputs. */
         const int64_t vectors = groups * HALVES, T = omp_get_num_threads(), t = omp_get_thread_num();
